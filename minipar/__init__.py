@@ -1,0 +1,25 @@
+"""minipar: parallel training, built small and run for real.
+
+Start with `minipar.launch(fn, world_size)`; see README.md for the lessons.
+"""
+
+from . import trace
+from .runtime import (
+    Cluster,
+    RankError,
+    RankTimeout,
+    Results,
+    device,
+    launch,
+    rank,
+    synchronize,
+    world_size,
+)
+from .trace import Event, Timeline, record
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Cluster", "Event", "RankError", "RankTimeout", "Results", "Timeline", "device", "launch",
+    "rank", "record", "synchronize", "trace", "world_size",
+]

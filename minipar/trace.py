@@ -1,0 +1,293 @@
+"""Events and timelines: the one picture shared by simulators, real runs and trace files.
+
+Everything a rank does is an `Event` (who, what, when, and where it applies). A
+`Timeline` is the events of all ranks on one clock. Simulators build Timelines from
+a plan, ranks record them as they run (`record`), and Chrome trace files carry them
+in and out, so any run opens in Perfetto or chrome://tracing.
+
+Times are seconds from the run's t=0; inside `minipar.launch` every rank sets its
+t=0 right after a common barrier, so clocks agree to within that barrier's skew.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from time import perf_counter
+from typing import Any, Iterable, Iterator
+
+# Which row of a trace an event kind is drawn on. Kinds not listed are computation.
+COMM_KINDS = frozenset(
+    {"comm", "collective", "barrier", "wait", "all_reduce", "broadcast", "reduce",
+     "all_gather", "reduce_scatter", "all_to_all", "scatter", "gather"}
+)
+TRACKS = ("compute", "send", "recv", "comm")
+
+
+def track_of(kind: str) -> str:
+    """The trace row an event of this kind belongs on: compute, send, recv or comm."""
+    if kind in ("send", "recv"):
+        return kind
+    return "comm" if kind in COMM_KINDS else "compute"
+
+
+@dataclass(slots=True)
+class Event:
+    """One thing one rank did, from `start` to `end` (seconds on the run's clock)."""
+
+    rank: int
+    kind: str
+    label: str
+    start: float
+    end: float
+    microbatch: int | None = None
+    stage: int | None = None
+    peer: int | None = None
+    bytes: int | None = None
+    step: int | None = None
+    args: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+    @property
+    def track(self) -> str:
+        return track_of(self.kind)
+
+
+_EVENT_FIELDS = {f.name for f in fields(Event)}
+_OPTIONAL_FIELDS = ("microbatch", "stage", "peer", "bytes", "step")
+
+
+@dataclass(frozen=True)
+class Summary:
+    """Where the time went, per rank: computing, communicating, or idle."""
+
+    makespan: float
+    busy: list[float]
+    comm: list[float]
+    idle: list[float]
+    bubble_fraction: float
+
+    def __str__(self) -> str:
+        rows = [f"makespan {self.makespan * 1e3:.1f} ms, "
+                f"bubble (idle share of rank-time) {self.bubble_fraction:.1%}"]
+        for r, (b, c, i) in enumerate(zip(self.busy, self.comm, self.idle)):
+            rows.append(f"  rank {r}: compute {b * 1e3:7.1f} ms  comm {c * 1e3:7.1f} ms"
+                        f"  idle {i * 1e3:7.1f} ms")
+        return "\n".join(rows)
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by intervals, counting overlaps once (nested spans)."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted(intervals):
+        if cur_end is None or start > cur_end:
+            if cur_end is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    if cur_end is not None:
+        total += cur_end - cur_start
+    return total
+
+
+class Timeline:
+    """The events of all ranks on one clock, sorted by start time."""
+
+    def __init__(self, events: Iterable[Event] = ()) -> None:
+        self.events: list[Event] = sorted(events, key=lambda e: (e.start, e.rank, e.end))
+
+    def __len__(self) -> int:
+        return len(self.events)
+
+    def __iter__(self) -> Iterator[Event]:
+        return iter(self.events)
+
+    def __repr__(self) -> str:
+        return f"Timeline({len(self.events)} events, ranks={self.ranks}, makespan={self.makespan:.4f}s)"
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({e.rank for e in self.events})
+
+    @property
+    def start(self) -> float:
+        return min((e.start for e in self.events), default=0.0)
+
+    @property
+    def end(self) -> float:
+        return max((e.end for e in self.events), default=0.0)
+
+    @property
+    def makespan(self) -> float:
+        """Time from the first event's start to the last event's end."""
+        return self.end - self.start
+
+    def for_rank(self, rank: int) -> list[Event]:
+        return [e for e in self.events if e.rank == rank]
+
+    def filter(self, kind: str | None = None, track: str | None = None) -> Timeline:
+        """The events of one kind and/or on one track."""
+        return Timeline(e for e in self.events
+                        if (kind is None or e.kind == kind) and (track is None or e.track == track))
+
+    def summary(self, world_size: int | None = None) -> Summary:
+        """Compute, communication and idle time per rank over the makespan.
+
+        Busy time is the union of a rank's compute-track events (nested spans count
+        once); idle is the rest of the makespan. The bubble fraction is the idle
+        share of all rank-time: 1 - sum(busy) / (ranks x makespan).
+        """
+        n = world_size if world_size is not None else (max(self.ranks) + 1 if self.events else 0)
+        span = self.makespan
+        busy = [_union_length([(e.start, e.end) for e in self.events
+                               if e.rank == r and e.track == "compute"]) for r in range(n)]
+        comm = [_union_length([(e.start, e.end) for e in self.events
+                               if e.rank == r and e.track != "compute"]) for r in range(n)]
+        idle = [max(span - b, 0.0) for b in busy]
+        bubble = 1.0 - sum(busy) / (n * span) if n and span > 0 else 0.0
+        return Summary(span, busy, comm, idle, bubble)
+
+    @property
+    def bubble_fraction(self) -> float:
+        return self.summary().bubble_fraction
+
+    # --- Chrome trace (Perfetto) ---
+
+    def to_chrome(self) -> dict:
+        """Chrome trace JSON: one complete ("X") event each; pid = rank, tid = track."""
+        trace: list[dict] = []
+        for r in self.ranks:
+            trace.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0,
+                          "args": {"name": f"rank {r}"}})
+            for tid, name in enumerate(TRACKS):
+                trace.append({"ph": "M", "name": "thread_name", "pid": r, "tid": tid,
+                              "args": {"name": name}})
+        for e in self.events:
+            args = {k: getattr(e, k) for k in _OPTIONAL_FIELDS if getattr(e, k) is not None}
+            args.update(e.args)
+            trace.append({"name": e.label or e.kind, "cat": e.kind, "ph": "X",
+                          "ts": e.start * 1e6, "dur": e.duration * 1e6,
+                          "pid": e.rank, "tid": TRACKS.index(e.track), "args": args})
+        return {"traceEvents": trace, "displayTimeUnit": "ms"}
+
+    def save_chrome(self, path: str | os.PathLike) -> Path:
+        """Write the Chrome trace JSON to `path` (open it in Perfetto)."""
+        path = Path(path)
+        path.write_text(json.dumps(self.to_chrome()))
+        return path
+
+    @classmethod
+    def from_chrome(cls, source: str | os.PathLike | dict) -> Timeline:
+        """Read a Chrome trace (a path or the parsed JSON); keeps its complete events."""
+        data = source if isinstance(source, dict) else json.loads(Path(source).read_text())
+        raw = data["traceEvents"] if isinstance(data, dict) else data
+        events = []
+        for item in raw:
+            if item.get("ph") != "X":
+                continue
+            args = dict(item.get("args", {}))
+            named = {k: args.pop(k) for k in _OPTIONAL_FIELDS if k in args}
+            start = item["ts"] / 1e6
+            events.append(Event(rank=int(item["pid"]), kind=item.get("cat") or item["name"],
+                                label=item["name"], start=start,
+                                end=start + item.get("dur", 0) / 1e6, args=args, **named))
+        return cls(events)
+
+
+# --- recording inside a process ---
+
+class _Recorder:
+    """This process's event buffer: a perf_counter pair and a list append per event."""
+
+    __slots__ = ("enabled", "t0", "rank", "buffer")
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self.t0 = perf_counter()
+        self.rank = 0
+        self.buffer: list[tuple] = []
+
+
+_recorder = _Recorder()
+
+
+class record:
+    """Record the block as one event: ``with record("compute", "forward", microbatch=0): ...``.
+
+    Keyword fields are Event fields (microbatch, stage, peer, bytes, step); any other
+    keyword goes into `Event.args`. Costs about a microsecond; `set_recording(False)`
+    turns it into a no-op.
+    """
+
+    __slots__ = ("kind", "label", "fields", "start")
+
+    def __init__(self, kind: str, label: str = "", **fields: Any) -> None:
+        self.kind, self.label, self.fields = kind, label, fields
+
+    def __enter__(self) -> record:
+        self.start = perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if _recorder.enabled:
+            _recorder.buffer.append((self.kind, self.label, self.start, perf_counter(), self.fields))
+
+
+def add_event(kind: str, label: str, start: float, end: float, **fields: Any) -> None:
+    """Record an event whose times (from `now()`) were taken elsewhere."""
+    if _recorder.enabled:
+        t0 = _recorder.t0
+        _recorder.buffer.append((kind, label, start + t0, end + t0, fields))
+
+
+def now() -> float:
+    """Seconds since this run's t=0 (the clock events are recorded on)."""
+    return perf_counter() - _recorder.t0
+
+
+def set_recording(enabled: bool) -> bool:
+    """Switch event recording on or off in this process; returns the previous setting."""
+    previous, _recorder.enabled = _recorder.enabled, bool(enabled)
+    return previous
+
+
+def _to_event(rank: int, t0: float, item: tuple) -> Event:
+    kind, label, start, end, extra = item
+    named = {k: v for k, v in extra.items() if k in _EVENT_FIELDS}
+    others = {k: v for k, v in extra.items() if k not in _EVENT_FIELDS}
+    return Event(rank, kind, label, start - t0, end - t0, args=others, **named)
+
+
+class capture:
+    """Collect what this process records inside the block: ``with capture() as c: ...; c.timeline``.
+
+    Entering sets t=0 (now) and the rank stamped on events. Captures nest: an outer
+    capture does not see the inner one's events.
+    """
+
+    def __init__(self, rank: int | None = None) -> None:
+        self.rank = rank
+        self.events: list[Event] = []
+
+    def __enter__(self) -> capture:
+        self._saved = (_recorder.t0, _recorder.rank, _recorder.buffer)
+        if self.rank is None:
+            from .runtime import rank as current_rank
+            self.rank = current_rank()
+        _recorder.rank, _recorder.buffer, _recorder.t0 = self.rank, [], perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        t0, rank = _recorder.t0, _recorder.rank
+        self.events = [_to_event(rank, t0, item) for item in _recorder.buffer]
+        _recorder.t0, _recorder.rank, _recorder.buffer = self._saved
+
+    @property
+    def timeline(self) -> Timeline:
+        return Timeline(self.events)
