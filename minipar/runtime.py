@@ -40,8 +40,9 @@ import threading
 import time
 import traceback
 import weakref
+from collections.abc import Callable
 from multiprocessing.connection import wait as wait_for
-from typing import Any, Callable
+from typing import Any
 
 import cloudpickle
 import torch
@@ -71,7 +72,8 @@ def gpu_count() -> int:
 def resolve_backend(backend: str, ranks_per_machine: int) -> str:
     """Turn "auto" into "nccl" (one GPU per rank available) or "gloo"; check the others."""
     if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(map(repr, BACKENDS))}; got {backend!r}")
+        allowed = ", ".join(map(repr, BACKENDS))
+        raise ValueError(f"backend must be one of {allowed}; got {backend!r}")
     gpus = gpu_count()
     if backend == "auto":
         return "nccl" if gpus >= ranks_per_machine and dist.is_nccl_available() else "gloo"
@@ -224,6 +226,15 @@ def _flush_output() -> None:
         pass
 
 
+def _user_traceback(err: BaseException) -> str:
+    """The traceback from the user's code down, without the worker's own frames."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None \
+            and tb.tb_frame.f_code.co_name in ("_worker_main", _TASK_FRAME):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(err), err, tb))
+
+
 def _run_task(task: bytes) -> tuple:
     fn, args, kwargs, path = cloudpickle.loads(task)
     for entry in path:
@@ -275,8 +286,8 @@ def _worker_main(rank_: int, size: int, backend: str, port: int, io_dir: str,
             except Exception as err:
                 raise TypeError(f"the return value of rank {rank_} cannot be pickled "
                                 f"({err}); return tensors, numbers or plain containers") from None
-        except BaseException:
-            reply = cloudpickle.dumps(("error", traceback.format_exc()))
+        except BaseException as err:
+            reply = cloudpickle.dumps(("error", _user_traceback(err)))
         _flush_output()
         conn.send_bytes(reply)
     _flush_output()
@@ -370,9 +381,10 @@ class _RankGroup:
                     status, value = "died", None
                 if status == "died":
                     self.procs[r].join(timeout=1.0)
+                    code = self.procs[r].exitcode
                     self.stop()
-                    raise RankError(r, f"exited with code {self.procs[r].exitcode} "
-                                    "before returning (crashed or killed)")
+                    raise RankError(r, f"exited with code {code} before returning "
+                                    "(crashed or killed)")
                 if status == "error":
                     self.stop()
                     raise RankError(r, f"raised {value.strip().splitlines()[-1]}", value)

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from time import perf_counter
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 # Which row of a trace an event kind is drawn on. Kinds not listed are computation.
 COMM_KINDS = frozenset(
@@ -75,7 +76,7 @@ class Summary:
     def __str__(self) -> str:
         rows = [f"makespan {self.makespan * 1e3:.1f} ms, "
                 f"bubble (idle share of rank-time) {self.bubble_fraction:.1%}"]
-        for r, (b, c, i) in enumerate(zip(self.busy, self.comm, self.idle)):
+        for r, (b, c, i) in enumerate(zip(self.busy, self.comm, self.idle, strict=True)):
             rows.append(f"  rank {r}: compute {b * 1e3:7.1f} ms  comm {c * 1e3:7.1f} ms"
                         f"  idle {i * 1e3:7.1f} ms")
         return "\n".join(rows)
@@ -109,7 +110,8 @@ class Timeline:
         return iter(self.events)
 
     def __repr__(self) -> str:
-        return f"Timeline({len(self.events)} events, ranks={self.ranks}, makespan={self.makespan:.4f}s)"
+        return (f"Timeline({len(self.events)} events, ranks={self.ranks}, "
+                f"makespan={self.makespan:.4f}s)")
 
     @property
     def ranks(self) -> list[int]:
@@ -236,7 +238,8 @@ class record:
 
     def __exit__(self, *exc: object) -> None:
         if _recorder.enabled:
-            _recorder.buffer.append((self.kind, self.label, self.start, perf_counter(), self.fields))
+            end = perf_counter()
+            _recorder.buffer.append((self.kind, self.label, self.start, end, self.fields))
 
 
 def add_event(kind: str, label: str, start: float, end: float, **fields: Any) -> None:

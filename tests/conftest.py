@@ -1,0 +1,45 @@
+"""Shared fixtures: one set of live ranks for the whole session keeps the suite fast."""
+
+import os
+import time
+
+import pytest
+
+import minipar
+
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+
+@pytest.fixture(scope="session")
+def cluster4():
+    """Four CPU ranks (gloo) shared by every test that only needs working ranks."""
+    with minipar.Cluster(4, backend="gloo", timeout=30) as cluster:
+        yield cluster
+
+
+@pytest.fixture(scope="session")
+def cluster2():
+    with minipar.Cluster(2, backend="gloo", timeout=30) as cluster:
+        yield cluster
+
+
+def process_gone(pid: int) -> bool:
+    """True once `pid` no longer exists; an unreaped zombie still counts as present."""
+    if os.path.isdir("/proc"):
+        return not os.path.exists(f"/proc/{pid}")
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def wait_gone(pids, seconds: float = 5.0) -> list:
+    """The pids still present after waiting up to `seconds` for them to disappear."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        left = [p for p in pids if not process_gone(p)]
+        if not left:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if not process_gone(p)]

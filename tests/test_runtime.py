@@ -1,0 +1,219 @@
+"""launch / Cluster: results, output, notebook functions, failures, timeouts, no orphans."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import wait_gone
+
+import minipar
+from minipar.runtime import _where_waiting
+
+
+def rank_square():
+    return minipar.rank() ** 2
+
+
+def test_results_in_rank_order(cluster4):
+    assert cluster4.run(rank_square) == [0, 1, 4, 9]
+
+
+def test_args_kwargs_and_collectives(cluster4):
+    def scaled_sum(scale, offset=0):
+        t = torch.tensor([float(minipar.rank() + 1)])
+        dist.all_reduce(t)
+        return t.item() * scale + offset
+
+    assert cluster4.run(scaled_sum, 2, offset=1) == [21.0] * 4
+
+
+def test_function_defined_in_a_notebook_cell(cluster4):
+    # A cell's code lives in a module nobody can import: it must travel by value.
+    cell = {"__name__": "__notebook_cell__", "minipar": minipar}
+    exec(textwrap.dedent("""
+        FACTOR = 10
+        def cell_fn(x):
+            return (minipar.rank(), minipar.world_size(), x * FACTOR)
+    """), cell)
+    assert cluster4.run(cell["cell_fn"], 3) == [(r, 4, 30) for r in range(4)]
+    assert cluster4.run(lambda: minipar.rank() + 100) == [100, 101, 102, 103]
+
+
+def test_device_is_cpu_and_one_thread(cluster2):
+    assert cluster2.run(lambda: (str(minipar.device()), torch.get_num_threads())) == [
+        ("cpu", 1)] * 2
+
+
+def test_output_comes_back_in_rank_order_every_time(cluster4, capsys):
+    def chatty():
+        time.sleep(0.02 * (3 - minipar.rank()))  # finish in reverse order
+        print(f"hello {minipar.rank()}")
+        print("line two")
+        print(f"warn {minipar.rank()}", file=sys.stderr)
+
+    texts = []
+    for _ in range(2):
+        results = cluster4.run(chatty)
+        out, err = capsys.readouterr()
+        texts.append(out)
+        assert results.outputs[2] == "hello 2\nline two\n"
+        assert err == "".join(f"[rank {r}] warn {r}\n" for r in range(4))
+    expected = "".join(f"[rank {r}] hello {r}\n[rank {r}] line two\n" for r in range(4))
+    assert texts == [expected, expected]
+
+
+def test_timeline_collects_every_rank(cluster2):
+    def work():
+        with minipar.record("compute", "matmul", step=3):
+            torch.ones(64, 64) @ torch.ones(64, 64)
+        return None
+
+    timeline = cluster2.run(work).timeline
+    assert [e.rank for e in timeline] == [0, 1] or sorted(e.rank for e in timeline) == [0, 1]
+    assert all(e.label == "matmul" and e.step == 3 and e.end >= e.start >= 0 for e in timeline)
+
+
+def test_start_method_spawn_works():
+    with minipar.Cluster(2, backend="gloo", start_method="spawn", timeout=30) as cluster:
+        assert cluster.run(lambda: minipar.rank() * 5) == [0, 5]
+
+
+def test_failing_rank_is_named_fast_and_cluster_restarts():
+    with minipar.Cluster(4, backend="gloo", timeout=30) as cluster:
+        pids = cluster.pids
+
+        def fail_on_rank_2():
+            if minipar.rank() == 2:
+                raise ValueError("boom on purpose")
+            dist.recv(torch.zeros(1), src=2)  # the others block on the failed rank
+
+        started = time.monotonic()
+        with pytest.raises(minipar.RankError) as info:
+            cluster.run(fail_on_rank_2)
+        assert time.monotonic() - started < 5
+        assert info.value.rank == 2
+        assert "ValueError: boom on purpose" in str(info.value)
+        assert "fail_on_rank_2" in info.value.remote_traceback
+        assert wait_gone(pids) == []
+        # The next run starts fresh ranks and says so in `restarts`.
+        assert cluster.run(rank_square) == [0, 1, 4, 9]
+        assert cluster.restarts == 1
+        new_pids = cluster.pids
+    assert wait_gone(new_pids) == []
+
+
+def test_crashing_rank_is_reported():
+    with pytest.raises(minipar.RankError, match="rank 1 exited with code 3"):
+        minipar.launch(lambda: os._exit(3) if minipar.rank() == 1 else time.sleep(30), 2,
+                       backend="gloo", timeout=20)
+
+
+def test_deadlock_times_out_naming_waiting_ranks():
+    def everyone_receives():
+        dist.recv(torch.zeros(1), src=(minipar.rank() + 1) % 2)  # nobody sends
+
+    cluster = minipar.Cluster(2, backend="gloo", timeout=30)
+    pids = cluster.pids
+    started = time.monotonic()
+    with pytest.raises(minipar.RankTimeout) as info:
+        cluster.run(everyone_receives, timeout=1.5)
+    assert time.monotonic() - started < 6
+    assert sorted(info.value.waiting) == [0, 1]
+    assert all("recv" in where for where in info.value.waiting.values())
+    assert "everyone_receives" in str(info.value)
+    assert wait_gone(pids) == []
+    cluster.close()
+
+
+def test_unpicklable_return_value_is_explained(cluster2):
+    with pytest.raises(minipar.RankError, match="cannot be pickled"):
+        cluster2.run(lambda: threading.Lock())
+
+
+def test_no_rank_outlives_its_caller(tmp_path):
+    script = tmp_path / "owner.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time, minipar
+        if __name__ == "__main__":
+            c = minipar.Cluster(2, backend="gloo")
+            print(" ".join(map(str, c.pids)), flush=True)
+            time.sleep(60)
+    """))
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(pids) == 2
+    finally:
+        owner.kill()
+        owner.wait()
+    assert wait_gone(pids, seconds=10) == []
+
+
+def test_launch_returns_and_leaves_nothing():
+    results = minipar.launch(lambda: os.getpid(), 3, backend="gloo", timeout=30)
+    assert len(set(results)) == 3
+    assert wait_gone(results) == []
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (0, ValueError, "world_size must be >= 1"),
+    (-2, ValueError, "world_size must be >= 1"),
+    (2.0, TypeError, "world_size must be an int"),
+    (True, TypeError, "world_size must be an int"),
+    ("4", TypeError, "world_size must be an int"),
+])
+def test_bad_world_size(bad, error, words):
+    with pytest.raises(error, match=words):
+        minipar.launch(rank_square, bad)
+
+
+def test_bad_backend_timeout_and_function():
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'gloo', 'nccl'"):
+        minipar.launch(rank_square, 2, backend="mpi")
+    if minipar.runtime.gpu_count() < 2:
+        with pytest.raises(ValueError, match="use backend='gloo'"):
+            minipar.launch(rank_square, 2, backend="nccl")
+    with pytest.raises(ValueError, match="timeout must be"):
+        minipar.launch(rank_square, 2, timeout=0)
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="must be picklable"):
+        minipar.launch(lambda: lock.locked(), 2)
+    with pytest.raises(TypeError, match="fn must be a function"):
+        minipar.launch("rank_square", 2)
+    with pytest.raises(ValueError, match="start_method"):
+        minipar.Cluster(2, start_method="fork")
+
+
+def test_where_waiting_reads_a_stack_dump():
+    dump = textwrap.dedent("""\
+        Thread 0x00007f01 (most recent call first):
+          File "/x/runtime.py", line 10 in watch
+
+        Current thread 0x00007f02 (most recent call first):
+          File "/t/distributed_c10d.py", line 2400 in recv
+          File "/t/c10d_logger.py", line 81 in wrapper
+          File "<cell>", line 3 in my_step
+          File "/x/runtime.py", line 200 in _run_task
+          File "/x/runtime.py", line 250 in _worker_main
+    """)
+    assert _where_waiting(dump) == (
+        "in recv() at distributed_c10d.py:2400, called from my_step() at <cell>:3")
+    assert "no stack" in _where_waiting("")
+
+
+def test_torchrun_mode_joins_the_process_group():
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "minipar.hello"],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "hello from rank 0 of 2 on cpu: sum = 3" in done.stdout
+    assert "hello from rank 1 of 2 on cpu: sum = 3" in done.stdout
+    assert "all 2 ranks agree on 3: True" in done.stdout

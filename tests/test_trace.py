@@ -1,0 +1,75 @@
+"""Event, Timeline, recording and Chrome-trace round trips."""
+
+import json
+
+import pytest
+
+from minipar import trace
+from minipar.trace import Event, Timeline
+
+
+def two_rank_timeline() -> Timeline:
+    return Timeline([
+        Event(0, "compute", "F0", 0.0, 1.0, microbatch=0, stage=0),
+        Event(0, "compute", "inner", 0.2, 0.5),           # nested: counts once
+        Event(0, "send", "act", 1.0, 1.25, peer=1, bytes=4096, args={"chunk": 2}),
+        Event(1, "recv", "act", 1.0, 1.25, peer=0, bytes=4096),
+        Event(1, "compute", "F0", 1.25, 2.0, microbatch=0, stage=1),
+        Event(1, "wait", "barrier", 2.0, 2.5),
+    ])
+
+
+def test_summary_counts_busy_comm_and_idle():
+    s = two_rank_timeline().summary()
+    assert s.makespan == 2.5
+    assert s.busy == [1.0, 0.75]
+    assert s.comm == [0.25, 0.75]
+    assert s.idle == [1.5, 1.75]
+    assert s.bubble_fraction == pytest.approx(1 - 1.75 / 5.0)
+    assert "rank 1" in str(s)
+
+
+def test_tracks_follow_kinds():
+    assert [trace.track_of(k) for k in ("F", "send", "recv", "all_reduce", "wait")] == [
+        "compute", "send", "recv", "comm", "comm"]
+
+
+def test_chrome_round_trip(tmp_path):
+    original = two_rank_timeline()
+    path = original.save_chrome(tmp_path / "run.json")
+    data = json.loads(path.read_text())
+    complete = [e for e in data["traceEvents"] if e["ph"] == "X"]
+    assert {e["tid"] for e in complete} == {0, 1, 2, 3}
+    assert complete[0]["ts"] == 0.0 and complete[0]["dur"] == 1e6
+    back = Timeline.from_chrome(path)
+    assert [(e.rank, e.kind, e.label, e.microbatch, e.peer, e.bytes, e.args) for e in back] == [
+        (e.rank, e.kind, e.label, e.microbatch, e.peer, e.bytes, e.args) for e in original]
+    assert [e.start for e in back] == pytest.approx([e.start for e in original])
+
+
+def test_record_and_capture_nest():
+    with trace.capture(rank=5) as outer:
+        with trace.record("compute", "a", microbatch=1, color="red"):
+            pass
+        with trace.capture(rank=6) as inner:
+            with trace.record("send", "b", peer=0):
+                pass
+        trace.add_event("compute", "manual", 0.0, 0.001)
+    assert [(e.rank, e.label) for e in inner.events] == [(6, "b")]
+    assert [(e.rank, e.label) for e in outer.events] == [(5, "a"), (5, "manual")]
+    first = outer.events[0]
+    assert first.microbatch == 1 and first.args == {"color": "red"} and first.end >= first.start
+
+
+def test_recording_can_be_switched_off():
+    with trace.capture() as captured:
+        previous = trace.set_recording(False)
+        with trace.record("compute", "hidden"):
+            pass
+        trace.set_recording(previous)
+    assert captured.events == []
+
+
+def test_empty_timeline_is_harmless():
+    empty = Timeline()
+    assert empty.makespan == 0 and empty.summary().bubble_fraction == 0.0
