@@ -211,7 +211,7 @@ def test_torchrun_mode_joins_the_process_group():
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     done = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "minipar.hello"],
+        [torchrun, "--standalone", "--nproc-per-node", "2", "-m", "minipar.basics"],
         capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "hello from rank 0 of 2 on cpu: sum = 3" in done.stdout

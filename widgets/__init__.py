@@ -1,1 +1,27 @@
-"""x"""
+"""minipar.widgets: pictures of what the library did.
+
+`render_*` functions are pure (data in, matplotlib Figure out) and need only
+matplotlib; the interactive widgets need ipywidgets (`pip install minipar[lessons]`)
+and are imported on first use.
+"""
+
+from .render import KIND_COLORS, kind_colors, render_summary, render_timeline, to_png
+
+
+def show(fig) -> None:
+    """Display a Figure as a PNG in a notebook (works without %matplotlib)."""
+    from IPython.display import Image, display
+
+    display(Image(to_png(fig)))
+
+
+def __getattr__(name: str):
+    if name == "TimelineViewer":
+        from .timeline_viewer import TimelineViewer
+
+        return TimelineViewer
+    raise AttributeError(f"module 'minipar.widgets' has no attribute {name!r}")
+
+
+__all__ = ["KIND_COLORS", "TimelineViewer", "kind_colors", "render_summary", "render_timeline",
+           "show", "to_png"]

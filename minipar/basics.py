@@ -1,0 +1,70 @@
+"""First steps on many ranks: hello world, and what one slow worker costs everyone.
+
+    python -m minipar.basics --ranks 4                 # spawns 4 CPU ranks
+    torchrun --nproc-per-node 2 -m minipar.basics      # joins torchrun's ranks
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+import minipar
+from minipar.trace import record
+
+
+def hello() -> float:
+    """Each rank contributes rank+1; after all_reduce every rank holds 1+2+...+K."""
+    me, size = minipar.rank(), minipar.world_size()
+    value = torch.tensor([me + 1.0], device=minipar.device())
+    dist.all_reduce(value)
+    print(f"hello from rank {me} of {size} on {minipar.device()}: sum = {value.item():g}")
+    return value.item()
+
+
+def busy_work(units: int, size: int = 96) -> float:
+    """Deterministic CPU work: `units` small matrix products; returns a checksum."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator) / size**0.5
+    x = torch.eye(size)
+    for _ in range(units):
+        x = torch.tanh(x @ a)
+    return float(x.sum())
+
+
+def synchronized_steps(steps: int = 3, units: int = 40, slow_rank: int | None = None,
+                       slowdown: float = 2.0) -> float:
+    """Data-parallel-style steps: compute, then wait for everyone (an all-reduce).
+
+    Rank `slow_rank` does `slowdown` times the work, as a straggler would. Every
+    rank records its compute and its wait, so the Timeline shows who idles.
+    Returns the sum of all ranks' checksums from the last step.
+    """
+    me = minipar.rank()
+    my_units = round(units * slowdown) if me == slow_rank else units
+    total = torch.zeros(1)
+    for step in range(steps):
+        with record("compute", f"step {step}", step=step):
+            total = torch.tensor([busy_work(my_units)])
+        with record("wait", "all_reduce", step=step):
+            dist.all_reduce(total)
+    return total.item()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=int(os.environ.get("WORLD_SIZE", 4)))
+    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    args = parser.parse_args(argv)
+    results = minipar.launch(hello, args.ranks, backend=args.backend)
+    expected = args.ranks * (args.ranks + 1) / 2
+    if minipar.rank() == 0:
+        ok = all(r == expected for r in results)
+        print(f"all {args.ranks} ranks agree on {expected:g}: {ok}")
+
+
+if __name__ == "__main__":
+    main()
