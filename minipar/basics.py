@@ -45,10 +45,10 @@ def synchronized_steps(steps: int = 3, units: int = 40, slow_rank: int | None = 
     """
     me = minipar.rank()
     my_units = round(units * slowdown) if me == slow_rank else units
-    total = torch.zeros(1)
+    total = torch.zeros(1, dtype=torch.float64)
     for step in range(steps):
         with record("compute", f"step {step}", step=step):
-            total = torch.tensor([busy_work(my_units)])
+            total = torch.tensor([busy_work(my_units)], dtype=torch.float64)
         with record("wait", "all_reduce", step=step):
             dist.all_reduce(total)
     return total.item()

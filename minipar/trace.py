@@ -75,7 +75,7 @@ class Summary:
 
     def __str__(self) -> str:
         rows = [f"makespan {self.makespan * 1e3:.1f} ms, "
-                f"bubble (idle share of rank-time) {self.bubble_fraction:.1%}"]
+                f"bubble (share of rank-time not computing) {self.bubble_fraction:.1%}"]
         for r, (b, c, i) in enumerate(zip(self.busy, self.comm, self.idle, strict=True)):
             rows.append(f"  rank {r}: compute {b * 1e3:7.1f} ms  comm {c * 1e3:7.1f} ms"
                         f"  idle {i * 1e3:7.1f} ms")
@@ -139,19 +139,23 @@ class Timeline:
                         if (kind is None or e.kind == kind) and (track is None or e.track == track))
 
     def summary(self, world_size: int | None = None) -> Summary:
-        """Compute, communication and idle time per rank over the makespan.
+        """Compute, communication and idle time per rank; they add up to the makespan.
 
-        Busy time is the union of a rank's compute-track events (nested spans count
-        once); idle is the rest of the makespan. The bubble fraction is the idle
-        share of all rank-time: 1 - sum(busy) / (ranks x makespan).
+        Busy is the union of a rank's compute-track events (nested spans count once),
+        comm the rest of the time covered by its communication events, idle the time
+        covered by nothing. The bubble fraction is the share of all rank-time not
+        spent computing: 1 - sum(busy) / (ranks x makespan).
         """
         n = world_size if world_size is not None else (max(self.ranks) + 1 if self.events else 0)
         span = self.makespan
-        busy = [_union_length([(e.start, e.end) for e in self.events
-                               if e.rank == r and e.track == "compute"]) for r in range(n)]
-        comm = [_union_length([(e.start, e.end) for e in self.events
-                               if e.rank == r and e.track != "compute"]) for r in range(n)]
-        idle = [max(span - b, 0.0) for b in busy]
+        busy, comm, idle = [], [], []
+        for r in range(n):
+            mine = [e for e in self.events if e.rank == r]
+            compute = _union_length([(e.start, e.end) for e in mine if e.track == "compute"])
+            covered = _union_length([(e.start, e.end) for e in mine])
+            busy.append(compute)
+            comm.append(covered - compute)
+            idle.append(max(span - covered, 0.0))
         bubble = 1.0 - sum(busy) / (n * span) if n and span > 0 else 0.0
         return Summary(span, busy, comm, idle, bubble)
 

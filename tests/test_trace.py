@@ -24,7 +24,8 @@ def test_summary_counts_busy_comm_and_idle():
     assert s.makespan == 2.5
     assert s.busy == [1.0, 0.75]
     assert s.comm == [0.25, 0.75]
-    assert s.idle == [1.5, 1.75]
+    assert s.idle == [1.25, 1.0]
+    assert [b + c + i for b, c, i in zip(s.busy, s.comm, s.idle, strict=True)] == [2.5, 2.5]
     assert s.bubble_fraction == pytest.approx(1 - 1.75 / 5.0)
     assert "rank 1" in str(s)
 

@@ -1,0 +1,95 @@
+"""Exercise checks grade real runs; learners' copies hide every solution."""
+
+import json
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+import torch.distributed as dist
+
+from minipar import exercises
+from minipar.__main__ import main as cli
+
+LESSONS = Path(__file__).resolve().parent.parent / "lessons"
+
+
+def correct(local_losses):
+    total = torch.stack([local_losses.sum(), torch.tensor(float(local_losses.numel()),
+                                                          dtype=local_losses.dtype)])
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+def mean_of_means(local_losses):
+    mean = local_losses.mean().reshape(1)
+    dist.all_reduce(mean)
+    return (mean / dist.get_world_size()).item()
+
+
+def not_written(local_losses):
+    raise NotImplementedError("exercise global_mean_loss: write your code here")
+
+
+def test_check_accepts_a_correct_answer():
+    assert "correct on all 4 ranks" in exercises.check_global_mean_loss(correct)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (mean_of_means, "rank 0 returned .* is the mean of the ranks' means"),
+    (lambda losses: losses.mean().item(), "is this rank's own mean"),
+    (not_written, "not written yet"),
+])
+def test_check_explains_what_is_wrong(fn, words):
+    with pytest.raises(exercises.ExerciseError, match=words):
+        exercises.check_global_mean_loss(fn)
+
+
+def test_strip_solutions_names_the_exercise():
+    source = ("def outer(x):\n    y = 1\n    ### BEGIN SOLUTION\n    secret = x + y\n"
+              "    return secret\n    ### END SOLUTION\n")
+    stub = exercises.strip_solutions(source)
+    assert "secret" not in stub
+    namespace = {}
+    exec(stub, namespace)
+    with pytest.raises(NotImplementedError, match="exercise outer"):
+        namespace["outer"](1)
+
+
+@pytest.mark.parametrize("source", ["### BEGIN SOLUTION\nx = 1\n", "x = 1\n### END SOLUTION\n"])
+def test_unbalanced_markers_are_refused(source):
+    with pytest.raises(ValueError, match="SOLUTION"):
+        exercises.strip_solutions(source)
+
+
+def test_student_copies_are_valid_leak_nothing_and_raise(tmp_path):
+    assert cli(["lessons", "--student", str(tmp_path), "--source", str(LESSONS)]) == 0
+    originals = sorted(LESSONS.glob("[0-9][0-9]_*.ipynb"))
+    assert [p.name for p in sorted(tmp_path.glob("*.ipynb"))] == [p.name for p in originals]
+    for original in originals:
+        copy = nbformat.read(tmp_path / original.name, as_version=4)
+        nbformat.validate(copy)
+        solutions = []
+        for cell in json.loads(original.read_text())["cells"]:
+            text = "".join(cell["source"])
+            if exercises.BEGIN in text:
+                body = text.split(exercises.BEGIN)[1].split(exercises.END)[0]
+                solutions += [line.strip() for line in body.splitlines()[1:] if line.strip()]
+        assert solutions, f"{original.name} has no exercise"
+        student_text = "\n".join(c.source for c in copy.cells)
+        assert exercises.BEGIN not in student_text
+        for line in solutions:
+            assert line not in student_text, f"solution line leaked: {line}"
+        assert all(c.outputs == [] for c in copy.cells if c.cell_type == "code")
+        for cell in copy.cells:
+            if "NotImplementedError(\"exercise" in cell.source:
+                namespace = {"torch": torch, "dist": dist}
+                exec(cell.source, namespace)
+                name = cell.source.split("def ")[1].split("(")[0]
+                with pytest.raises(NotImplementedError, match=f"exercise {name}"):
+                    namespace[name](torch.zeros(1))
+
+
+def test_lessons_command_refuses_an_empty_source(tmp_path, capsys):
+    assert cli(["lessons", "--student", str(tmp_path / "s"), "--source", str(tmp_path)]) == 2
+    assert "no lesson notebooks" in capsys.readouterr().err

@@ -1,0 +1,48 @@
+"""Renderers draw without a browser; the viewer caches frames; the tour checks out."""
+
+import json
+
+import pytest
+from minipar.widgets import TimelineViewer, render_summary, render_timeline, to_png
+from test_trace import two_rank_timeline
+
+from minipar import tour
+from minipar.trace import Timeline
+
+
+def test_render_timeline_draws_one_row_per_rank_and_clips_at_upto():
+    timeline = two_rank_timeline()
+    fig = render_timeline(timeline)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
+    assert len(ax.collections) == len(timeline)
+    partial = render_timeline(timeline, upto=1.1).axes[0]
+    assert len(partial.collections) == 4  # events started by t=1.1
+    assert to_png(fig).startswith(b"\x89PNG")
+
+
+def test_render_summary_and_empty_timeline():
+    assert to_png(render_summary(two_rank_timeline())).startswith(b"\x89PNG")
+    assert render_timeline(Timeline()).axes
+
+
+def test_viewer_plays_from_a_cache():
+    viewer = TimelineViewer(two_rank_timeline(), frames=4)
+    first = viewer.image.value
+    viewer.slider.value = 2
+    assert viewer.image.value != first and set(viewer._cache) == {2, 4}
+    viewer.slider.value = 4
+    assert viewer.image.value == first
+    with pytest.raises(ValueError, match="frames"):
+        TimelineViewer(two_rank_timeline(), frames=0)
+
+
+def test_tour_matches_one_process_and_writes_its_files(tmp_path, capsys):
+    rows = tour.run_tour(tmp_path)
+    assert rows and all(row.matches for row in rows)
+    report = capsys.readouterr().out
+    assert "matches one process?" in report and "NO" not in report
+    assert json.loads((tmp_path / "report.json").read_text())[0]["technique"] == rows[0].technique
+    trace = Timeline.from_chrome(tmp_path / "slow_worker.trace.json")
+    assert trace.ranks == [0, 1, 2, 3]
+    assert (tmp_path / "slow_worker.png").read_bytes().startswith(b"\x89PNG")
