@@ -43,3 +43,20 @@ def wait_gone(pids, seconds: float = 5.0) -> list:
             return []
         time.sleep(0.05)
     return [p for p in pids if not process_gone(p)]
+
+
+def child_pids(parent: int | None = None) -> set:
+    """Live (non-zombie) processes whose parent is `parent` (default: this process)."""
+    parent = os.getpid() if parent is None else parent
+    found = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z":
+            found.add(int(entry))
+    return found

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import wait_gone
+from conftest import child_pids, wait_gone
 
 import minipar
 from minipar.runtime import _where_waiting
@@ -156,9 +156,17 @@ def test_no_rank_outlives_its_caller(tmp_path):
 
 
 def test_launch_returns_and_leaves_nothing():
+    before = child_pids()
     results = minipar.launch(lambda: os.getpid(), 3, backend="gloo", timeout=30)
     assert len(set(results)) == 3
     assert wait_gone(results) == []
+    # What may stay are multiprocessing's two helpers: the forkserver that later
+    # launches fork ranks from, and its resource tracker; neither has children left.
+    for helper in child_pids() - before:
+        with open(f"/proc/{helper}/cmdline") as f:
+            command = f.read()
+        assert "multiprocessing.forkserver" in command or "resource_tracker" in command, command
+        assert child_pids(helper) == set()
 
 
 @pytest.mark.parametrize("bad, error, words", [

@@ -3,11 +3,11 @@
 import json
 
 import pytest
-from minipar.widgets import TimelineViewer, render_summary, render_timeline, to_png
 from test_trace import two_rank_timeline
 
 from minipar import tour
 from minipar.trace import Timeline
+from minipar.widgets import TimelineViewer, render_summary, render_timeline, to_png
 
 
 def test_render_timeline_draws_one_row_per_rank_and_clips_at_upto():
