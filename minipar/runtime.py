@@ -493,6 +493,7 @@ class Cluster:
         self.start_method, self.threads_per_rank = start_method, threads_per_rank
         self.backend = resolve_backend(backend, self.world_size)
         self.restarts = 0
+        self._closed = False
         self._group: _RankGroup | None = None
         if _in_rank:
             raise RuntimeError("minipar cannot start ranks from inside a rank; "
@@ -507,7 +508,11 @@ class Cluster:
     def run(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> Results:
         """Run `fn(*args, **kwargs)` on every rank; return the results in rank order."""
         task = _serialize(fn, args, kwargs)
-        timeout = self.timeout if timeout is None else _check_timeout(timeout)
+        return self._run(task, self.timeout if timeout is None else _check_timeout(timeout))
+
+    def _run(self, task: bytes, timeout: float) -> Results:
+        if self._closed:
+            raise RuntimeError("this Cluster is closed; create a new minipar.Cluster to run more")
         if self._group is None or not self._group.alive:
             self.restarts += 1
             self._start()
@@ -531,7 +536,8 @@ class Cluster:
         return results
 
     def close(self) -> None:
-        """Stop every rank and remove their files."""
+        """Stop every rank and remove their files; the Cluster cannot run again."""
+        self._closed = True
         if self._group is not None:
             self._group.stop(graceful=True)
             self._group.cleanup()
@@ -571,9 +577,8 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str = "auto",
     if _torchrun_env():
         return _run_under_torchrun(fn, world_size, args, kwargs, backend, timeout)
     task = _serialize(fn, args, kwargs)  # fail on bad input before starting processes
-    del task
     with Cluster(world_size, backend, timeout=timeout) as cluster:
-        return cluster.run(fn, *args, **kwargs)
+        return cluster._run(task, timeout)
 
 
 def _run_under_torchrun(fn: Callable, size: int, args: tuple, kwargs: dict, backend: str,

@@ -106,6 +106,8 @@ def test_failing_rank_is_named_fast_and_cluster_restarts():
         assert cluster.restarts == 1
         new_pids = cluster.pids
     assert wait_gone(new_pids) == []
+    with pytest.raises(RuntimeError, match="Cluster is closed"):
+        cluster.run(rank_square)
 
 
 def test_crashing_rank_is_reported():
