@@ -40,7 +40,8 @@ import threading
 import time
 import traceback
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from multiprocessing.connection import wait as wait_for
 from typing import Any
 
@@ -312,6 +313,29 @@ def _where_waiting(stack_dump: str) -> str:
     return where
 
 
+@contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Keep multiprocessing from re-running the caller's script in every rank.
+
+    Functions reach the ranks by value, so ranks never need `__main__`; hiding it
+    means a script without an ``if __name__ == "__main__"`` guard does not launch
+    itself again in each rank, and slow top-level code does not run K more times.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__} \
+        if main is not None else {}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__spec__ = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+            if "__spec__" not in saved:
+                main.__dict__.pop("__spec__", None)
+
+
 class _RankGroup:
     """The processes of one set of ranks, their pipes and their output files."""
 
@@ -337,6 +361,10 @@ class _RankGroup:
             raise
 
     def _start_ranks(self, ctx: Any, threads: int) -> None:
+        with _main_module_hidden():
+            self._start_processes(ctx, threads)
+
+    def _start_processes(self, ctx: Any, threads: int) -> None:
         for r in range(self.size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_worker_main, name=f"minipar-rank-{r}",
@@ -383,8 +411,10 @@ class _RankGroup:
                     self.procs[r].join(timeout=1.0)
                     code = self.procs[r].exitcode
                     self.stop()
+                    stderr = self.take_output()[r][1].strip()
                     raise RankError(r, f"exited with code {code} before returning "
-                                    "(crashed or killed)")
+                                    "(crashed or killed)"
+                                    + (f"; its last output:\n{stderr[-2000:]}" if stderr else ""))
                 if status == "error":
                     self.stop()
                     raise RankError(r, f"raised {value.strip().splitlines()[-1]}", value)
