@@ -247,6 +247,25 @@ def _agree(comm: _Comm, tensor: torch.Tensor, op: str = "-", algorithm: str = "-
                      "must call it with the same arguments")
 
 
+def split_bounds(n: int, parts: int) -> list[int]:
+    """Start offsets (and the end) of torch.tensor_split(range(n), parts)'s pieces."""
+    base, extra = divmod(n, parts)
+    return [i * base + min(i, extra) for i in range(parts + 1)]
+
+
+_scratch_buffers: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch(like: torch.Tensor, numel: int) -> torch.Tensor:
+    """A reusable receive buffer: fresh pages for every call cost page faults on big tensors."""
+    key = (like.dtype, like.device)
+    buffer = _scratch_buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+        _scratch_buffers[key] = buffer
+    return buffer[:numel]
+
+
 def _combine(acc: torch.Tensor, incoming: torch.Tensor, op: str) -> None:
     if op == "max":
         torch.maximum(acc, incoming, out=acc)
@@ -273,7 +292,7 @@ def _reduce_into(comm: _Comm, flat: torch.Tensor, dst: int, op: str, algorithm: 
     """Reduce every rank's `flat` into `flat` on `dst` (other ranks' `flat` is scratch)."""
     size, me = comm.size, comm.rank
     comm.buffer = flat
-    incoming = torch.empty_like(flat)
+    incoming = _scratch(flat, flat.numel())
     if algorithm == "naive":
         for src in range(size):  # the root takes one rank at a time: K-1 steps
             if src == dst:
@@ -408,8 +427,7 @@ def _ring_reduce_scatter(comm: _Comm, chunks: list[torch.Tensor], op: str) -> No
     the left, so rank r ends holding the full reduction of chunk r."""
     size, me = comm.size, comm.rank
     right, left = (me + 1) % size, (me - 1) % size
-    scratch = torch.empty(max(c.numel() for c in chunks), dtype=chunks[0].dtype,
-                          device=chunks[0].device)
+    scratch = _scratch(chunks[0], max(c.numel() for c in chunks))
     for s in range(size - 1):
         out_i, in_i = (me - s - 1) % size, (me - s - 2) % size
         target, incoming = chunks[in_i], scratch[:chunks[in_i].numel()]
@@ -471,7 +489,7 @@ def _halving_doubling(comm: _Comm, flat: torch.Tensor, op: str) -> None:
     size, me = comm.size, comm.rank
     p = 1 << (size.bit_length() - 1)
     extra = size - p
-    incoming = torch.empty_like(flat)
+    incoming = _scratch(flat, flat.numel())
 
     def real(v: int) -> int:
         return 2 * v + 1 if v < extra else v + extra
@@ -489,9 +507,7 @@ def _halving_doubling(comm: _Comm, flat: torch.Tensor, op: str) -> None:
             virtual = me - extra
     else:
         virtual = me
-    bounds = [0]
-    for block in torch.tensor_split(torch.arange(flat.numel()), p):
-        bounds.append(bounds[-1] + block.numel())
+    bounds = split_bounds(flat.numel(), p)
     lo, hi = 0, p
     distance = p // 2
     while distance >= 1:  # halving: keep half the range, send the other half

@@ -120,3 +120,101 @@ def training_memory(params: float, weights: str = "bf16", grads: str = "bf16",
 def largest_model(memory_bytes: float, bytes_per_param: float) -> float:
     """Parameters that fit in `memory_bytes` at a given training cost per parameter."""
     return _positive("memory_bytes", memory_bytes) / _positive("bytes_per_param", bytes_per_param)
+
+
+# --- communication: the alpha-beta model ---
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    """What the alpha-beta model predicts for one all-reduce of `nbytes` on K ranks."""
+
+    algorithm: str
+    steps: int  # communication steps on the critical path
+    seconds: float  # alpha per step + beta per byte on the critical path
+    busiest_rank_bytes: float  # bytes sent by the rank that sends the most
+    total_bytes: float  # bytes sent by all ranks together
+
+
+def _log2_ceil(k: int) -> int:
+    return (k - 1).bit_length()
+
+
+def all_reduce_cost(algorithm: str, world_size: int, nbytes: float, alpha: float = 0.0,
+                    beta: float = 0.0, gamma: float = 0.0) -> CollectiveCost:
+    """Alpha-beta(-gamma) prediction for minipar's all-reduce algorithms.
+
+    alpha: seconds per message (latency); beta: seconds per byte sent (1 / bandwidth);
+    gamma: seconds per byte reduced (the additions), after Thakur, Rabenseifner and
+    Gropp (2005). Bytes count what each rank sends, not what each link carries.
+    naive: rank 0 takes each rank's N bytes in turn, then sends N to each: 2(K-1)
+    steps of N bytes, (K-1)N through rank 0. tree: binomial reduce + broadcast,
+    2 ceil(log2 K) steps of N bytes. ring: 2(K-1) steps of N/K bytes, 2(K-1)/K N per
+    rank. halving_doubling: 2 log2 P steps of halving sizes (P the largest power of
+    two <= K), plus one fold and one unfold step of N bytes when K is not a power of two.
+    """
+    k, n = world_size, float(nbytes)
+    if k < 1:
+        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    if k == 1:
+        return CollectiveCost(algorithm, 0, 0.0, 0.0, 0.0)
+    # critical: bytes sent along the critical path; reduced: bytes added on it
+    if algorithm == "naive":
+        steps, critical, reduced = 2 * (k - 1), 2 * (k - 1) * n, (k - 1) * n
+        busiest, total = (k - 1) * n, 2 * (k - 1) * n
+    elif algorithm == "tree":
+        rounds = _log2_ceil(k)
+        steps, critical, reduced = 2 * rounds, 2 * rounds * n, rounds * n
+        busiest, total = rounds * n, 2 * (k - 1) * n
+    elif algorithm == "ring":
+        steps, critical, reduced = 2 * (k - 1), 2 * (k - 1) * n / k, (k - 1) * n / k
+        busiest, total = 2 * (k - 1) * n / k, 2 * (k - 1) * n
+    elif algorithm == "halving_doubling":
+        p = 1 << (k.bit_length() - 1)
+        extra = k - p
+        halves = 2 * n * (p - 1) / p
+        steps = 2 * (p.bit_length() - 1) + (2 if extra else 0)
+        critical = halves + (2 * n if extra else 0.0)
+        reduced = halves / 2 + (n if extra else 0.0)
+        busiest = halves + (n if extra else 0.0)
+        total = p * halves + 2 * extra * n
+    else:
+        raise ValueError("algorithm must be one of 'naive', 'tree', 'ring', "
+                         f"'halving_doubling'; got {algorithm!r}")
+    return CollectiveCost(algorithm, steps, steps * alpha + critical * beta + reduced * gamma,
+                          busiest, total)
+
+
+def fit_alpha_beta(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
+    """Least-squares fit of t = alpha + beta * bytes to point-to-point measurements."""
+    if len(sizes) != len(seconds) or len(sizes) < 2:
+        raise ValueError("sizes and seconds must be equally long, with at least 2 points")
+    n = len(sizes)
+    mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
+    sxx = sum((x - mean_x) ** 2 for x in sizes)
+    if sxx == 0:
+        raise ValueError("sizes must not all be equal")
+    beta = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True)) / sxx
+    return max(mean_y - beta * mean_x, 0.0), beta
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Bytes one step moves into (down) and out of (up) a worker and the server."""
+
+    worker_up: float
+    worker_down: float
+    server_up: float
+    server_down: float
+
+
+def parameter_server_traffic(workers: int, model_bytes: float, grad_bytes: float) -> Traffic:
+    """Each worker pushes its gradient and pulls the model; the server sees K of each."""
+    return Traffic(worker_up=grad_bytes, worker_down=model_bytes,
+                   server_up=workers * model_bytes, server_down=workers * grad_bytes)
+
+
+def parameter_server_seconds(workers: int, model_bytes: float, grad_bytes: float,
+                             link_bytes_per_second: float) -> float:
+    """Communication time per step when the server's link carries every push and pull."""
+    t = parameter_server_traffic(workers, model_bytes, grad_bytes)
+    return (t.server_up + t.server_down) / link_bytes_per_second

@@ -222,3 +222,23 @@ def test_segments_overlap_reduction_and_still_match(cluster2, monkeypatch):
 
     for same, messages, steps in cluster2.run(small_segments):
         assert same and steps == 2 and messages == 2 * math.ceil(500 / 16)
+
+
+@pytest.mark.parametrize("K", [2, 3, 4, 5])
+def test_cost_model_predicts_the_metered_bytes(K, request):
+    from minipar import cost
+
+    n = 840  # divisible by every chunk count used for K <= 8: no rounding
+    shared = {2: "cluster2", 4: "cluster4"}
+    cluster = request.getfixturevalue(shared[K]) if K in shared else \
+        minipar.Cluster(K, backend="gloo", timeout=60)
+    try:
+        for algorithm in C.ALL_REDUCE_ALGORITHMS:
+            metered = cluster.run(_metered, algorithm, n)
+            model = cost.all_reduce_cost(algorithm, K, n * 4)
+            assert sum(r[0] for r in metered) == model.total_bytes, algorithm
+            assert max(r[0] for r in metered) == model.busiest_rank_bytes, algorithm
+            assert max(r[3] for r in metered) == model.steps, algorithm
+    finally:
+        if K not in shared:
+            cluster.close()

@@ -1,5 +1,7 @@
 """The lesson-00 calculators reproduce the curriculum's figures from their inputs."""
 
+import math
+
 import pytest
 
 from minipar import cost
@@ -59,3 +61,36 @@ def test_mixed_precision_adam_is_16_bytes_per_param():
 def test_bad_input_names_the_parameter(call, words):
     with pytest.raises(ValueError, match=words):
         call()
+
+
+def test_resnet50_parameter_server_adds_about_50_percent():
+    grad_bytes = 25.6e6 * 4  # ResNet-50's parameters in fp32: ~0.1 GB of gradients
+    compute = 32 * 3 * 4.1e9 / 1.2e12  # batch 32, ~3x the 4.1 GFLOP forward, 1.2 TFLOP/s
+    comm = cost.parameter_server_seconds(256, grad_bytes, grad_bytes, 300e9)
+    assert compute == pytest.approx(0.33, rel=0.01)
+    assert comm == pytest.approx(0.16, rel=0.1)
+    assert comm / compute == pytest.approx(0.5, rel=0.1)
+    t = cost.parameter_server_traffic(4, model_bytes=10, grad_bytes=7)
+    assert (t.worker_up, t.worker_down, t.server_up, t.server_down) == (7, 10, 40, 28)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5, 8])
+def test_all_reduce_cost_shapes(k):
+    n = 1e6
+    ring = cost.all_reduce_cost("ring", k, n, alpha=1e-5, beta=1e-9)
+    assert ring.steps == 2 * (k - 1) and ring.busiest_rank_bytes == pytest.approx(2 * (k - 1) / k * n)
+    assert ring.seconds == pytest.approx(2 * (k - 1) * (1e-5 + n / k * 1e-9))
+    naive = cost.all_reduce_cost("naive", k, n)
+    assert naive.busiest_rank_bytes == (k - 1) * n
+    tree = cost.all_reduce_cost("tree", k, n)
+    assert tree.steps == 2 * math.ceil(math.log2(k))
+    hd = cost.all_reduce_cost("halving_doubling", k, n)
+    assert hd.steps == 2 * math.ceil(math.log2(k))
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        cost.all_reduce_cost("star", k, n)
+
+
+def test_fit_alpha_beta_recovers_a_line():
+    sizes = [0, 1e3, 1e4, 1e5, 1e6]
+    alpha, beta = cost.fit_alpha_beta(sizes, [2e-5 + 3e-10 * s for s in sizes])
+    assert alpha == pytest.approx(2e-5) and beta == pytest.approx(3e-10)
