@@ -273,6 +273,15 @@ def _combine(acc: torch.Tensor, incoming: torch.Tensor, op: str) -> None:
         acc.add_(incoming)
 
 
+def _reduce_as_it_lands(targets: list[torch.Tensor], incoming: list[torch.Tensor],
+                        op: str) -> Callable[[int, int, int], None]:
+    """An on_arrival callback: combine receive i's landed segment into targets[i]."""
+    def combine(i: int, a: int, b: int) -> None:
+        _combine(targets[i][a:b], incoming[i][a:b], op)
+
+    return combine
+
+
 def _flat_work(tensor: torch.Tensor) -> torch.Tensor:
     """A flat, contiguous working view (a copy only if the tensor is not contiguous)."""
     return tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
@@ -298,8 +307,8 @@ def _reduce_into(comm: _Comm, flat: torch.Tensor, dst: int, op: str, algorithm: 
             if src == dst:
                 continue
             if me == dst:
-                comm.exchange("reduce", recvs=[(incoming, src, None)])
-                _combine(flat, incoming, op)
+                comm.exchange("reduce", recvs=[(incoming, src, None)],
+                              on_arrival=_reduce_as_it_lands([flat], [incoming], op))
             elif me == src:
                 comm.exchange("reduce", sends=[(flat, dst, None)])
             else:
@@ -311,8 +320,8 @@ def _reduce_into(comm: _Comm, flat: torch.Tensor, dst: int, op: str, algorithm: 
         if relative % (2 * m) == m:
             comm.exchange("reduce", sends=[(flat, (relative - m + dst) % size, None)])
         elif relative % (2 * m) == 0 and relative + m < size:
-            comm.exchange("reduce", recvs=[(incoming, (relative + m + dst) % size, None)])
-            _combine(flat, incoming, op)
+            comm.exchange("reduce", recvs=[(incoming, (relative + m + dst) % size, None)],
+                          on_arrival=_reduce_as_it_lands([flat], [incoming], op))
         else:
             comm.exchange("reduce")
 
@@ -430,13 +439,10 @@ def _ring_reduce_scatter(comm: _Comm, chunks: list[torch.Tensor], op: str) -> No
     scratch = _scratch(chunks[0], max(c.numel() for c in chunks))
     for s in range(size - 1):
         out_i, in_i = (me - s - 1) % size, (me - s - 2) % size
-        target, incoming = chunks[in_i], scratch[:chunks[in_i].numel()]
-
-        def reduce_segment(_: int, a: int, b: int, target=target, incoming=incoming) -> None:
-            _combine(target[a:b], incoming[a:b], op)
-
+        incoming = scratch[:chunks[in_i].numel()]
         comm.exchange("reduce-scatter", sends=[(chunks[out_i], right, out_i)],
-                      recvs=[(incoming, left, in_i)], on_arrival=reduce_segment)
+                      recvs=[(incoming, left, in_i)],
+                      on_arrival=_reduce_as_it_lands([chunks[in_i]], [incoming], op))
 
 
 def _ring_all_gather(comm: _Comm, chunks: list[torch.Tensor]) -> None:
@@ -499,8 +505,8 @@ def _halving_doubling(comm: _Comm, flat: torch.Tensor, op: str) -> None:
         if me < 2 * extra and me % 2 == 0:
             comm.exchange("fold", sends=[(flat, me + 1, None)])
         elif me < 2 * extra:
-            comm.exchange("fold", recvs=[(incoming, me - 1, None)])
-            _combine(flat, incoming, op)
+            comm.exchange("fold", recvs=[(incoming, me - 1, None)],
+                          on_arrival=_reduce_as_it_lands([flat], [incoming], op))
             virtual = me // 2
         else:
             comm.exchange("fold")
@@ -519,8 +525,8 @@ def _halving_doubling(comm: _Comm, flat: torch.Tensor, op: str) -> None:
             scratch = incoming[:kept.numel()]
             comm.exchange("reduce-scatter",
                           sends=[(flat[bounds[give[0]]:bounds[give[1]]], real(partner), None)],
-                          recvs=[(scratch, real(partner), None)])
-            _combine(kept, scratch, op)
+                          recvs=[(scratch, real(partner), None)],
+                          on_arrival=_reduce_as_it_lands([kept], [scratch], op))
             lo, hi = keep
         else:
             comm.exchange("reduce-scatter")

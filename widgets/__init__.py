@@ -5,6 +5,12 @@ matplotlib; the interactive widgets need ipywidgets (`pip install minipar[lesson
 and are imported on first use.
 """
 
+from .collective_view import (
+    CollectiveRecording,
+    record_all_reduce,
+    render_collective_frame,
+    render_collective_strip,
+)
 from .render import KIND_COLORS, kind_colors, render_summary, render_timeline, to_png
 
 
@@ -20,8 +26,13 @@ def __getattr__(name: str):
         from .timeline_viewer import TimelineViewer
 
         return TimelineViewer
+    if name == "CollectiveAnimator":
+        from .collective_animator import CollectiveAnimator
+
+        return CollectiveAnimator
     raise AttributeError(f"module 'minipar.widgets' has no attribute {name!r}")
 
 
-__all__ = ["KIND_COLORS", "TimelineViewer", "kind_colors", "render_summary", "render_timeline",
-           "show", "to_png"]
+__all__ = ["KIND_COLORS", "CollectiveAnimator", "CollectiveRecording", "TimelineViewer",
+           "kind_colors", "record_all_reduce", "render_collective_frame",
+           "render_collective_strip", "render_summary", "render_timeline", "show", "to_png"]
