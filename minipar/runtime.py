@@ -298,15 +298,17 @@ def _worker_main(rank_: int, size: int, backend: str, port: int, io_dir: str,
 # ------------------------------------------------------------- the launcher side ---
 
 def _where_waiting(stack_dump: str) -> str:
-    """Summarize a faulthandler dump: the innermost call and the user's line that led to it."""
+    """Summarize a faulthandler dump: the innermost call, and the user's line that led to it."""
     blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack_dump)
     block = next((b for b in reversed(blocks) if _TASK_FRAME in b), "")
     frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', block)
     if not frames:
         return "still running (no stack available)"
     inner_file, inner_line, inner_fn = frames[0]  # faulthandler lists the innermost first
-    depth = next((i for i, frame in enumerate(frames) if frame[2] == _TASK_FRAME), 0)
-    user = frames[depth - 1] if depth > 0 else frames[0]  # the frame _run_task called
+    depth = next((i for i, frame in enumerate(frames) if frame[2] == _TASK_FRAME), len(frames))
+    library = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    users = [f for f in frames[:depth] if not f[0].startswith(library)]
+    user = users[0] if users else frames[max(depth - 1, 0)]
     where = f"in {inner_fn}() at {os.path.basename(inner_file)}:{inner_line}"
     if user != frames[0]:
         where += f", called from {user[2]}() at {os.path.basename(user[0])}:{user[1]}"

@@ -201,16 +201,18 @@ def test_bad_backend_timeout_and_function():
 
 
 def test_where_waiting_reads_a_stack_dump():
-    dump = textwrap.dedent("""\
+    torch_dir = os.path.dirname(torch.__file__)
+    runtime = minipar.runtime.__file__
+    dump = textwrap.dedent(f"""\
         Thread 0x00007f01 (most recent call first):
-          File "/x/runtime.py", line 10 in watch
+          File "{runtime}", line 10 in watch
 
         Current thread 0x00007f02 (most recent call first):
-          File "/t/distributed_c10d.py", line 2400 in recv
-          File "/t/c10d_logger.py", line 81 in wrapper
+          File "{torch_dir}/distributed/distributed_c10d.py", line 2400 in recv
+          File "{torch_dir}/distributed/c10d_logger.py", line 81 in wrapper
           File "<cell>", line 3 in my_step
-          File "/x/runtime.py", line 200 in _run_task
-          File "/x/runtime.py", line 250 in _worker_main
+          File "{runtime}", line 200 in _run_task
+          File "{runtime}", line 250 in _worker_main
     """)
     assert _where_waiting(dump) == (
         "in recv() at distributed_c10d.py:2400, called from my_step() at <cell>:3")
