@@ -185,15 +185,24 @@ def all_reduce_cost(algorithm: str, world_size: int, nbytes: float, alpha: float
 
 
 def fit_alpha_beta(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares fit of t = alpha + beta * bytes to point-to-point measurements."""
+    """Fit t = alpha + beta * bytes to point-to-point measurements, minimizing relative error.
+
+    Plain least squares would let the large messages (milliseconds) swamp the
+    latency (microseconds); weighting each point by 1/t^2 makes every size count.
+    """
     if len(sizes) != len(seconds) or len(sizes) < 2:
         raise ValueError("sizes and seconds must be equally long, with at least 2 points")
-    n = len(sizes)
-    mean_x, mean_y = sum(sizes) / n, sum(seconds) / n
-    sxx = sum((x - mean_x) ** 2 for x in sizes)
+    if any(t <= 0 for t in seconds):
+        raise ValueError("seconds must all be > 0")
+    weights = [1 / t**2 for t in seconds]
+    sw = sum(weights)
+    mean_x = sum(w * x for w, x in zip(weights, sizes, strict=True)) / sw
+    mean_y = sum(w * y for w, y in zip(weights, seconds, strict=True)) / sw
+    sxx = sum(w * (x - mean_x) ** 2 for w, x in zip(weights, sizes, strict=True))
     if sxx == 0:
         raise ValueError("sizes must not all be equal")
-    beta = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True)) / sxx
+    beta = sum(w * (x - mean_x) * (y - mean_y)
+               for w, x, y in zip(weights, sizes, seconds, strict=True)) / sxx
     return max(mean_y - beta * mean_x, 0.0), beta
 
 

@@ -199,7 +199,7 @@ def _ring_problem(k: int, numel: int, results: list) -> str | None:
 
 
 def check_ring_all_reduce(ring_all_reduce: Callable, world_sizes: tuple[int, ...] = (2, 3, 4),
-                          ) -> str:
+                          timeout: float = 15) -> str:
     """Run `ring_all_reduce(tensor)` (a sum, in place) on real ranks and inspect every message.
 
     Each message must go to the right neighbour and carry one chunk with the right
@@ -209,7 +209,7 @@ def check_ring_all_reduce(ring_all_reduce: Callable, world_sizes: tuple[int, ...
     for k in world_sizes:
         numel = 2 * k + 1  # uneven chunks
         results = _run_on_ranks("ring_all_reduce", _call_logged, k, ring_all_reduce, numel,
-                                timeout=15)
+                                timeout=timeout)
         problem = _ring_problem(k, numel, results)
         if problem:
             raise ExerciseError(f"ring_all_reduce with {k} ranks: {problem}")
@@ -261,7 +261,7 @@ def _tree_problem(k: int, src: int, numel: int, results: list) -> str | None:
 
 
 def check_tree_broadcast(tree_broadcast: Callable,
-                         world_sizes: tuple[int, ...] = (2, 3, 5, 8)) -> str:
+                         world_sizes: tuple[int, ...] = (2, 3, 5, 8), timeout: float = 15) -> str:
     """Run `tree_broadcast(tensor, src)` on real ranks for several K and sources.
 
     Every rank must end with the source's tensor, every message must carry it, each
@@ -270,7 +270,7 @@ def check_tree_broadcast(tree_broadcast: Callable,
     for k in world_sizes:
         for src in sorted({0, k - 1}):
             results = _run_on_ranks("tree_broadcast", _call_logged, k, tree_broadcast, 5, src,
-                                    timeout=15)
+                                    timeout=timeout)
             problem = _tree_problem(k, src, 5, results)
             if problem:
                 raise ExerciseError(f"tree_broadcast with {k} ranks from src={src}: {problem}")

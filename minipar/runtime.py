@@ -613,6 +613,14 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str = "auto",
         return cluster._run(task, timeout)
 
 
+def _leave_process_group() -> None:
+    """Destroy the group minipar joined under torchrun before the interpreter exits
+    (left to exit-time destructors, gloo's threads can abort the process)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _run_under_torchrun(fn: Callable, size: int, args: tuple, kwargs: dict, backend: str,
                         timeout: float) -> Results:
     env_size = int(os.environ["WORLD_SIZE"])
@@ -627,6 +635,7 @@ def _run_under_torchrun(fn: Callable, size: int, args: tuple, kwargs: dict, back
         if backend == "gloo":
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout, 60)))
+        atexit.register(_leave_process_group)
     started = time.perf_counter()
     dist.barrier()
     with trace.capture(rank()) as captured:

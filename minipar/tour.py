@@ -18,7 +18,7 @@ import torch
 
 from . import basics
 from .bench import format_table
-from .runtime import Cluster, Results
+from .runtime import Cluster, Results, rank
 
 
 @dataclass
@@ -118,7 +118,50 @@ def step_slow_worker(ctx: TourContext, steps: int = 3, units: int = 150) -> Tour
                         f"idle {summary.bubble_fraction:.0%} of rank-time")
 
 
-STEPS: list[Callable[[TourContext], TourRow]] = [step_hello, step_split_work, step_slow_worker]
+def _rank_data(numel: int) -> torch.Tensor:
+    """This rank's tensor: random integers in float64, so every sum order is exact."""
+    generator = torch.Generator().manual_seed(1000 + rank())
+    return torch.randint(-1000, 1000, (numel,), generator=generator).to(torch.float64)
+
+
+def _collective_run(algorithm: str, numel: int) -> tuple:
+    """One all-reduce (minipar's `algorithm`, or torch's): result, bytes sent, seconds."""
+    import torch.distributed as dist
+
+    from . import collectives
+
+    tensor = _rank_data(numel)
+    dist.barrier()
+    start = time.perf_counter()
+    with collectives.meter() as m:
+        if algorithm == "torch":
+            dist.all_reduce(tensor)
+        else:
+            collectives.all_reduce(tensor, algorithm=algorithm)
+    return tensor, m.sent_bytes, time.perf_counter() - start
+
+
+def step_collectives(ctx: TourContext, numel: int = 1 << 19) -> list[TourRow]:
+    from . import collectives
+
+    cluster = ctx.cluster(4)
+    reference = sum(cluster.run(_rank_data, numel))  # one process adds them up
+    torch_seconds = min(max(r[2] for r in cluster.run(_collective_run, "torch", numel))
+                        for _ in range(3))
+    rows = []
+    for algorithm in collectives.ALL_REDUCE_ALGORITHMS:
+        runs = [cluster.run(_collective_run, algorithm, numel) for _ in range(3)]
+        best = min(runs, key=lambda run: max(r[2] for r in run))
+        seconds = max(r[2] for r in best)
+        rows.append(TourRow(f"all-reduce, {algorithm} (minipar, 4 MiB)", 4,
+                            all(torch.equal(r[0], reference) for r in best), seconds,
+                            bytes_moved=sum(r[1] for r in best),
+                            note=f"{torch_seconds / seconds:.2f}x torch's gloo all_reduce"))
+    return rows
+
+
+STEPS: list[Callable[[TourContext], TourRow | list[TourRow]]] = [
+    step_hello, step_split_work, step_slow_worker, step_collectives]
 
 
 def format_report(rows: list[TourRow]) -> str:
@@ -143,7 +186,8 @@ def run_tour(out_dir: str | Path = "minipar-out") -> list[TourRow]:
     try:
         for step in STEPS:
             print(f"  .. {step.__name__.removeprefix('step_')}", flush=True)
-            rows.append(step(ctx))
+            produced = step(ctx)
+            rows.extend(produced if isinstance(produced, list) else [produced])
     finally:
         ctx.close()
     report = format_report(rows)

@@ -1,5 +1,6 @@
 """Exercise checks grade real runs; learners' copies hide every solution."""
 
+import inspect
 import json
 from pathlib import Path
 
@@ -69,27 +70,88 @@ def test_student_copies_are_valid_leak_nothing_and_raise(tmp_path):
     for original in originals:
         copy = nbformat.read(tmp_path / original.name, as_version=4)
         nbformat.validate(copy)
-        solutions = []
+        solutions, elsewhere = [], []
         for cell in json.loads(original.read_text())["cells"]:
             text = "".join(cell["source"])
-            if exercises.BEGIN in text:
-                body = text.split(exercises.BEGIN)[1].split(exercises.END)[0]
+            while exercises.BEGIN in text:
+                before, rest = text.split(exercises.BEGIN, 1)
+                body, text = rest.split(exercises.END, 1)
+                elsewhere.append(before)
                 solutions += [line.strip() for line in body.splitlines()[1:] if line.strip()]
+            elsewhere.append(text)
         assert solutions, f"{original.name} has no exercise"
         student_text = "\n".join(c.source for c in copy.cells)
         assert exercises.BEGIN not in student_text
-        for line in solutions:
-            assert line not in student_text, f"solution line leaked: {line}"
+        outside = "\n".join(elsewhere)
+        for line in solutions:  # a solution line may only appear if it is also outside solutions
+            assert line in outside or line not in student_text, f"solution line leaked: {line}"
         assert all(c.outputs == [] for c in copy.cells if c.cell_type == "code")
         for cell in copy.cells:
             if "NotImplementedError(\"exercise" in cell.source:
                 namespace = {"torch": torch, "dist": dist}
                 exec(cell.source, namespace)
                 name = cell.source.split("def ")[1].split("(")[0]
+                arity = len(inspect.signature(namespace[name]).parameters)
                 with pytest.raises(NotImplementedError, match=f"exercise {name}"):
-                    namespace[name](torch.zeros(1))
+                    namespace[name](torch.zeros(1), *[0] * (arity - 1))
 
 
 def test_lessons_command_refuses_an_empty_source(tmp_path, capsys):
     assert cli(["lessons", "--student", str(tmp_path / "s"), "--source", str(tmp_path)]) == 2
     assert "no lesson notebooks" in capsys.readouterr().err
+
+
+def ring_without_adding(tensor):
+    k, me = dist.get_world_size(), dist.get_rank()
+    chunks = torch.tensor_split(tensor, k)
+    for step in range(2 * (k - 1)):
+        send_i, recv_i = (me - step) % k, (me - step - 1) % k
+        outgoing = chunks[send_i].clone()
+        for request in dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, outgoing, (me + 1) % k),
+                dist.P2POp(dist.irecv, chunks[recv_i], (me - 1) % k)]):
+            request.wait()
+    return tensor
+
+
+def ring_with_blocking_sends(tensor):
+    k, me = dist.get_world_size(), dist.get_rank()
+    dist.send(tensor, (me + 1) % k)
+    dist.recv(tensor, (me - 1) % k)
+
+
+def star_broadcast(tensor, src):
+    k, me = dist.get_world_size(), dist.get_rank()
+    if me == src:
+        for dst in range(k):
+            if dst != src:
+                dist.send(tensor, dst)
+    else:
+        dist.recv(tensor, src)
+
+
+def chain_broadcast(tensor, src):
+    k, me = dist.get_world_size(), dist.get_rank()
+    rel = (me - src) % k
+    if rel > 0:
+        dist.recv(tensor, (me - 1) % k)
+    if rel < k - 1:
+        dist.send(tensor, (me + 1) % k)
+
+
+@pytest.mark.parametrize("check, fn, words", [
+    (exercises.check_ring_all_reduce, ring_without_adding,
+     "rank 0, step 1: sent chunk .* in the all-gather phase"),
+    (exercises.check_tree_broadcast, star_broadcast,
+     "rank 0 sent 4 messages; in a binomial tree no rank sends more than"),
+    (exercises.check_tree_broadcast, chain_broadcast, "rank 4 gets the data only in round 4"),
+])
+def test_lesson01_checks_name_rank_and_step(check, fn, words):
+    with pytest.raises(exercises.ExerciseError, match=words):
+        check(fn)
+
+
+def test_ring_check_turns_a_deadlock_into_advice():
+    with pytest.raises(exercises.ExerciseError, match="deadlock.*called from "
+                                                      "ring_with_blocking_sends"):
+        exercises.check_ring_all_reduce(ring_with_blocking_sends, world_sizes=(2,), timeout=4)

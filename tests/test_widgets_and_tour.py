@@ -46,3 +46,33 @@ def test_tour_matches_one_process_and_writes_its_files(tmp_path, capsys):
     trace = Timeline.from_chrome(tmp_path / "slow_worker.trace.json")
     assert trace.ranks == [0, 1, 2, 3]
     assert (tmp_path / "slow_worker.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_collective_recording_matches_the_meter_and_renders(cluster4):
+    from minipar import cost
+    from minipar.widgets import (
+        CollectiveAnimator,
+        record_all_reduce,
+        render_collective_frame,
+        render_collective_strip,
+    )
+
+    recording = record_all_reduce("ring", 4, cluster=cluster4)
+    assert recording.frames == 2 * 3 + 1
+    assert recording.initial[2] == [3.0] * 8
+    assert all(buffer == [10.0] * 8 for buffer in recording.steps[-1].buffers)
+    # after reduce-scatter step 0, rank 1 holds ranks 0+1 in the chunk it received
+    assert recording.steps[0].buffers[1][6:8] == [3.0, 3.0]
+    model = cost.all_reduce_cost("ring", 4, 8 * 4)
+    assert recording.link_bytes(recording.frames - 1).sum() == model.total_bytes
+    assert render_collective_frame(recording, 3).axes
+    assert to_png(render_collective_strip(recording)).startswith(b"\x89PNG")
+    with pytest.raises(ValueError, match="frame must be in 0..6"):
+        render_collective_frame(recording, 7)
+    with pytest.raises(ValueError, match="world_size must be an int from 2 to 8"):
+        record_all_reduce("ring", 9)
+    animator = CollectiveAnimator("tree", 2)
+    assert animator.step.max == animator.recording.frames - 1 == 2
+    animator.step.value = 1
+    assert set(animator._cache) == {0, 1}
+    animator.close()
