@@ -581,6 +581,41 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring",
     return _finish(tensor, flat, op, comm.size)
 
 
+# ------------------------------------------------------------- point to point ---
+
+def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> None:
+    """Send `tensor` to rank `dst` (metered, and an event in the Timeline)."""
+    _check_tensor(tensor)
+    comm = _Comm("send", group)
+    _check_root("dst", dst, comm.size)
+    comm.exchange("p2p", sends=[(tensor.contiguous().view(-1), dst, None)])
+
+
+def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Receive into `tensor` from rank `src` (metered); returns `tensor`."""
+    _check_tensor(tensor)
+    comm = _Comm("recv", group)
+    _check_root("src", src, comm.size)
+    flat = _flat_work(tensor)
+    comm.exchange("p2p", recvs=[(flat, src, None)])
+    return _finish(tensor, flat, "sum", 1)
+
+
+def recv_any(tensor: torch.Tensor) -> int:
+    """Receive into `tensor` from whichever rank sends first; returns that rank (gloo only:
+    NCCL has no receive-from-any). Metered as one message of tensor's size."""
+    _check_tensor(tensor)
+    start = trace.now()
+    source = dist.recv(tensor)
+    nbytes = tensor.numel() * tensor.element_size()
+    for m in _meters:
+        m.recv_bytes += nbytes
+        m.transfers.append(Transfer("recv_any", "p2p", 0, "recv", source, None, nbytes))
+        m.steps += 1
+    trace.add_event("recv", "recv_any", start, trace.now(), peer=source, bytes=nbytes)
+    return source
+
+
 # ---------------------------------------------------------------- all-to-all ---
 
 def all_to_all(tensor: torch.Tensor, send_counts: list[int] | None = None,

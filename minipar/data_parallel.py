@@ -1,0 +1,204 @@
+"""Data parallelism from scratch: the same model on every rank, different samples.
+
+Two ways to combine the ranks' gradients, both on minipar's own collectives:
+
+- `DataParallel`: every rank keeps a full replica and the ranks all-reduce
+  gradients, one parameter at a time or in buckets, optionally overlapped with
+  the backward pass (what torch's DDP does, in a file you can read).
+- `ParameterServer` (in `parameter_server.py`): one or more server ranks hold
+  the weights; workers pull them, compute, and push gradients back.
+
+The loss-scaling convention (one for the whole package): gradients are averaged
+over ranks. A global batch is split with torch.tensor_split, so when it does not
+divide evenly the first B mod K ranks get one sample more; each rank then multiplies
+its mean loss by `shard_weight` = K x local / global, so that every sample counts
+exactly once and the averaged gradient equals the single-process gradient of the
+mean loss over the whole batch.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from . import collectives
+from .runtime import rank, world_size
+from .trace import record
+
+
+def shard(batch: torch.Tensor, rank_: int | None = None, world: int | None = None) -> torch.Tensor:
+    """This rank's rows of a global batch (torch.tensor_split along dim 0)."""
+    rank_ = rank() if rank_ is None else rank_
+    world = world_size() if world is None else world
+    if batch.shape[0] < world:
+        raise ValueError(f"a batch of {batch.shape[0]} samples cannot feed {world} ranks (each "
+                         f"needs at least one); use a batch of at least {world} or fewer ranks")
+    return torch.tensor_split(batch, world)[rank_]
+
+
+def shard_weight(local: int, global_: int, world: int | None = None) -> float:
+    """K x local / global: scale a rank's mean loss by this so every sample counts once."""
+    world = world_size() if world is None else world
+    return world * local / global_
+
+
+class _Bucket:
+    """Parameters whose gradients travel together in one flat tensor."""
+
+    def __init__(self, index: int, params: list[nn.Parameter]) -> None:
+        self.index, self.params = index, params
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                device=params[0].device)
+        self.waiting = len(params)
+
+    def pack(self) -> None:
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            if p.grad is None:
+                self.flat[offset:offset + n].zero_()
+            else:
+                self.flat[offset:offset + n].copy_(p.grad.reshape(-1))
+            offset += n
+
+    def unpack(self) -> None:
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            averaged = self.flat[offset:offset + n].view_as(p)
+            if p.grad is None:
+                p.grad = averaged.clone()
+            else:
+                p.grad.copy_(averaged)
+            offset += n
+
+
+class DataParallel(nn.Module):
+    """Wrap a module so that `loss.backward()` leaves every rank with averaged gradients.
+
+    bucket_bytes=None all-reduces each parameter on its own; a number groups
+    parameters (in reverse order, roughly the order backward produces their
+    gradients) into buckets of about that many bytes. overlap=True starts each
+    bucket's all-reduce on a communication thread as soon as its last gradient is
+    ready, while backward goes on computing; overlap=False all-reduces everything
+    after backward. Buckets are launched in the same order on every rank. Replicas
+    start equal: rank 0's parameters and buffers are broadcast at construction.
+    """
+
+    def __init__(self, module: nn.Module, bucket_bytes: int | None = 1 << 20,
+                 overlap: bool = True, algorithm: str = "ring") -> None:
+        super().__init__()
+        if bucket_bytes is not None and (isinstance(bucket_bytes, bool)
+                                         or not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
+            raise ValueError(f"bucket_bytes must be a positive int (bytes per bucket) or None "
+                             f"(one all-reduce per parameter); got {bucket_bytes!r}")
+        if algorithm not in collectives.ALL_REDUCE_ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {collectives.ALL_REDUCE_ALGORITHMS}; "
+                             f"got {algorithm!r}")
+        self.module, self.overlap, self.algorithm = module, overlap, algorithm
+        with torch.no_grad():
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                collectives.broadcast(tensor.data, src=0)
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        self.buckets = self._make_buckets(list(reversed(trainable)), bucket_bytes)
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._sync = True
+        self._started = False
+        self._next = 0
+        self._ready: set[int] = set()
+        self._queue: queue.Queue = queue.Queue()
+        self._errors: list[BaseException] = []
+        self._thread: threading.Thread | None = None
+        for p in trainable:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    @staticmethod
+    def _make_buckets(params: list[nn.Parameter], bucket_bytes: int | None) -> list[_Bucket]:
+        groups: list[list[nn.Parameter]] = []
+        size = 0
+        for p in params:
+            nbytes = p.numel() * p.element_size()
+            if (not groups or bucket_bytes is None or size + nbytes > bucket_bytes
+                    or groups[-1][0].dtype != p.dtype):
+                groups.append([])
+                size = 0
+            groups[-1].append(p)
+            size += nbytes
+        return [_Bucket(i, g) for i, g in enumerate(groups)]
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (gradient accumulation); the next synchronized
+        backward all-reduces the accumulated sum."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # --- during backward ---
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        if not self._started:
+            self._started = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        bucket = self._bucket_of[param]
+        bucket.waiting -= 1
+        if bucket.waiting == 0 and self.overlap:
+            self._ready.add(bucket.index)
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next in self._ready:  # strictly in bucket order, on every rank
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        bucket.pack()
+        if self.overlap:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._communicate, daemon=True,
+                                                name="minipar-dp-comm")
+                self._thread.start()
+            self._queue.put(bucket)
+        else:
+            self._all_reduce(bucket)
+
+    def _all_reduce(self, bucket: _Bucket) -> None:
+        with record("all_reduce", f"bucket {bucket.index}", bytes=bucket.flat.numel()
+                    * bucket.flat.element_size()):
+            collectives.all_reduce(bucket.flat, op="avg", algorithm=self.algorithm)
+
+    def _communicate(self) -> None:
+        while True:
+            bucket = self._queue.get()
+            try:
+                self._all_reduce(bucket)
+            except BaseException as err:  # surfaced on the main thread in _finish
+                self._errors.append(err)
+            finally:
+                self._queue.task_done()
+
+    def _finish(self) -> None:
+        """End of backward: launch what is left (unused parameters count as zero
+        gradients), wait for every bucket, and write the averages into .grad."""
+        for bucket in self.buckets[self._next:]:
+            self._launch(bucket)
+        self._queue.join()
+        if self._errors:
+            error, self._errors = self._errors[0], []
+            raise RuntimeError(f"gradient all-reduce failed on rank {rank()}: {error}") from error
+        for bucket in self.buckets:
+            bucket.unpack()
+            bucket.waiting = len(bucket.params)
+        self._started, self._next, self._ready = False, 0, set()
