@@ -30,6 +30,8 @@ from . import collectives
 from .runtime import rank, world_size
 from .trace import record
 
+FIRST_BUCKET_BYTES = 1 << 20  # as torch's DDP: a small first bucket starts communication early
+
 
 def shard(batch: torch.Tensor, rank_: int | None = None, world: int | None = None) -> torch.Tensor:
     """This rank's rows of a global batch (torch.tensor_split along dim 0)."""
@@ -85,9 +87,11 @@ class DataParallel(nn.Module):
     parameters (in reverse order, roughly the order backward produces their
     gradients) into buckets of about that many bytes. overlap=True starts each
     bucket's all-reduce on a communication thread as soon as its last gradient is
-    ready, while backward goes on computing; overlap=False all-reduces everything
-    after backward. Buckets are launched in the same order on every rank. Replicas
-    start equal: rank 0's parameters and buffers are broadcast at construction.
+    ready, while backward goes on computing (the first bucket is capped at
+    FIRST_BUCKET_BYTES, as DDP does, so communication starts early); overlap=False
+    all-reduces everything after backward. Buckets are launched in the same order on
+    every rank. Replicas start equal: rank 0's parameters and buffers are broadcast at
+    construction.
     """
 
     def __init__(self, module: nn.Module, bucket_bytes: int | None = 1 << 20,
@@ -123,7 +127,9 @@ class DataParallel(nn.Module):
         size = 0
         for p in params:
             nbytes = p.numel() * p.element_size()
-            if (not groups or bucket_bytes is None or size + nbytes > bucket_bytes
+            cap = bucket_bytes if len(groups) > 1 or bucket_bytes is None \
+                else min(bucket_bytes, FIRST_BUCKET_BYTES)
+            if (not groups or bucket_bytes is None or size + nbytes > cap
                     or groups[-1][0].dtype != p.dtype):
                 groups.append([])
                 size = 0

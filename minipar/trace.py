@@ -82,7 +82,7 @@ class Summary:
         return "\n".join(rows)
 
 
-def _union_length(intervals: list[tuple[float, float]]) -> float:
+def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by intervals, counting overlaps once (nested spans)."""
     total, cur_start, cur_end = 0.0, None, None
     for start, end in sorted(intervals):
@@ -151,8 +151,8 @@ class Timeline:
         busy, comm, idle = [], [], []
         for r in range(n):
             mine = [e for e in self.events if e.rank == r]
-            compute = _union_length([(e.start, e.end) for e in mine if e.track == "compute"])
-            covered = _union_length([(e.start, e.end) for e in mine])
+            compute = union_length([(e.start, e.end) for e in mine if e.track == "compute"])
+            covered = union_length([(e.start, e.end) for e in mine])
             busy.append(compute)
             comm.append(covered - compute)
             idle.append(max(span - covered, 0.0))

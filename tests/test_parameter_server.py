@@ -56,7 +56,7 @@ def test_sync_equals_single_process_sgd(world_size, servers):
     # the servers together: up = W x model, down = W x gradient
     model_bytes = ref_params.numel() * 8
     workers = world_size - servers
-    for report, sent, received in results[servers:]:
+    for _, sent, received in results[servers:]:
         assert (sent, received) == (STEPS * model_bytes, STEPS * model_bytes)
     assert sum(r[1] for r in results[:servers]) == STEPS * workers * model_bytes
     assert sum(r[2] for r in results[:servers]) == STEPS * workers * model_bytes
