@@ -1,0 +1,156 @@
+"""Relaxed synchronization: communicate less often, or without waiting, or without locks.
+
+- `local_sgd`: every rank takes H SGD steps on its own shard, then the ranks
+  average their parameters (one all-reduce per H steps instead of per step).
+  With H = 1 and plain SGD this is exactly synchronous data parallelism.
+- `co2_local_sgd` (after CO2, Sun et al. 2024): the same, but round r's average
+  runs on a communication thread while round r+1's local steps compute. When it
+  lands, the rank keeps its local progress since the snapshot and rebases it on the
+  average: params = average(snapshot_r) + (params - snapshot_r). The average a rank
+  uses is therefore one round stale, the price of hiding the communication.
+- `hogwild`: ranks share one parameter tensor in memory (a file mapped by every
+  process) and apply their SGD updates to it without locks, as in Hogwild! (Niu et
+  al. 2011): updates can interleave and overwrite each other, and training still
+  converges when updates are sparse or small.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from . import collectives
+from .data_parallel import shard
+from .runtime import rank
+from .trace import record
+
+
+@dataclass
+class RelaxedReport:
+    """Per-step local losses and how many averaging rounds ran."""
+
+    losses: list[float] = field(default_factory=list)
+    rounds: int = 0
+
+
+def _check_h(local_steps: int) -> None:
+    if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+        raise ValueError(f"local_steps must be an int >= 1 (SGD steps between averages); "
+                         f"got {local_steps!r}")
+
+
+def _local_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable,
+                lr: float, step: int) -> float:
+    with record("compute", "local step", step=step):
+        model.zero_grad()
+        loss = loss_fn(model(shard(x)), shard(y))
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+    return loss.item()
+
+
+def _average(flat: torch.Tensor) -> torch.Tensor:
+    with record("all_reduce", "average parameters"):
+        return collectives.all_reduce(flat, op="avg")
+
+
+def local_sgd(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              loss_fn: Callable, lr: float, local_steps: int) -> RelaxedReport:
+    """H = local_steps SGD steps on this rank's shard of each batch, then average parameters."""
+    _check_h(local_steps)
+    report = RelaxedReport()
+    for step, (x, y) in enumerate(batches):
+        report.losses.append(_local_step(model, x, y, loss_fn, lr, step))
+        if (step + 1) % local_steps == 0 or step == len(batches) - 1:
+            with torch.no_grad():
+                flat = _average(parameters_to_vector(model.parameters()))
+                vector_to_parameters(flat, model.parameters())
+            report.rounds += 1
+    return report
+
+
+def co2_local_sgd(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                  loss_fn: Callable, lr: float, local_steps: int) -> RelaxedReport:
+    """Local SGD whose averages run while the next round computes (one round stale)."""
+    _check_h(local_steps)
+    report = RelaxedReport()
+    pending: tuple[threading.Thread, torch.Tensor, torch.Tensor] | None = None
+
+    def land() -> None:
+        thread, snapshot, averaged = pending
+        thread.join()
+        with torch.no_grad():
+            current = parameters_to_vector(model.parameters())
+            vector_to_parameters(averaged + (current - snapshot), model.parameters())
+        report.rounds += 1
+
+    for step, (x, y) in enumerate(batches):
+        report.losses.append(_local_step(model, x, y, loss_fn, lr, step))
+        if (step + 1) % local_steps == 0 or step == len(batches) - 1:
+            if pending is not None:
+                land()  # last round's average, computed while this round ran
+            with torch.no_grad():
+                snapshot = parameters_to_vector(model.parameters()).clone()
+            averaged = snapshot.clone()
+            thread = threading.Thread(target=_average, args=(averaged,), daemon=True)
+            thread.start()
+            pending = (thread, snapshot, averaged)
+    if pending is not None:
+        land()
+    return report
+
+
+def hogwild(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+            loss_fn: Callable, lr: float, shared_file: str) -> RelaxedReport:
+    """Lock-free SGD on parameters every rank maps from `shared_file` (rank 0 writes the
+    start values into it; the others wait at a barrier). Each rank trains on its own
+    shard of every batch and writes straight into the shared tensor."""
+    import torch.distributed as dist
+
+    params = list(model.parameters())
+    if any(p.dtype != torch.float32 for p in params):
+        raise ValueError("hogwild shares float32 memory: build the model in float32")
+    count = sum(p.numel() for p in params)
+    if rank() == 0:
+        with torch.no_grad():
+            start = parameters_to_vector(params).to(torch.float32).contiguous()
+        start.numpy().tofile(shared_file)
+    dist.barrier()
+    shared = torch.from_file(shared_file, shared=True, size=count, dtype=torch.float32)
+    offset = 0
+    for p in params:  # every parameter becomes a view of the shared memory
+        p.data = shared[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+    report = RelaxedReport()
+    for step, (x, y) in enumerate(batches):
+        report.losses.append(_local_step(model, x, y, loss_fn, lr, step))
+    dist.barrier()
+    return report
+
+
+def train_relaxed(method: str, model_fn: Callable[[], nn.Module], batches: Sequence,
+                  loss_fn: Callable, lr: float, local_steps: int = 4,
+                  shared_file: str | None = None) -> tuple[RelaxedReport, torch.Tensor]:
+    """Run one method by name on this rank; return its report and final parameters."""
+    model = model_fn()
+    if method == "local_sgd":
+        report = local_sgd(model, batches, loss_fn, lr, local_steps)
+    elif method == "co2":
+        report = co2_local_sgd(model, batches, loss_fn, lr, local_steps)
+    elif method == "hogwild":
+        if shared_file is None:
+            raise ValueError("hogwild needs shared_file: a path every rank can map")
+        report = hogwild(model, batches, loss_fn, lr, shared_file)
+    else:
+        raise ValueError(f"method must be one of 'local_sgd', 'co2', 'hogwild'; got {method!r}")
+    with torch.no_grad():
+        return report, parameters_to_vector(model.parameters()).detach().clone()
+
