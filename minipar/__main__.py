@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
             from .tour import run_tour
 
             rows = run_tour(args.out)
-            return 0 if all(r.matches for r in rows) else 1
+            return 0 if all(r.matches is not False for r in rows) else 1
         if args.command == "bench":
             from .bench import run_benchmark
 

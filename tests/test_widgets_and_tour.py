@@ -39,7 +39,8 @@ def test_viewer_plays_from_a_cache():
 
 def test_tour_matches_one_process_and_writes_its_files(tmp_path, capsys):
     rows = tour.run_tour(tmp_path)
-    assert rows and all(row.matches for row in rows)
+    assert rows and all(row.matches is not False for row in rows)
+    assert sum(row.matches is True for row in rows) >= 10
     report = capsys.readouterr().out
     assert "matches one process?" in report and "NO" not in report
     assert json.loads((tmp_path / "report.json").read_text())[0]["technique"] == rows[0].technique
