@@ -198,9 +198,10 @@ class DataParallel(nn.Module):
     def _finish(self) -> None:
         """End of backward: launch what is left (unused parameters count as zero
         gradients), wait for every bucket, and write the averages into .grad."""
-        for bucket in self.buckets[self._next:]:
-            self._launch(bucket)
-        self._queue.join()
+        with record("wait", "gradient sync"):
+            for bucket in self.buckets[self._next:]:
+                self._launch(bucket)
+            self._queue.join()
         if self._errors:
             error, self._errors = self._errors[0], []
             raise RuntimeError(f"gradient all-reduce failed on rank {rank()}: {error}") from error

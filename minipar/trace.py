@@ -97,6 +97,29 @@ def union_length(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def overlap_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Time covered by both sets of intervals."""
+    a, b = _merged(a), _merged(b)
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
 class Timeline:
     """The events of all ranks on one clock, sorted by start time."""
 
@@ -141,9 +164,10 @@ class Timeline:
     def summary(self, world_size: int | None = None) -> Summary:
         """Compute, communication and idle time per rank; they add up to the makespan.
 
-        Busy is the union of a rank's compute-track events (nested spans count once),
-        comm the rest of the time covered by its communication events, idle the time
-        covered by nothing. The bubble fraction is the share of all rank-time not
+        Busy is the union of a rank's compute-track events (nested spans count once)
+        minus any "wait" events inside them (a rank blocked in a wait is not computing,
+        even inside a compute span); comm is the rest of the time covered by events;
+        idle is the time covered by nothing. The bubble fraction is the share of all rank-time not
         spent computing: 1 - sum(busy) / (ranks x makespan).
         """
         n = world_size if world_size is not None else (max(self.ranks) + 1 if self.events else 0)
@@ -151,7 +175,9 @@ class Timeline:
         busy, comm, idle = [], [], []
         for r in range(n):
             mine = [e for e in self.events if e.rank == r]
-            compute = union_length([(e.start, e.end) for e in mine if e.track == "compute"])
+            spans = [(e.start, e.end) for e in mine if e.track == "compute"]
+            compute = union_length(spans) - overlap_length(
+                spans, [(e.start, e.end) for e in mine if e.kind == "wait"])
             covered = union_length([(e.start, e.end) for e in mine])
             busy.append(compute)
             comm.append(covered - compute)

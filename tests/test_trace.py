@@ -74,3 +74,13 @@ def test_recording_can_be_switched_off():
 def test_empty_timeline_is_harmless():
     empty = Timeline()
     assert empty.makespan == 0 and empty.summary().bubble_fraction == 0.0
+
+
+def test_waiting_inside_a_compute_span_is_not_busy():
+    timeline = Timeline([Event(0, "compute", "backward", 0.0, 1.0),
+                         Event(0, "wait", "gradient sync", 0.6, 1.0),
+                         Event(0, "compute", "optimizer", 1.0, 1.2)])
+    s = timeline.summary()
+    assert s.busy == pytest.approx([0.8]) and s.comm == pytest.approx([0.4])
+    assert s.idle == pytest.approx([0.0])
+    assert trace.overlap_length([(0, 2), (3, 4)], [(1, 3.5)]) == pytest.approx(1.5)

@@ -77,3 +77,15 @@ def test_collective_recording_matches_the_meter_and_renders(cluster4):
     animator.step.value = 1
     assert set(animator._cache) == {0, 1}
     animator.close()
+
+
+def test_speedup_lab_measures_real_ranks_and_draws():
+    from minipar.widgets import SpeedupLab, render_speedup
+
+    lab = SpeedupLab(ranks=2, width=128, per_rank=8)
+    rows = lab.measure()
+    assert [r["ranks"] for r in rows] == [1, 2] and rows[0]["speedup"] == 1.0
+    assert all(r["compute"] > 0 and r["model_speedup"] > 0 for r in rows)
+    assert rows[1]["comm"] > 0  # two ranks exchange gradients; one does not
+    assert lab.image.value.startswith(b"\x89PNG") and "best:" in lab.status.value
+    assert render_speedup(rows).axes

@@ -11,7 +11,14 @@ from .collective_view import (
     render_collective_frame,
     render_collective_strip,
 )
-from .render import KIND_COLORS, kind_colors, render_summary, render_timeline, to_png
+from .render import (
+    KIND_COLORS,
+    kind_colors,
+    render_speedup,
+    render_summary,
+    render_timeline,
+    to_png,
+)
 
 
 def show(fig) -> None:
@@ -26,6 +33,10 @@ def __getattr__(name: str):
         from .timeline_viewer import TimelineViewer
 
         return TimelineViewer
+    if name == "SpeedupLab":
+        from .speedup_lab import SpeedupLab
+
+        return SpeedupLab
     if name == "CollectiveAnimator":
         from .collective_animator import CollectiveAnimator
 
@@ -34,5 +45,6 @@ def __getattr__(name: str):
 
 
 __all__ = ["KIND_COLORS", "CollectiveAnimator", "CollectiveRecording", "TimelineViewer",
-           "kind_colors", "record_all_reduce", "render_collective_frame",
-           "render_collective_strip", "render_summary", "render_timeline", "show", "to_png"]
+           "SpeedupLab", "kind_colors", "record_all_reduce", "render_collective_frame",
+           "render_collective_strip", "render_speedup", "render_summary", "render_timeline",
+           "show", "to_png"]

@@ -95,3 +95,31 @@ def to_png(fig: Figure, dpi: int = 100) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi)
     return buffer.getvalue()
+
+
+def render_speedup(rows: list[dict], title: str = "") -> Figure:
+    """Measured speedup vs ranks beside the ideal and the model, and where each rank's
+    step time went (compute / communication not hidden / idle)."""
+    fig = Figure(figsize=(10, 3.6), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    ranks = [r["ranks"] for r in rows]
+    left.plot(ranks, ranks, color="#B0B0B0", linestyle="--", label="ideal")
+    left.plot(ranks, [r["model_speedup"] for r in rows], color="black", linewidth=1,
+              label="alpha-beta model")
+    left.plot(ranks, [r["speedup"] for r in rows], marker="o", color="#4C72B0",
+              label="measured")
+    left.set_xticks(ranks)
+    left.set_xlabel("ranks")
+    left.set_ylabel("speedup (samples/s vs 1 rank)")
+    left.legend(fontsize=8)
+    left.set_title(title, fontsize=9)
+    bottom = [0.0] * len(rows)
+    for key, color in (("compute", "#4C72B0"), ("comm", "#8172B3"), ("idle", "#DDDDDD")):
+        values = [r[key] * 1e3 for r in rows]
+        right.bar([str(k) for k in ranks], values, bottom=bottom, color=color, label=key)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    right.set_xlabel("ranks")
+    right.set_ylabel("ms per step, per rank")
+    right.set_title("where a step goes (from the Timeline)", fontsize=9)
+    right.legend(fontsize=8)
+    return fig

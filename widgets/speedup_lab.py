@@ -1,0 +1,50 @@
+"""SpeedupLab: measure data-parallel speedup on real ranks beside the ideal and the model."""
+
+from __future__ import annotations
+
+import ipywidgets as w
+
+from minipar.bench import COMPRESSION_CHOICES, measure_speedup
+
+from .render import render_speedup, to_png
+
+BUCKETS = {"one per parameter": None, "256 KiB": 256 << 10, "1 MiB": 1 << 20, "25 MiB": 25 << 20}
+
+
+class SpeedupLab(w.VBox):
+    """Pick ranks, model width, batch per rank, bucket size and compression; "measure"
+    runs the training steps on 1..K real ranks (a few seconds) and plots the result."""
+
+    def __init__(self, ranks: int = 2, width: int = 256, per_rank: int = 512) -> None:
+        self.ranks = w.IntSlider(min=2, max=4, value=ranks, description="max ranks",
+                                 continuous_update=False)
+        self.width = w.Dropdown(options=[128, 256, 512, 1024, 2048], value=width,
+                                description="width")
+        self.per_rank = w.Dropdown(options=[8, 32, 64, 128, 512], value=per_rank,
+                                   description="batch/rank")
+        self.bucket = w.Dropdown(options=list(BUCKETS), value="1 MiB", description="bucket")
+        self.compression = w.Dropdown(options=COMPRESSION_CHOICES, value="none",
+                                      description="compression")
+        self.button = w.Button(description="measure", button_style="primary")
+        self.image = w.Image(format="png")
+        self.status = w.HTML("press measure: runs real ranks")
+        self.button.on_click(lambda _: self.measure())
+        self.rows: list[dict] = []
+        super().__init__([w.HBox([self.ranks, self.width, self.per_rank]),
+                          w.HBox([self.bucket, self.compression, self.button]),
+                          self.status, self.image])
+
+    def measure(self) -> list[dict]:
+        """Run the measurement now and redraw; returns the rows it plotted."""
+        self.status.value = "measuring..."
+        self.rows = measure_speedup(self.ranks.value, self.width.value, self.per_rank.value,
+                                    BUCKETS[self.bucket.value], self.compression.value)
+        self.image.value = to_png(render_speedup(self.rows, self._title()))
+        best = max(self.rows, key=lambda r: r["speedup"])
+        self.status.value = (f"best: {best['speedup']:.2f}x on {best['ranks']} ranks "
+                             f"(ideal {best['ranks']}x)")
+        return self.rows
+
+    def _title(self) -> str:
+        return (f"width {self.width.value}, {self.per_rank.value}/rank, bucket "
+                f"{self.bucket.value}, compression {self.compression.value}")
