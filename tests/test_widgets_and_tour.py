@@ -87,5 +87,5 @@ def test_speedup_lab_measures_real_ranks_and_draws():
     assert [r["ranks"] for r in rows] == [1, 2] and rows[0]["speedup"] == 1.0
     assert all(r["compute"] > 0 and r["model_speedup"] > 0 for r in rows)
     assert rows[1]["comm"] > 0  # two ranks exchange gradients; one does not
-    assert lab.image.value.startswith(b"\x89PNG") and "best:" in lab.status.value
+    assert bytes(lab.image.value).startswith(b"\x89PNG") and "best:" in lab.status.value
     assert render_speedup(rows).axes
