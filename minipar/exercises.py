@@ -318,7 +318,8 @@ def check_gradient_hook(average_gradient_hook: Callable, world_size: int = 4) ->
             if torch.allclose(mine, want * world_size, rtol=1e-10, atol=1e-12):
                 hint = (f" It is {world_size}x too large: you summed the ranks' gradients; "
                         "divide by the world size to average them.")
-            elif rank == 0 and not torch.allclose(torch.tensor(got[1][index]), mine):
+            elif rank == 0 and not torch.allclose(
+                    torch.tensor(got[1][index], dtype=torch.float64), mine):
                 hint = " Ranks disagree: the gradient was not all-reduced."
             raise ExerciseError(f"average_gradient_hook: rank {rank}, parameter '{names[index]}' "
                                 f"has gradient {mine[:3].tolist()}..., expected "

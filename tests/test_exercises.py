@@ -155,3 +155,35 @@ def test_ring_check_turns_a_deadlock_into_advice():
     with pytest.raises(exercises.ExerciseError, match="deadlock.*called from "
                                                       "ring_with_blocking_sends"):
         exercises.check_ring_all_reduce(ring_with_blocking_sends, world_sizes=(2,), timeout=4)
+
+
+def summing_hook(param):
+    dist.all_reduce(param.grad)
+
+
+def local_hook(param):
+    param.grad.mul_(1.0)
+
+
+def per_tensor_all_reduce(grads, bucket_bytes):
+    from minipar import collectives
+
+    for g in grads:
+        collectives.all_reduce(g, op="avg")
+
+
+def forgets_to_copy_back(grads, bucket_bytes):
+    from minipar import collectives
+
+    collectives.all_reduce(torch.cat([g.reshape(-1) for g in grads]), op="avg")
+
+
+@pytest.mark.parametrize("check, fn, words", [
+    (exercises.check_gradient_hook, summing_hook, "4x too large: you summed"),
+    (exercises.check_gradient_hook, local_hook, "Ranks disagree: the gradient was not"),
+    (exercises.check_bucketing, per_tensor_all_reduce, "One all-reduce per tensor is not"),
+    (exercises.check_bucketing, forgets_to_copy_back, "Did you copy the bucket back"),
+])
+def test_lesson02_checks_explain_mistakes(check, fn, words):
+    with pytest.raises(exercises.ExerciseError, match=words):
+        check(fn)

@@ -95,3 +95,33 @@ def test_bad_configurations_are_refused(cluster2):
                           ({"mode": "gossip"}, "mode must be one of"),
                           ({"max_staleness": -1}, "max_staleness must be None or an int")]:
         assert words in cluster2.run(attempt, kwargs)[0]
+
+
+def _worker_dies():
+    model, batches = _setup()
+
+    def exploding_loss(out, y):
+        if minipar.rank() == 2 and len(exploding_loss.calls) == 2:
+            raise RuntimeError("worker lost its data")
+        exploding_loss.calls.append(1)
+        return _mse(out, y)
+
+    exploding_loss.calls = []
+    train_parameter_server(model, batches, exploding_loss, LR)
+
+
+def test_a_worker_dying_mid_training_is_named_not_a_hang():
+    with pytest.raises(minipar.RankError, match="rank 2 raised RuntimeError: worker lost its data"):
+        minipar.launch(_worker_dies, 3, backend="gloo", timeout=30)
+
+
+def test_more_servers_than_parameters_is_refused():
+    def attempt():
+        tiny = torch.nn.Linear(1, 1, bias=False)  # one parameter
+        try:
+            train_parameter_server(tiny, [], _mse, LR, servers=2)
+        except ValueError as err:
+            return str(err)
+
+    assert "the model has only 1 parameters; use at most 1 servers" in \
+        minipar.launch(attempt, 3, backend="gloo", timeout=30)[0]

@@ -224,6 +224,8 @@ def test_where_waiting_reads_a_stack_dump():
                         "hello from rank 1 of 2 on cpu: sum = 3", "all 2 ranks agree on 3: True"]),
     ("minipar.collectives", [f"rank {r}: {a:17} matches torch: True" for r in (0, 1)
                              for a in ("naive", "tree", "ring", "halving_doubling")]),
+    ("minipar.data_parallel", ["rank 0: equals one process: True",
+                               "rank 1: equals one process: True"]),
 ])
 def test_torchrun_mode_joins_the_process_group(module, expected):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
