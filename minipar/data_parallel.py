@@ -49,6 +49,23 @@ def shard_weight(local: int, global_: int, world: int | None = None) -> float:
     return world * local / global_
 
 
+def single_process_sgd(model: nn.Module, batches, loss_fn, lr: float
+                       ) -> tuple[list[float], torch.Tensor]:
+    """The reference every data-parallel method is held to: one process, whole batches,
+    plain SGD. Returns the loss of each step and the final flattened parameters."""
+    from torch.nn.utils import parameters_to_vector
+
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for x, y in batches:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, parameters_to_vector(model.parameters()).detach()
+
+
 class _Bucket:
     """Parameters whose gradients travel together in one flat tensor."""
 

@@ -183,18 +183,9 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _reference_sgd(lr: float = 0.05) -> tuple[list[float], torch.Tensor]:
-    from torch.nn.utils import parameters_to_vector
+    from .data_parallel import single_process_sgd
 
-    model = _dp_model()
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses = []
-    for x, y in _dp_batches():
-        loss = _mse(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, parameters_to_vector(model.parameters()).detach()
+    return single_process_sgd(_dp_model(), _dp_batches(), _mse, lr)
 
 
 def _all_reduce_trainer(lr: float = 0.05) -> tuple:

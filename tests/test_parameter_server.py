@@ -3,10 +3,10 @@ async converges with bounded, recorded staleness."""
 
 import pytest
 import torch
-from torch.nn.utils import parameters_to_vector
 
 import minipar
 from minipar import collectives
+from minipar.data_parallel import single_process_sgd
 from minipar.models import mlp, regression_data
 from minipar.parameter_server import train_parameter_server
 
@@ -25,15 +25,7 @@ def _mse(out, y):
 
 def _single_process():
     model, batches = _setup()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for x, y in batches:
-        loss = _mse(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, parameters_to_vector(model.parameters()).detach()
+    return single_process_sgd(model, batches, _mse, LR)
 
 
 def _run_sync(servers):

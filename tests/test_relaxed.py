@@ -4,6 +4,7 @@ averages with local steps; Hogwild! ranks share one tensor and still converge.""
 import torch
 
 import minipar
+from minipar.data_parallel import single_process_sgd
 from minipar.models import mlp, regression_data
 from minipar.relaxed import train_relaxed
 
@@ -30,13 +31,7 @@ def _mse(out, y):
 def test_local_sgd_with_one_local_step_is_synchronous_sgd():
     results = minipar.launch(train_relaxed, 4, "local_sgd", _model64, _batches(5), _mse, 0.2,
                              local_steps=1, backend="gloo", timeout=60)
-    model = _model64()
-    opt = torch.optim.SGD(model.parameters(), lr=0.2)
-    for x, y in _batches(5):
-        _mse(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    reference = torch.nn.utils.parameters_to_vector(model.parameters()).detach()
+    _, reference = single_process_sgd(_model64(), _batches(5), _mse, 0.2)
     for report, params in results:
         assert report.rounds == 5
         assert torch.allclose(params, reference, rtol=1e-12, atol=1e-14)
