@@ -1,0 +1,64 @@
+"""Replay a schedule with modelled costs: the ideal Timeline of a pipeline.
+
+Each rank runs its actions in order. A compute action takes its kind's cost; a send
+costs nothing to the sender and its message lands `costs["p2p"]` seconds later; a
+receive waits until its message has landed. The result is the same kind of Timeline
+a real run records, so ideal and measured runs are drawn and summarized alike.
+"""
+
+from __future__ import annotations
+
+from ..trace import Event, Timeline
+from .schedules import Schedule
+
+
+def simulate(plan: Schedule, costs: dict[str, float]) -> Timeline:
+    """The Timeline of `plan` when F, B, I, W take costs[kind] and a message costs["p2p"].
+
+    Raises ValueError naming the stuck ranks and their next actions on a deadlock.
+    """
+    p2p = costs.get("p2p", 0.0)
+    for kind in ("F", "B", "I", "W"):
+        if costs.get(kind, 1.0) < 0:
+            raise ValueError(f"costs[{kind!r}] must be >= 0 seconds; got {costs[kind]!r}")
+    clock = [0.0] * plan.ranks
+    position = [0] * plan.ranks
+    landed: dict[tuple[str, int, int], float] = {}  # (direction, stage sent to, mb) -> time
+    events: list[Event] = []
+    while True:
+        progressed = False
+        for r in range(plan.ranks):
+            actions = plan.actions[r]
+            while position[r] < len(actions):
+                a = actions[position[r]]
+                if a.kind.startswith("RECV"):
+                    key = (a.kind[-1], a.stage, a.microbatch)
+                    if key not in landed:
+                        break
+                    start = max(clock[r], landed[key])
+                    if start > clock[r]:
+                        events.append(Event(r, "wait", str(a), clock[r], start,
+                                            stage=a.stage, microbatch=a.microbatch))
+                    clock[r] = start
+                elif a.kind.startswith("SEND"):
+                    target = a.stage + 1 if a.kind == "SEND_F" else a.stage - 1
+                    landed[(a.kind[-1], target, a.microbatch)] = clock[r] + p2p
+                    if p2p:
+                        events.append(Event(r, "send", str(a), clock[r], clock[r] + p2p,
+                                            stage=a.stage, microbatch=a.microbatch,
+                                            peer=plan.rank_of(target)))
+                else:
+                    cost = costs.get(a.kind, 1.0)
+                    events.append(Event(r, a.kind, str(a), clock[r], clock[r] + cost,
+                                        stage=a.stage, microbatch=a.microbatch))
+                    clock[r] += cost
+                position[r] += 1
+                progressed = True
+        if all(position[r] == len(plan.actions[r]) for r in range(plan.ranks)):
+            return Timeline(events)
+        if not progressed:
+            stuck = {r: str(plan.actions[r][position[r]]) for r in range(plan.ranks)
+                     if position[r] < len(plan.actions[r])}
+            raise ValueError("deadlock: " + ", ".join(f"rank {r} waits at {a}"
+                                                      for r, a in stuck.items())
+                             + " and nothing it waits for can still be sent")

@@ -1,0 +1,104 @@
+"""Schedules as data: every generator validates; the simulator reproduces the bubble and
+memory figures of the lecture; the validator catches broken schedules."""
+
+import dataclasses
+
+import pytest
+
+from minipar.pipeline import SCHEDULES, Action, peak_in_flight, schedule, simulate, validate
+
+UNIT = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # B = 2F, split evenly into I and W
+
+
+def bubble(name, p, m, v=1, costs=UNIT):
+    return simulate(schedule(name, p, m, v), costs).summary(p).bubble_fraction
+
+
+def test_actions_print_like_torch_pipelining():
+    assert str(Action(2, "F", 0)) == "2F0" and str(Action(1, "SEND_B", 3)) == "1SEND_B3"
+    plan = schedule("1f1b", 2, 2)
+    assert [str(a) for a in plan.actions[0]] == ["0F0", "0SEND_F0", "0F1", "0SEND_F1",
+                                                 "0RECV_B0", "0B0", "0RECV_B1", "0B1"]
+    assert str(plan).splitlines()[1] == "rank 1: 1F0 1B0 1F1 1B1"
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "pipedream"])
+def test_bubble_is_p_minus_1_over_m_plus_p_minus_1(name):
+    assert bubble(name, 4, 8) == pytest.approx(3 / 11)  # 0.2727
+    for p, m in [(2, 1), (2, 8), (3, 5), (4, 4)]:
+        assert bubble(name, p, m) == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.parametrize("p, m, v", [(2, 4, 2), (4, 8, 2), (2, 6, 3), (4, 8, 4)])
+def test_interleaving_divides_the_bubble_by_v(p, m, v):
+    assert bubble("interleaved_1f1b", p, m, v) == pytest.approx((p - 1) / (v * m + p - 1))
+
+
+def test_zero_bubble_beats_1f1b_with_the_same_memory():
+    for p, m in [(2, 4), (4, 8), (4, 16)]:
+        assert bubble("zb_h1", p, m) < bubble("1f1b", p, m)
+        assert peak_in_flight(schedule("zb_h1", p, m)) == peak_in_flight(schedule("1f1b", p, m))
+
+
+def test_naive_split_gives_no_speedup():
+    assert bubble("naive", 4, 1) == pytest.approx(3 / 4)
+
+
+def test_peak_activations_gpipe_m_everywhere_1f1b_p_minus_rank():
+    assert peak_in_flight(schedule("gpipe", 4, 8)) == [8, 8, 8, 8]
+    assert peak_in_flight(schedule("1f1b", 4, 8)) == [4, 3, 2, 1]
+    assert peak_in_flight(schedule("looped_bfs", 2, 4, 2)) == [8, 8]
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_every_schedule_validates_over_a_grid(name):
+    for p in (1, 2, 3, 4):
+        for m in (1, 2, 3, 4, 8):
+            for v in ((1, 2, 3) if name in ("interleaved_1f1b", "looped_bfs") else (1,)):
+                if (name == "naive" and m != 1) or (name == "interleaved_1f1b" and m % p):
+                    continue
+                plan = schedule(name, p, m, v)  # validates inside
+                assert plan.stages == p * v
+
+
+def test_simulated_makespan_and_p2p():
+    plan = schedule("gpipe", 2, 2)
+    assert simulate(plan, UNIT).makespan == pytest.approx(3 * 3)  # (m+p-1)(F+B)
+    slow = simulate(plan, {**UNIT, "p2p": 0.5})
+    assert slow.makespan == pytest.approx(9 + 2 * 0.5)  # one hop forward, one back
+    with pytest.raises(ValueError, match="costs\\['F'\\] must be >= 0"):
+        simulate(plan, {"F": -1.0})
+
+
+@pytest.mark.parametrize("args, words", [
+    (("gpipe", 4, 8, 2), "virtual stages apply to"),
+    (("interleaved_1f1b", 4, 6, 2), "microbatches must be a multiple of 4"),
+    (("naive", 2, 4), "microbatches must be 1"),
+    (("gpipe", 0, 4), "stages must be an int >= 1"),
+    (("wavefront", 2, 2), "name must be one of"),
+])
+def test_impossible_combinations_name_the_constraint(args, words):
+    with pytest.raises(ValueError, match=words):
+        schedule(*args)
+
+
+def _broken(plan, rank, actions):
+    copy = dataclasses.replace(plan, actions=[list(a) for a in plan.actions])
+    copy.actions[rank] = actions
+    return copy
+
+
+def test_validate_catches_what_goes_wrong():
+    plan = schedule("1f1b", 2, 2)
+    r1 = plan.actions[1]
+    with pytest.raises(ValueError, match="stage 1, micro-batch 0: expected F then B"):
+        validate(_broken(plan, 1, [a for a in r1 if str(a) != "1B0"]))
+    with pytest.raises(ValueError, match="must match in order"):
+        swapped = [Action(1, "RECV_F", 1) if str(a) == "1RECV_F0" else
+                   Action(1, "RECV_F", 0) if str(a) == "1RECV_F1" else a for a in r1]
+        validate(_broken(plan, 1, swapped))
+    with pytest.raises(ValueError, match="deadlock: rank 0 waits at 0RECV_B0"):
+        r0 = plan.actions[0]  # rank 0 waits for a gradient before sending its activations
+        validate(_broken(plan, 0, [r0[0], r0[2], r0[4], r0[1], r0[3], *r0[5:]]))
+    with pytest.raises(ValueError, match="lives on rank 0"):
+        validate(_broken(plan, 1, [Action(0, "F", 0), *r1]))
