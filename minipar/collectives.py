@@ -591,6 +591,34 @@ def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None)
     comm.exchange("p2p", sends=[(tensor.contiguous().view(-1), dst, None)])
 
 
+class PendingSend:
+    """A send in flight; `wait()` blocks until the data has left, then meters it."""
+
+    def __init__(self, work: dist.Work, tensor: torch.Tensor, dst: int, start: float) -> None:
+        self.work, self.tensor, self.dst, self.start = work, tensor, dst, start
+
+    def wait(self) -> None:
+        self.work.wait()
+        nbytes = self.tensor.numel() * self.tensor.element_size()
+        for m in _meters:
+            m.sent_bytes += nbytes
+            m.messages += 1
+            m.transfers.append(Transfer("isend", "p2p", 0, "send", self.dst, None, nbytes))
+        trace.add_event("send", "isend", self.start, trace.now(), peer=self.dst, bytes=nbytes)
+
+
+def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> PendingSend:
+    """Start sending `tensor` to `dst` without waiting (pipelines need it: with blocking
+    sends, two stages that each send before receiving deadlock). Keep `tensor` unchanged
+    and call `.wait()` on the result before reusing it."""
+    _check_tensor(tensor)
+    size = dist.get_world_size(group)
+    _check_root("dst", dst, size)
+    data = tensor.contiguous()
+    peer = dst if group is None else dist.get_global_rank(group, dst)
+    return PendingSend(dist.isend(data, peer, group), data, dst, trace.now())
+
+
 def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Receive into `tensor` from rank `src` (metered); returns `tensor`."""
     _check_tensor(tensor)

@@ -1,11 +1,13 @@
-"""Pipeline parallelism: schedules as data (schedules.py), a simulator (simulate.py).
+"""Pipeline parallelism: schedules as data (schedules.py), a simulator (simulate.py),
+and an engine that runs them on real ranks (engine.py).
 
 A schedule is a list of actions per rank; one validator checks it and one simulator
 turns it plus modelled costs into a Timeline, the same picture a real run records.
 """
 
+from .engine import Pipeline, split_model
 from .schedules import SCHEDULES, Action, Schedule, peak_in_flight, schedule, validate
 from .simulate import simulate
 
-__all__ = ["SCHEDULES", "Action", "Schedule", "peak_in_flight", "schedule", "simulate",
-           "validate"]
+__all__ = ["SCHEDULES", "Action", "Pipeline", "Schedule", "peak_in_flight", "schedule",
+           "simulate", "split_model", "validate"]

@@ -1,0 +1,208 @@
+"""Run a pipeline schedule on real ranks: stages of a model, activations forward,
+gradients back, with minipar's metered point-to-point and a recorded Timeline.
+
+Every rank builds the same model, `split_model` cuts it into stages, and each rank
+keeps the stages the schedule places on it (stage j on rank j % p). `train_step` then
+executes this rank's actions in order.
+
+Loss-scaling convention (as in data_parallel): the batch is split into micro-batches
+with torch.tensor_split, and micro-batch i's mean loss is weighted by n_i / N, so the
+summed loss is the mean over the whole batch and every gradient equals the
+single-process gradient of that mean (exact up to float rounding; tests use float64
+and rtol 1e-10).
+
+Each stage's input is a detached leaf that requires grad, so a backward pass stops
+at the stage boundary and its input gradient is what travels back. With the backward
+split (zero bubble), I computes only that input gradient and W only the weight
+gradients, both from the same retained graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .. import collectives
+from ..runtime import rank
+from ..trace import record
+from .schedules import Action, Schedule
+
+_HEADER = 9  # ndim + up to 8 dimensions, sent before each activation
+
+
+def split_model(model: nn.Sequential | Sequence[nn.Module], stages: int,
+                boundaries: Sequence[int] | None = None) -> list[nn.Sequential]:
+    """Cut a sequence of layers into `stages` contiguous stages.
+
+    `boundaries` gives the index of each stage's first layer after the first (len
+    stages - 1); without it, stages are balanced by parameter count (the split
+    minimizing the largest stage, by dynamic programming).
+    """
+    layers = list(model)
+    n = len(layers)
+    if isinstance(stages, bool) or not isinstance(stages, int) or not 1 <= stages <= n:
+        raise ValueError(f"stages must be an int from 1 to the number of layers ({n}); "
+                         f"got {stages!r}")
+    if boundaries is None:
+        boundaries = _balanced_boundaries([sum(p.numel() for p in layer.parameters())
+                                           for layer in layers], stages)
+    cuts = [0, *boundaries, n]
+    if len(cuts) != stages + 1 or any(b <= a for a, b in zip(cuts, cuts[1:], strict=False)):
+        raise ValueError(f"boundaries must be {stages - 1} increasing layer indices in 1..{n - 1}; "
+                         f"got {list(boundaries)}")
+    return [nn.Sequential(*layers[a:b]) for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+def _balanced_boundaries(weights: list[int], stages: int) -> list[int]:
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]  # best[k][i]: first i layers, k stages
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    bounds, i = [], n
+    for k in range(stages, 1, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    return sorted(bounds)
+
+
+class Pipeline:
+    """This rank's stages of a model and the schedule that drives them."""
+
+    def __init__(self, stage_modules: Sequence[nn.Module], plan: Schedule) -> None:
+        if len(stage_modules) != plan.stages:
+            raise ValueError(f"the schedule has {plan.stages} stages but {len(stage_modules)} "
+                             "stage modules were given; split the model into that many")
+        if plan.weight_stashing:
+            raise ValueError("'pipedream' (asynchronous, weight stashing) is not run by this "
+                             "engine yet; use a synchronous schedule")
+        self.plan, self.rank = plan, rank()
+        self.modules = {s: m for s, m in enumerate(stage_modules) if plan.rank_of(s) == self.rank}
+        self.dtype = next((p.dtype for m in self.modules.values() for p in m.parameters()),
+                          torch.float32)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for s in sorted(self.modules) for p in self.modules[s].parameters()]
+
+    def train_step(self, batch: torch.Tensor, target: torch.Tensor,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float | None:
+        """Run this rank's actions for one batch; gradients accumulate into .grad.
+        Returns the batch's mean loss on the rank holding the last stage, else None."""
+        m = self.plan.microbatches
+        if batch.shape[0] < m:
+            raise ValueError(f"a batch of {batch.shape[0]} samples cannot make {m} micro-batches")
+        inputs = torch.tensor_split(batch, m)
+        targets = torch.tensor_split(target, m)
+        weights = [len(x) / len(batch) for x in inputs]
+        state = _StepState()
+        for action in self.plan.actions[self.rank]:
+            self._run(action, inputs, targets, weights, loss_fn, state)
+        for pending in state.sends:
+            pending.wait()
+        return sum(state.losses) if state.losses else None
+
+    def _run(self, a: Action, inputs, targets, weights, loss_fn, st: _StepState) -> None:
+        key, last = (a.stage, a.microbatch), self.plan.stages - 1
+        if a.kind == "RECV_F":
+            header = collectives.recv(torch.zeros(_HEADER, dtype=torch.int64),
+                                      self.plan.rank_of(a.stage - 1))
+            shape = header[1:1 + int(header[0])].tolist()
+            data = collectives.recv(torch.empty(shape, dtype=self.dtype),
+                                    self.plan.rank_of(a.stage - 1))
+            st.incoming[key] = data
+        elif a.kind == "SEND_F":
+            out = st.outputs[key].detach()
+            header = torch.zeros(_HEADER, dtype=torch.int64)
+            header[0] = out.dim()
+            header[1:1 + out.dim()] = torch.tensor(out.shape)
+            dst = self.plan.rank_of(a.stage + 1)
+            st.sends += [collectives.isend(header, dst), collectives.isend(out, dst)]
+        elif a.kind == "RECV_B":
+            grad = torch.empty_like(st.outputs[key])
+            st.grads[key] = collectives.recv(grad, self.plan.rank_of(a.stage + 1))
+        elif a.kind == "SEND_B":
+            st.sends.append(collectives.isend(st.input_grads.pop(key),
+                                              self.plan.rank_of(a.stage - 1)))
+        elif a.kind == "F":
+            with record("F", str(a), stage=a.stage, microbatch=a.microbatch):
+                if a.stage == 0:
+                    x = inputs[a.microbatch]
+                elif key in st.incoming:
+                    x = st.incoming.pop(key).requires_grad_(True)
+                else:  # the previous stage ran on this rank
+                    x = st.outputs[(a.stage - 1, a.microbatch)].detach().requires_grad_(True)
+                out = self.modules[a.stage](x)
+                st.stage_inputs[key], st.outputs[key] = x, out
+                if a.stage == last:
+                    loss = loss_fn(out, targets[a.microbatch]) * weights[a.microbatch]
+                    st.losses.append(loss.item())
+                    st.loss_tensors[key] = loss
+        else:
+            with record(a.kind, str(a), stage=a.stage, microbatch=a.microbatch):
+                self._backward(a, st)
+
+    def _backward(self, a: Action, st: _StepState) -> None:
+        key, last = (a.stage, a.microbatch), self.plan.stages - 1
+        if a.stage == last:
+            root, grad_out = st.loss_tensors[key], None
+        elif key in st.grads:
+            root, grad_out = st.outputs[key], st.grads[key]
+        else:  # the next stage ran on this rank
+            root, grad_out = st.outputs[key], st.local_grads.pop((a.stage + 1, a.microbatch))
+        x = st.stage_inputs[key]
+        params = [p for p in self.modules[a.stage].parameters() if p.requires_grad]
+        wants_input = x.requires_grad  # stage 0's input is data: nothing to send back
+        if a.kind == "B":
+            wrt = ([x] if wants_input else []) + params
+            grads = list(torch.autograd.grad(root, wrt, grad_out, allow_unused=True)) if wrt \
+                else []
+            if wants_input:
+                self._hand_back(a, grads.pop(0), st)
+            _accumulate(params, grads)
+        elif a.kind == "I":  # input gradient only; keep the graph for W
+            if wants_input:
+                (grad_x,) = torch.autograd.grad(root, [x], grad_out, retain_graph=True)
+                self._hand_back(a, grad_x, st)
+        elif params:  # W: weight gradients from the retained graph
+            _accumulate(params, torch.autograd.grad(root, params, grad_out, allow_unused=True))
+        if a.kind in ("B", "W"):
+            for store in (st.outputs, st.stage_inputs, st.grads, st.loss_tensors):
+                store.pop(key, None)
+
+    def _hand_back(self, a: Action, grad_x: torch.Tensor, st: _StepState) -> None:
+        if a.stage > 0 and self.plan.rank_of(a.stage - 1) == self.rank:
+            st.local_grads[(a.stage, a.microbatch)] = grad_x
+        else:
+            st.input_grads[(a.stage, a.microbatch)] = grad_x
+
+
+def _accumulate(params: list[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+    for p, g in zip(params, grads, strict=True):
+        if g is not None:
+            p.grad = g if p.grad is None else p.grad + g
+
+
+class _StepState:
+    """What one train_step keeps between actions, keyed by (stage, micro-batch)."""
+
+    def __init__(self) -> None:
+        self.incoming: dict = {}
+        self.outputs: dict = {}
+        self.stage_inputs: dict = {}
+        self.grads: dict = {}
+        self.local_grads: dict = {}
+        self.input_grads: dict = {}
+        self.loss_tensors: dict = {}
+        self.losses: list[float] = []
+        self.sends: list[collectives.PendingSend] = []
