@@ -536,9 +536,146 @@ def _gradient_exchange_seconds(width: int, compression: str, k: int, alpha: floa
     return total
 
 
+# --- pipelines: speedup over one process, measured bubble vs the simulator's ---
+
+def _pipeline_model(stages: int, width: int, layers_per_stage: int):
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width),
+                                                     torch.nn.Tanh())
+                                 for _ in range(stages * layers_per_stage)])
+
+
+def _pipeline_steps(name: str, microbatches: int, virtual: int, width: int, batch: int,
+                    layers_per_stage: int, steps: int) -> float:
+    """Median seconds per training step of this schedule on this rank (Timeline recorded)."""
+    import torch
+
+    from .pipeline import Pipeline, schedule, split_model
+    from .runtime import world_size
+
+    k = world_size()
+    model = _pipeline_model(k * virtual, width, layers_per_stage)
+    pipe = Pipeline(split_model(model, k * virtual), schedule(name, k, microbatches, virtual))
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    times = []
+    for step in range(steps + 1):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        pipe.train_step(x, y, lambda out, t: ((out - t) ** 2).mean())
+        if step:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _one_process_pipeline_model(stages: int, width: int, batch: int, layers_per_stage: int,
+                                steps: int) -> float:
+    import torch
+
+    torch.set_num_threads(1)
+    model = _pipeline_model(stages, width, layers_per_stage)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    times = []
+    for step in range(steps + 1):
+        start = time.perf_counter()
+        ((model(x) - y) ** 2).mean().backward()
+        if step:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measured_vs_ideal(timeline: trace.Timeline, plan) -> dict:
+    """Bubble of a real run's Timeline beside the simulator's for the same schedule fed the
+    run's own median F / B (/ I / W) costs."""
+    from .pipeline import simulate
+
+    last_step = max((e.step or 0) for e in timeline) if timeline.events else 0
+    costs = {}
+    for kind in ("F", "B", "I", "W"):
+        durations = [e.duration for e in timeline if e.kind == kind]
+        if durations:
+            costs[kind] = statistics.median(durations)
+    ideal = simulate(plan, costs).summary(plan.ranks).bubble_fraction
+    measured = timeline.summary(plan.ranks).bubble_fraction
+    return {"measured": measured, "ideal": ideal, "costs": costs, "steps": last_step}
+
+
+def bench_pipeline(microbatches: tuple[int, ...] = (1, 2, 4, 8, 16), width: int = 512,
+                   batch: int = 2048, layers_per_stage: int = 4, steps: int = 2) -> list[dict]:
+    """Two pipeline stages vs one process running both, for each micro-batch count.
+
+    The batch is large enough (2048 rows) that even 16 micro-batches keep matrix
+    products efficient; with small micro-batches per-op overhead eats the gain.
+    """
+    from .pipeline import schedule
+
+    rows = []
+    _progress("one process running both stages")
+    single = min(_one_process_pipeline_model(2, width, batch, layers_per_stage, steps)
+                 for _ in range(2))
+    with Cluster(2, backend="gloo") as cluster:
+        for name in ("gpipe", "1f1b"):
+            for m in microbatches:
+                _progress(f"{name}, m={m}")
+                best = None
+                for _ in range(2):
+                    run = cluster.run(_pipeline_steps, name, m, 1, width, batch,
+                                      layers_per_stage, steps)
+                    if best is None or max(run) < max(best):
+                        best = run
+                seconds = max(best)
+                last = trace.Timeline(e for e in best.timeline if e.kind in ("F", "B"))
+                # keep the final (measured, not warm-up) step: events after the last barrier
+                cut = sorted(e.start for e in last if e.label == "0F0")[-1]
+                compared = measured_vs_ideal(trace.Timeline(e for e in best.timeline
+                                                            if e.start >= cut),
+                                             schedule(name, 2, m))
+                rows.append({"schedule": name, "microbatches": m, "seconds": seconds,
+                             "speedup": single / seconds, "ceiling": 2 * m / (m + 1),
+                             "bubble_measured": compared["measured"],
+                             "bubble_ideal": compared["ideal"],
+                             "bubble_formula": 1 / (m + 1)})
+    return rows
+
+
+def pipeline_report(rows: list[dict], out_dir: Path) -> str:
+    """Speedup and bubble per micro-batch count; JSON and a plot against 2m/(m+1)."""
+    from matplotlib.figure import Figure
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "bench_pipeline.json").write_text(json.dumps(rows, indent=2))
+    fig = Figure(figsize=(7, 3.5), layout="constrained")
+    ax = fig.add_subplot()
+    ms = sorted({r["microbatches"] for r in rows})
+    ax.plot(ms, [2 * m / (m + 1) for m in ms], color="black", linestyle="--",
+            label="ceiling 2m/(m+1)")
+    for name in dict.fromkeys(r["schedule"] for r in rows):
+        mine = [r for r in rows if r["schedule"] == name]
+        ax.plot([r["microbatches"] for r in mine], [r["speedup"] for r in mine], marker="o",
+                label=f"{name}, measured")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("speedup over one process")
+    ax.set_title("2 pipeline stages on 2 CPU ranks", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.savefig(out_dir / "bench_pipeline.png", dpi=100)
+    shown = [{"schedule": r["schedule"], "m": r["microbatches"],
+              "speedup": f"{r['speedup']:.2f}x", "ceiling": f"{r['ceiling']:.2f}x",
+              "measured": f"{r['bubble_measured']:.3f}", "ideal": f"{r['bubble_ideal']:.3f}",
+              "formula": f"{r['bubble_formula']:.3f}"} for r in rows]
+    return ("bubble: measured from the run's Timeline; ideal = the simulator fed the run's own "
+            "median F and B times; formula = (p-1)/(m+p-1)\n"
+            + format_table(shown, [("schedule", "schedule"), ("m", "m"),
+                                   ("speedup", "speedup"), ("ceiling", "ceiling 2m/(m+1)"),
+                                   ("measured", "bubble measured"), ("ideal", "simulated"),
+                                   ("formula", "formula")]))
+
+
 BENCHMARKS = {"launch": (bench_launch, launch_report),
               "collectives": (bench_collectives, collectives_report),
-              "data-parallel": (bench_data_parallel, data_parallel_report)}
+              "data-parallel": (bench_data_parallel, data_parallel_report),
+              "pipeline": (bench_pipeline, pipeline_report)}
 
 
 def run_benchmark(name: str, out_dir: str | Path = "bench-out") -> list[dict]:

@@ -594,11 +594,12 @@ def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None)
 class PendingSend:
     """A send in flight; `wait()` blocks until the data has left, then meters it."""
 
-    def __init__(self, work: dist.Work, tensor: torch.Tensor, dst: int, start: float) -> None:
-        self.work, self.tensor, self.dst, self.start = work, tensor, dst, start
+    def __init__(self, works: list, tensor: torch.Tensor, dst: int, start: float) -> None:
+        self.works, self.tensor, self.dst, self.start = works, tensor, dst, start
 
     def wait(self) -> None:
-        self.work.wait()
+        for work in self.works:
+            work.wait()
         nbytes = self.tensor.numel() * self.tensor.element_size()
         for m in _meters:
             m.sent_bytes += nbytes
@@ -614,9 +615,12 @@ def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None
     _check_tensor(tensor)
     size = dist.get_world_size(group)
     _check_root("dst", dst, size)
-    data = tensor.contiguous()
+    data = tensor.contiguous().view(-1)
     peer = dst if group is None else dist.get_global_rank(group, dst)
-    return PendingSend(dist.isend(data, peer, group), data, dst, trace.now())
+    # the same segments and tags as exchange(), so a plain recv() on the other side matches
+    works = [dist.isend(data[a:b], peer, group, tag) for tag, (a, b) in enumerate(_segments(data))
+             if b > a]
+    return PendingSend(works, data, dst, trace.now())
 
 
 def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None) -> torch.Tensor:

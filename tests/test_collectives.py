@@ -242,3 +242,18 @@ def test_cost_model_predicts_the_metered_bytes(K, request):
     finally:
         if K not in shared:
             cluster.close()
+
+
+def test_isend_matches_a_plain_recv_across_segments(cluster2):
+    def exchange_big():
+        n = (3 << 20) // 4 + 5  # 3 MiB and a bit: four segments of different sizes
+        if minipar.rank() == 0:
+            pending = C.isend(torch.arange(n, dtype=torch.float32), 1)
+            with C.meter() as m:
+                pending.wait()
+            return m.sent_bytes
+        got = C.recv(torch.empty(n), 0)
+        return bool(torch.equal(got, torch.arange(n, dtype=torch.float32)))
+
+    sent, same = cluster2.run(exchange_big)
+    assert same and sent == ((3 << 20) // 4 + 5) * 4
