@@ -18,7 +18,7 @@ import torch
 
 from . import basics
 from .bench import format_table
-from .runtime import Cluster, Results, rank
+from .runtime import Cluster, Results, rank, world_size
 
 
 @dataclass
@@ -272,8 +272,70 @@ def step_data_parallel(ctx: TourContext) -> list[TourRow]:
     return rows
 
 
+# --- pipelines ---
+
+def _pipeline_layers(stages: int) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(stages):
+        layers += [torch.nn.Linear(64, 64, dtype=torch.float64), torch.nn.Tanh()]
+    return torch.nn.Sequential(*layers)
+
+
+def _pipeline_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    from .models import regression_data
+
+    return regression_data(64, 64, outputs=64, seed=9, dtype=torch.float64)
+
+
+def _pipeline_run(name: str, microbatches: int, virtual: int) -> tuple:
+    from .pipeline import Pipeline, schedule, split_model
+
+    k = world_size()
+    pipe = Pipeline(split_model(_pipeline_layers(k * virtual), k * virtual),
+                    schedule(name, k, microbatches, virtual))
+    x, y = _pipeline_batch()
+    start = time.perf_counter()
+    loss = pipe.train_step(x, y, _mse)
+    seconds = time.perf_counter() - start
+    return loss, {(s, i): p.grad for s, m in pipe.modules.items()
+                  for i, p in enumerate(m.parameters())}, seconds
+
+
+def step_pipeline(ctx: TourContext) -> list[TourRow]:
+    from .pipeline import schedule, simulate, split_model
+
+    rows = []
+    for name, m, v, ranks in (("gpipe", 8, 1, 2), ("1f1b", 8, 1, 4), ("interleaved_1f1b", 8, 2, 2),
+                              ("zb_h1", 8, 1, 2)):
+        model = _pipeline_layers(ranks * v)
+        x, y = _pipeline_batch()
+        reference = _mse(model(x), y)
+        reference.backward()
+        stages = split_model(_pipeline_layers(ranks * v), ranks * v)
+        where = [(s, i) for s, mod in enumerate(stages) for i, _ in enumerate(mod.parameters())]
+        ctx.cluster(ranks).run(_pipeline_run, name, m, v)  # gloo connects p2p pairs lazily
+        run = ctx.cluster(ranks).run(_pipeline_run, name, m, v)
+        grads = {key: g for r in run for key, g in r[1].items()}
+        loss = next(r[0] for r in run if r[0] is not None)
+        exact = math.isclose(loss, reference.item(), rel_tol=1e-10) and all(
+            torch.allclose(grads[key], p.grad, rtol=1e-9, atol=1e-12)
+            for key, p in zip(where, model.parameters(), strict=True))
+        plan = schedule(name, ranks, m, v)
+        ideal = simulate(plan, {"F": 1, "B": 2, "I": 1, "W": 1}).summary(ranks).bubble_fraction
+        timeline = run.timeline
+        trace_name = f"pipeline_{name}.trace.json"
+        timeline.save_chrome(ctx.out_dir / trace_name)
+        moved = sum(e.bytes or 0 for e in timeline if e.kind == "send")
+        rows.append(TourRow(f"pipeline {name} (m={m}{f', v={v}' if v > 1 else ''})", ranks,
+                            exact, max(r[2] for r in run), bytes_moved=moved,
+                            note=f"ideal bubble {ideal:.2f}; trace: {trace_name}"))
+    return rows
+
+
 STEPS: list[Callable[[TourContext], TourRow | list[TourRow]]] = [
-    step_hello, step_split_work, step_slow_worker, step_collectives, step_data_parallel]
+    step_hello, step_split_work, step_slow_worker, step_collectives, step_data_parallel,
+    step_pipeline]
 
 
 def format_report(rows: list[TourRow]) -> str:
