@@ -102,3 +102,18 @@ def test_validate_catches_what_goes_wrong():
         validate(_broken(plan, 0, [r0[0], r0[2], r0[4], r0[1], r0[3], *r0[5:]]))
     with pytest.raises(ValueError, match="lives on rank 0"):
         validate(_broken(plan, 1, [Action(0, "F", 0), *r1]))
+
+
+def test_in_flight_curve_and_bubble_filling():
+    from minipar.pipeline import fill_bubbles, in_flight_over_time
+
+    timeline = simulate(schedule("1f1b", 4, 8), UNIT)
+    curves = in_flight_over_time(timeline)
+    assert [max(h for _, h in curves[r]) for r in range(4)] == [4, 3, 2, 1]
+    assert all(points[-1][1] == 0 for points in curves.values())
+    before = timeline.summary(4).bubble_fraction
+    filled = fill_bubbles(timeline, unit_cost=0.5)
+    assert filled.summary(4).bubble_fraction < before / 2  # PipeFisher: idle time put to work
+    assert len(filled.filter(kind="extra")) > 0
+    with pytest.raises(ValueError, match="unit_cost must be > 0"):
+        fill_bubbles(timeline, 0)

@@ -89,3 +89,25 @@ def test_speedup_lab_measures_real_ranks_and_draws():
     assert rows[1]["comm"] > 0  # two ranks exchange gradients; one does not
     assert bytes(lab.image.value).startswith(b"\x89PNG") and "best:" in lab.status.value
     assert render_speedup(rows).axes
+
+
+def test_schedule_explorer_simulates_reports_and_measures():
+    from minipar.widgets import ScheduleExplorer, render_pipeline
+
+    explorer = ScheduleExplorer("1f1b", 4, 8)
+    assert "bubble 27.3%" in explorer.status.value and "[4, 3, 2, 1]" in explorer.status.value
+    explorer.name.value = "interleaved_1f1b"
+    explorer.virtual.value = 2
+    explorer.microbatches.value = 6
+    assert "microbatches must be a multiple of 4" in explorer.status.value
+    explorer.microbatches.value = 8
+    explorer.fill.value = True
+    assert "utilization" in explorer.status.value
+    explorer.time.value = 5
+    assert 5 in explorer._cache
+    explorer.fill.value = False
+    explorer.name.value, explorer.stages.value = "gpipe", 2
+    measured = explorer.measure()
+    assert sorted({e.kind for e in measured} & {"F", "B"}) == ["B", "F"]
+    assert "measured bubble" in explorer.status.value
+    assert render_pipeline(explorer.ideal, measured).axes

@@ -14,6 +14,7 @@ from .collective_view import (
 from .render import (
     KIND_COLORS,
     kind_colors,
+    render_pipeline,
     render_speedup,
     render_summary,
     render_timeline,
@@ -33,6 +34,10 @@ def __getattr__(name: str):
         from .timeline_viewer import TimelineViewer
 
         return TimelineViewer
+    if name == "ScheduleExplorer":
+        from .schedule_explorer import ScheduleExplorer
+
+        return ScheduleExplorer
     if name == "SpeedupLab":
         from .speedup_lab import SpeedupLab
 
@@ -44,7 +49,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'minipar.widgets' has no attribute {name!r}")
 
 
-__all__ = ["KIND_COLORS", "CollectiveAnimator", "CollectiveRecording", "TimelineViewer",
-           "SpeedupLab", "kind_colors", "record_all_reduce", "render_collective_frame",
-           "render_collective_strip", "render_speedup", "render_summary", "render_timeline",
-           "show", "to_png"]
+__all__ = ["KIND_COLORS", "CollectiveAnimator", "CollectiveRecording", "ScheduleExplorer",
+           "SpeedupLab", "TimelineViewer", "kind_colors", "record_all_reduce",
+           "render_collective_frame", "render_collective_strip", "render_pipeline",
+           "render_speedup", "render_summary", "render_timeline", "show", "to_png"]

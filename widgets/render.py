@@ -18,6 +18,7 @@ KIND_COLORS = {
     "compute": "#4C72B0", "forward": "#4C72B0", "F": "#4C72B0",
     "backward": "#55A868", "B": "#55A868", "I": "#8FBF7F", "W": "#2E7D32",
     "send": "#DD8452", "recv": "#C44E52", "wait": "#B0B0B0", "barrier": "#B0B0B0",
+    "extra": "#DA8BC3",
     "all_reduce": "#8172B3", "comm": "#8172B3", "collective": "#8172B3",
 }
 _SPARE = ["#937860", "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD", "#1B9E77", "#D95F02"]
@@ -122,4 +123,33 @@ def render_speedup(rows: list[dict], title: str = "") -> Figure:
     right.set_ylabel("ms per step, per rank")
     right.set_title("where a step goes (from the Timeline)", fontsize=9)
     right.legend(fontsize=8)
+    return fig
+
+
+def render_pipeline(ideal: Timeline, measured: Timeline | None = None, upto: float | None = None,
+                    split_backward: bool = False, title: str = "") -> Figure:
+    """The simulated schedule as a Gantt (and the measured run under it, on its own time
+    axis), with the micro-batches each rank holds activations for over time."""
+    from minipar.pipeline import in_flight_over_time
+
+    panels = 3 if measured is not None else 2
+    ranks = max(len(ideal.ranks), 1)
+    fig = Figure(figsize=(10, 0.45 * ranks * (panels - 1) + 2.6), layout="constrained")
+    axes = fig.subplots(panels, 1, height_ratios=[ranks] * (panels - 1) + [max(ranks * 0.7, 2)])
+    bubble = ideal.summary(ranks).bubble_fraction
+    render_timeline(ideal, upto=upto, ax=axes[0],
+                    title=title or f"ideal (simulated): bubble {bubble:.1%}")
+    if measured is not None:
+        real = Timeline(e for e in measured if e.kind in ("F", "B", "I", "W", "recv", "send"))
+        got = real.summary(ranks).bubble_fraction
+        render_timeline(real, ax=axes[1], title=f"measured on real ranks: bubble {got:.1%}")
+    curve_ax = axes[-1]
+    for rank, points in in_flight_over_time(ideal, split_backward).items():
+        xs = [p[0] * 1e3 for p in points if upto is None or p[0] <= upto]
+        ys = [p[1] for p in points if upto is None or p[0] <= upto]
+        curve_ax.step(xs, ys, where="post", label=f"rank {rank}")
+    curve_ax.set_xlim(0, ideal.makespan * 1e3 * 1.02)
+    curve_ax.set_ylabel("activations held")
+    curve_ax.set_xlabel("time (ms)")
+    curve_ax.legend(fontsize=7, ncol=min(ranks, 4))
     return fig

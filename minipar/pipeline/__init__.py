@@ -7,7 +7,7 @@ turns it plus modelled costs into a Timeline, the same picture a real run record
 
 from .engine import Pipeline, split_model
 from .schedules import SCHEDULES, Action, Schedule, peak_in_flight, schedule, validate
-from .simulate import simulate
+from .simulate import fill_bubbles, in_flight_over_time, simulate
 
-__all__ = ["SCHEDULES", "Action", "Pipeline", "Schedule", "peak_in_flight", "schedule",
-           "simulate", "split_model", "validate"]
+__all__ = ["SCHEDULES", "Action", "Pipeline", "Schedule", "fill_bubbles", "in_flight_over_time",
+           "peak_in_flight", "schedule", "simulate", "split_model", "validate"]

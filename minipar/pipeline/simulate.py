@@ -62,3 +62,38 @@ def simulate(plan: Schedule, costs: dict[str, float]) -> Timeline:
             raise ValueError("deadlock: " + ", ".join(f"rank {r} waits at {a}"
                                                       for r, a in stuck.items())
                              + " and nothing it waits for can still be sent")
+
+
+def in_flight_over_time(timeline: Timeline, split_backward: bool = False
+                        ) -> dict[int, list[tuple[float, int]]]:
+    """Per rank, (time, micro-batches whose activations are held) steps: +1 when an F
+    ends, -1 when the backward that frees them (B, or W when split) ends."""
+    frees = "W" if split_backward else "B"
+    curves: dict[int, list[tuple[float, int]]] = {}
+    for rank in timeline.ranks:
+        changes = sorted((e.end, 1 if e.kind == "F" else -1) for e in timeline.for_rank(rank)
+                         if e.kind in ("F", frees))
+        held, points = 0, [(timeline.start, 0)]
+        for t, delta in changes:
+            held += delta
+            points.append((t, held))
+        curves[rank] = points
+    return curves
+
+
+def fill_bubbles(timeline: Timeline, unit_cost: float, label: str = "K-FAC") -> Timeline:
+    """Put units of extra work (each `unit_cost` long, e.g. K-FAC curvature statistics as in
+    PipeFisher) into every idle gap of every rank that fits one; returns the new Timeline.
+    Compare `.summary().bubble_fraction` before and after for the utilization gained."""
+    if unit_cost <= 0:
+        raise ValueError(f"unit_cost must be > 0 seconds; got {unit_cost!r}")
+    extra: list[Event] = []
+    for rank in timeline.ranks:
+        busy = sorted((e.start, e.end) for e in timeline.for_rank(rank) if e.track == "compute")
+        t = timeline.start
+        for start, end in [*busy, (timeline.end, timeline.end)]:
+            while start - t >= unit_cost:
+                extra.append(Event(rank, "extra", label, t, t + unit_cost))
+                t += unit_cost
+            t = max(t, end)
+    return Timeline([*timeline.events, *extra])
