@@ -84,7 +84,8 @@ def in_flight_over_time(timeline: Timeline, split_backward: bool = False
 def fill_bubbles(timeline: Timeline, unit_cost: float, label: str = "K-FAC") -> Timeline:
     """Put units of extra work (each `unit_cost` long, e.g. K-FAC curvature statistics as in
     PipeFisher) into every idle gap of every rank that fits one; returns the new Timeline.
-    Compare `.summary().bubble_fraction` before and after for the utilization gained."""
+    A rank working on extra work is no longer blocked, so the "wait" spans go. Compare
+    `.summary().bubble_fraction` before and after for the utilization gained."""
     if unit_cost <= 0:
         raise ValueError(f"unit_cost must be > 0 seconds; got {unit_cost!r}")
     extra: list[Event] = []
@@ -96,4 +97,4 @@ def fill_bubbles(timeline: Timeline, unit_cost: float, label: str = "K-FAC") -> 
                 extra.append(Event(rank, "extra", label, t, t + unit_cost))
                 t += unit_cost
             t = max(t, end)
-    return Timeline([*timeline.events, *extra])
+    return Timeline([*(e for e in timeline.events if e.kind != "wait"), *extra])
