@@ -85,3 +85,69 @@ def test_split_model_balances_by_parameters_or_takes_boundaries():
         split_model(model, 2, boundaries=[0])
     with pytest.raises(ValueError, match="stages must be an int from 1 to the number of layers"):
         split_model(model, 5)
+
+
+def _pipedream_run(m, lr):
+    k = minipar.world_size()
+    pipe = Pipeline(split_model(_layers(k), k, boundaries=list(range(2, 2 * k, 2))),
+                    schedule("pipedream", k, m), lr=lr)
+    x, y = _data()
+    pipe.train_step(x, y, _mse)
+    return ({s: [p.detach().clone() for p in mod.parameters()] for s, mod in pipe.modules.items()},
+            pipe.versions_used)
+
+
+def _pipedream_reference(k, m, lr):
+    """PipeDream semantics in one process, replayed in the simulator's order: each stage's
+    forward runs on a copy of its current weights; its backward differentiates that copy
+    and updates the live weights at once."""
+    from minipar.pipeline import simulate
+
+    stages = split_model(_layers(k), k, boundaries=list(range(2, 2 * k, 2)))
+    plan = schedule("pipedream", k, m)
+    x, y = _data()
+    xs, ys = torch.tensor_split(x, m), torch.tensor_split(y, m)
+    saved, grads_in = {}, {}
+    for event in sorted(simulate(plan, {"F": 1, "B": 2}), key=lambda e: (e.start, e.rank)):
+        s, i = event.stage, event.microbatch
+        if event.kind == "F":
+            inp = xs[i] if s == 0 else saved[(s - 1, i)][1].detach().requires_grad_(True)
+            stash = {n: p.detach().clone().requires_grad_(True)
+                     for n, p in stages[s].named_parameters()}
+            out = torch.func.functional_call(stages[s], stash, (inp,))
+            saved[(s, i)] = (inp, out, stash)
+        elif event.kind == "B":
+            inp, out, stash = saved[(s, i)]
+            root = _mse(out, ys[i]) * len(xs[i]) / len(x) if s == k - 1 else out
+            wrt = ([inp] if s > 0 else []) + list(stash.values())
+            grads = list(torch.autograd.grad(root, wrt, None if s == k - 1 else grads_in[(s, i)]))
+            if s > 0:
+                grads_in[(s - 1, i)] = grads.pop(0)
+            with torch.no_grad():
+                for p, g in zip(stages[s].parameters(), grads, strict=True):
+                    p -= lr * g
+    return {s: [p.detach() for p in mod.parameters()] for s, mod in enumerate(stages)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_pipedream_backward_uses_the_weights_its_forward_used(world_size):
+    m, lr = 5, 0.3
+    results = minipar.launch(_pipedream_run, world_size, m, lr, backend="gloo", timeout=60)
+    reference = _pipedream_reference(world_size, m, lr)
+    for stage_params, _ in results:
+        for s, params in stage_params.items():
+            for got, want in zip(params, reference[s], strict=True):
+                assert torch.allclose(got, want, rtol=1e-12, atol=1e-14), s
+    # on the first stage, backwards run after later micro-batches' updates: stale, stashed
+    first_stage_versions = results[0][1]
+    assert any(live > used for used, live in first_stage_versions.values())
+    # and the weights really moved between micro-batches: not one synchronous step
+    sync_stages = split_model(_layers(world_size), world_size,
+                              boundaries=list(range(2, 2 * world_size, 2)))
+    x, y = _data()
+    _mse(torch.nn.Sequential(*sync_stages)(x), y).backward()
+    with torch.no_grad():
+        for s_mod in sync_stages:
+            for p in s_mod.parameters():
+                p -= lr * p.grad
+    assert not torch.allclose(results[0][0][0][0], list(sync_stages[0].parameters())[0])

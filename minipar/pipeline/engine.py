@@ -80,15 +80,20 @@ def _balanced_boundaries(weights: list[int], stages: int) -> list[int]:
 class Pipeline:
     """This rank's stages of a model and the schedule that drives them."""
 
-    def __init__(self, stage_modules: Sequence[nn.Module], plan: Schedule) -> None:
+    def __init__(self, stage_modules: Sequence[nn.Module], plan: Schedule,
+                 lr: float | None = None) -> None:
         if len(stage_modules) != plan.stages:
             raise ValueError(f"the schedule has {plan.stages} stages but {len(stage_modules)} "
                              "stage modules were given; split the model into that many")
-        if plan.weight_stashing:
-            raise ValueError("'pipedream' (asynchronous, weight stashing) is not run by this "
-                             "engine yet; use a synchronous schedule")
-        self.plan, self.rank = plan, rank()
+        if plan.weight_stashing and (lr is None or lr <= 0):
+            raise ValueError("'pipedream' updates the weights after every micro-batch's "
+                             "backward: pass lr > 0 (the SGD learning rate)")
+        self.plan, self.rank, self.lr = plan, rank(), lr
+        self.version: dict[int, int] = {s: 0 for s in range(plan.stages)}
+        self.versions_used: dict[tuple[int, int], tuple[int, int]] = {}
         self.modules = {s: m for s, m in enumerate(stage_modules) if plan.rank_of(s) == self.rank}
+        # versions_used[(stage, mb)] = (weights version its forward ran on, live version
+        # when its backward ran): the gap is PipeDream's staleness, hidden by the stash
         self.dtype = next((p.dtype for m in self.modules.values() for p in m.parameters()),
                           torch.float32)
 
@@ -97,8 +102,10 @@ class Pipeline:
 
     def train_step(self, batch: torch.Tensor, target: torch.Tensor,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float | None:
-        """Run this rank's actions for one batch; gradients accumulate into .grad.
-        Returns the batch's mean loss on the rank holding the last stage, else None."""
+        """Run this rank's actions for one batch; gradients accumulate into .grad (under
+        'pipedream' each micro-batch's backward instead updates the weights at once with
+        lr, using the weights its forward used). Returns the batch's mean loss on the rank
+        holding the last stage, else None."""
         m = self.plan.microbatches
         if batch.shape[0] < m:
             raise ValueError(f"a batch of {batch.shape[0]} samples cannot make {m} micro-batches")
@@ -142,7 +149,13 @@ class Pipeline:
                     x = st.incoming.pop(key).requires_grad_(True)
                 else:  # the previous stage ran on this rank
                     x = st.outputs[(a.stage - 1, a.microbatch)].detach().requires_grad_(True)
-                out = self.modules[a.stage](x)
+                if self.plan.weight_stashing:  # PipeDream: run on a stashed copy of the weights
+                    stash = {n: p.detach().clone().requires_grad_(True)
+                             for n, p in self.modules[a.stage].named_parameters()}
+                    st.stashes[key] = (stash, self.version[a.stage])
+                    out = torch.func.functional_call(self.modules[a.stage], stash, (x,))
+                else:
+                    out = self.modules[a.stage](x)
                 st.stage_inputs[key], st.outputs[key] = x, out
                 if a.stage == last:
                     loss = loss_fn(out, targets[a.microbatch]) * weights[a.microbatch]
@@ -162,6 +175,12 @@ class Pipeline:
             root, grad_out = st.outputs[key], st.local_grads.pop((a.stage + 1, a.microbatch))
         x = st.stage_inputs[key]
         params = [p for p in self.modules[a.stage].parameters() if p.requires_grad]
+        if self.plan.weight_stashing:
+            stash, version = st.stashes.pop(key)
+            self.versions_used[key] = (version, self.version[a.stage])
+            live = dict(self.modules[a.stage].named_parameters())
+            names = [n for n, p in live.items() if p.requires_grad]
+            params = [stash[n] for n in names]
         wants_input = x.requires_grad  # stage 0's input is data: nothing to send back
         if a.kind == "B":
             wrt = ([x] if wants_input else []) + params
@@ -169,7 +188,14 @@ class Pipeline:
                 else []
             if wants_input:
                 self._hand_back(a, grads.pop(0), st)
-            _accumulate(params, grads)
+            if self.plan.weight_stashing:  # apply this micro-batch's gradient right away
+                with torch.no_grad():
+                    for n, g in zip(names, grads, strict=True):
+                        if g is not None:
+                            live[n] -= self.lr * g
+                self.version[a.stage] += 1
+            else:
+                _accumulate(params, grads)
         elif a.kind == "I":  # input gradient only; keep the graph for W
             if wants_input:
                 (grad_x,) = torch.autograd.grad(root, [x], grad_out, retain_graph=True)
@@ -204,5 +230,6 @@ class _StepState:
         self.local_grads: dict = {}
         self.input_grads: dict = {}
         self.loss_tensors: dict = {}
+        self.stashes: dict = {}
         self.losses: list[float] = []
         self.sends: list[collectives.PendingSend] = []
