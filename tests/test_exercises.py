@@ -86,9 +86,11 @@ def test_student_copies_are_valid_leak_nothing_and_raise(tmp_path):
         for line in solutions:  # a solution line may only appear if it is also outside solutions
             assert line in outside or line not in student_text, f"solution line leaked: {line}"
         assert all(c.outputs == [] for c in copy.cells if c.cell_type == "code")
+        imports = next(c.source for c in copy.cells if c.cell_type == "code")
         for cell in copy.cells:
             if "NotImplementedError(\"exercise" in cell.source:
-                namespace = {"torch": torch, "dist": dist}
+                namespace = {}
+                exec(imports, namespace)  # as the learner's kernel would have run it first
                 exec(cell.source, namespace)
                 name = cell.source.split("def ")[1].split("(")[0]
                 arity = len(inspect.signature(namespace[name]).parameters)
@@ -185,5 +187,35 @@ def forgets_to_copy_back(grads, bucket_bytes):
     (exercises.check_bucketing, forgets_to_copy_back, "Did you copy the bucket back"),
 ])
 def test_lesson02_checks_explain_mistakes(check, fn, words):
+    with pytest.raises(exercises.ExerciseError, match=words):
+        check(fn)
+
+
+def gpipe_order(p, m):
+    from minipar.pipeline import Action
+
+    return [[Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in range(m)]
+            for r in range(p)]
+
+
+def backward_first(p, m):
+    from minipar.pipeline import Action
+
+    return [[Action(r, "B", i) for i in range(m)] + [Action(r, "F", i) for i in range(m)]
+            for r in range(p)]
+
+
+def stage_without_receiving(module, x):
+    if dist.get_rank() > 0:
+        x = torch.zeros(3, 4, dtype=torch.float64)
+    return module(x)
+
+
+@pytest.mark.parametrize("check, fn, words", [
+    (exercises.check_one_f_one_b, gpipe_order, "rank 0 holds 4 micro-batches' activations"),
+    (exercises.check_one_f_one_b, backward_first, "expected F then B"),
+    (exercises.check_stage_forward, stage_without_receiving, "Rank 1 must receive rank 0"),
+])
+def test_lesson03_checks_explain_mistakes(check, fn, words):
     with pytest.raises(exercises.ExerciseError, match=words):
         check(fn)
