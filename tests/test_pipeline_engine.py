@@ -151,3 +151,32 @@ def test_pipedream_backward_uses_the_weights_its_forward_used(world_size):
             for p in s_mod.parameters():
                 p -= lr * p.grad
     assert not torch.allclose(results[0][0][0][0], list(sync_stages[0].parameters())[0])
+
+
+def _both_engines(name):
+    """The same model and batch under torch.distributed.pipelining and under minipar."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    k, r = minipar.world_size(), minipar.rank()
+    bounds = list(range(2, 2 * k, 2))
+    x, y = regression_data(8, 6, seed=5, dtype=torch.float64)  # 4 equal micro-batches
+    theirs = split_model(_layers(k), k, boundaries=bounds)
+    stage = PipelineStage(theirs[r], r, k, torch.device("cpu"))
+    runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](stage, 4, loss_fn=_mse)
+    if r == 0:
+        runner.step(x)
+    elif r == k - 1:
+        runner.step(target=y, losses=[])
+    else:
+        runner.step()
+    mine = split_model(_layers(k), k, boundaries=bounds)
+    Pipeline(mine, schedule(name, k, 4)).train_step(x, y, _mse)
+    return [(a.grad, b.grad) for a, b in zip(theirs[r].parameters(), mine[r].parameters(),
+                                             strict=True)]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_same_gradients_as_torch_distributed_pipelining(name):
+    for pairs in minipar.launch(_both_engines, 3, name, backend="gloo", timeout=60):
+        for theirs, mine in pairs:
+            assert torch.allclose(theirs, mine, rtol=1e-10, atol=1e-14)
