@@ -601,14 +601,31 @@ def measured_vs_ideal(timeline: trace.Timeline, plan) -> dict:
     return {"measured": measured, "ideal": ideal, "costs": costs, "steps": last_step}
 
 
+def _activation_peak(name: str, microbatches: int, width: int, batch: int,
+                     layers_per_stage: int) -> int:
+    """Peak bytes autograd kept for backward on this rank during one step of the schedule."""
+    import torch
+
+    from .pipeline import Pipeline, schedule, split_model
+    from .runtime import world_size
+
+    k = world_size()
+    pipe = Pipeline(split_model(_pipeline_model(k, width, layers_per_stage), k),
+                    schedule(name, k, microbatches))
+    x = torch.randn(batch, width)
+    pipe.train_step(x, x, lambda out, t: ((out - t) ** 2).mean())
+    return pipe.activations.peak
+
+
 def bench_pipeline(microbatches: tuple[int, ...] = (1, 2, 4, 8, 16), width: int = 512,
                    batch: int = 2048, layers_per_stage: int = 4, steps: int = 2) -> list[dict]:
-    """Two pipeline stages vs one process running both, for each micro-batch count.
+    """Two pipeline stages vs one process running both, for each micro-batch count; and,
+    at the largest count, the activation memory each rank really held (GPipe vs 1F1B).
 
     The batch is large enough (2048 rows) that even 16 micro-batches keep matrix
     products efficient; with small micro-batches per-op overhead eats the gain.
     """
-    from .pipeline import schedule
+    from .pipeline import peak_in_flight, schedule
 
     rows = []
     _progress("one process running both stages")
@@ -636,6 +653,14 @@ def bench_pipeline(microbatches: tuple[int, ...] = (1, 2, 4, 8, 16), width: int 
                              "bubble_measured": compared["measured"],
                              "bubble_ideal": compared["ideal"],
                              "bubble_formula": 1 / (m + 1)})
+        m = max(microbatches)
+        _progress(f"activation memory, m={m}")
+        for name in ("gpipe", "1f1b"):
+            peaks = cluster.run(_activation_peak, name, m, width, batch, layers_per_stage)
+            for row in rows:
+                if row["schedule"] == name and row["microbatches"] == m:
+                    row["activation_peak_bytes"] = list(peaks)
+                    row["in_flight"] = peak_in_flight(schedule(name, 2, m))
     return rows
 
 
@@ -664,12 +689,26 @@ def pipeline_report(rows: list[dict], out_dir: Path) -> str:
               "speedup": f"{r['speedup']:.2f}x", "ceiling": f"{r['ceiling']:.2f}x",
               "measured": f"{r['bubble_measured']:.3f}", "ideal": f"{r['bubble_ideal']:.3f}",
               "formula": f"{r['bubble_formula']:.3f}"} for r in rows]
+    memory = [r for r in rows if "activation_peak_bytes" in r]
+    lines = []
+    if len(memory) == 2:
+        gpipe, one_f = memory
+        for rank in range(2):
+            measured = gpipe["activation_peak_bytes"][rank] / one_f["activation_peak_bytes"][rank]
+            counted = gpipe["in_flight"][rank] / one_f["in_flight"][rank]
+            lines.append(f"  rank {rank}: GPipe {gpipe['activation_peak_bytes'][rank] / 2**20:.1f}"
+                         f" MiB, 1F1B {one_f['activation_peak_bytes'][rank] / 2**20:.1f} MiB: "
+                         f"{measured:.2f}x measured, {counted:.2f}x by the simulator's counts "
+                         f"({gpipe['in_flight'][rank]} vs {one_f['in_flight'][rank]} "
+                         "micro-batches)")
     return ("bubble: measured from the run's Timeline; ideal = the simulator fed the run's own "
             "median F and B times; formula = (p-1)/(m+p-1)\n"
             + format_table(shown, [("schedule", "schedule"), ("m", "m"),
                                    ("speedup", "speedup"), ("ceiling", "ceiling 2m/(m+1)"),
                                    ("measured", "bubble measured"), ("ideal", "simulated"),
-                                   ("formula", "formula")]))
+                                   ("formula", "formula")])
+            + (f"\npeak activation memory at m={memory[0]['microbatches']} (autograd's saved "
+               "tensors):\n" + "\n".join(lines) if lines else ""))
 
 
 BENCHMARKS = {"launch": (bench_launch, launch_report),

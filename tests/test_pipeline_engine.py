@@ -180,3 +180,25 @@ def test_same_gradients_as_torch_distributed_pipelining(name):
     for pairs in minipar.launch(_both_engines, 3, name, backend="gloo", timeout=60):
         for theirs, mine in pairs:
             assert torch.allclose(theirs, mine, rtol=1e-10, atol=1e-14)
+
+
+def _activation_peak(name, m):
+    k = minipar.world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())
+                                  for _ in range(2 * k)])
+    pipe = Pipeline(split_model(model, k), schedule(name, k, m))
+    x = torch.randn(32, 32)
+    pipe.train_step(x, x, lambda o, t: ((o - t) ** 2).mean())
+    return pipe.activations.peak, pipe.activations.now
+
+
+def test_measured_activation_memory_follows_the_schedule(cluster2):
+    from minipar.pipeline import peak_in_flight
+
+    gpipe = cluster2.run(_activation_peak, "gpipe", 8)
+    one_f = cluster2.run(_activation_peak, "1f1b", 8)
+    expected = [a / b for a, b in zip(peak_in_flight(schedule("gpipe", 2, 8)),
+                                      peak_in_flight(schedule("1f1b", 2, 8)), strict=True)]
+    assert [g[0] / o[0] for g, o in zip(gpipe, one_f, strict=True)] == expected  # [4.0, 8.0]
+    assert all(now == 0 for _, now in gpipe + one_f)  # every activation freed after the step

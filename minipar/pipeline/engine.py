@@ -19,6 +19,7 @@ gradients, both from the same retained graph.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -77,6 +78,46 @@ def _balanced_boundaries(weights: list[int], stages: int) -> list[int]:
     return sorted(bounds)
 
 
+class _Held:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class SavedActivationMeter:
+    """Bytes of tensors autograd keeps for backward (parameters excluded; a storage saved
+    by several nodes counts once), now and at peak: the activation memory a schedule
+    really holds, measured rather than counted."""
+
+    def __init__(self, exclude: set[int]) -> None:
+        self.exclude, self.now, self.peak = exclude, 0, 0
+        self._refs: dict[tuple[int, int], int] = {}
+
+    def pack(self, tensor: torch.Tensor):
+        if tensor.untyped_storage().data_ptr() in self.exclude:
+            return tensor
+        key = (tensor.data_ptr(), tensor.numel())  # a micro-batch view counts its own bytes
+        nbytes = tensor.numel() * tensor.element_size()
+        if self._refs.get(key, 0) == 0:
+            self.now += nbytes
+            self.peak = max(self.peak, self.now)
+        self._refs[key] = self._refs.get(key, 0) + 1
+        held = _Held(tensor)
+        weakref.finalize(held, self._release, key, nbytes)
+        return held
+
+    def _release(self, key: tuple[int, int], nbytes: int) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            self.now -= nbytes
+            del self._refs[key]
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+
 class Pipeline:
     """This rank's stages of a model and the schedule that drives them."""
 
@@ -96,6 +137,8 @@ class Pipeline:
         # when its backward ran): the gap is PipeDream's staleness, hidden by the stash
         self.dtype = next((p.dtype for m in self.modules.values() for p in m.parameters()),
                           torch.float32)
+        self.activations = SavedActivationMeter({p.untyped_storage().data_ptr()
+                                                 for p in self.parameters()})
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for s in sorted(self.modules) for p in self.modules[s].parameters()]
@@ -149,6 +192,9 @@ class Pipeline:
                     x = st.incoming.pop(key).requires_grad_(True)
                 else:  # the previous stage ran on this rank
                     x = st.outputs[(a.stage - 1, a.microbatch)].detach().requires_grad_(True)
+                hooks = torch.autograd.graph.saved_tensors_hooks(self.activations.pack,
+                                                                 self.activations.unpack)
+                hooks.__enter__()
                 if self.plan.weight_stashing:  # PipeDream: run on a stashed copy of the weights
                     stash = {n: p.detach().clone().requires_grad_(True)
                              for n, p in self.modules[a.stage].named_parameters()}
@@ -161,6 +207,7 @@ class Pipeline:
                     loss = loss_fn(out, targets[a.microbatch]) * weights[a.microbatch]
                     st.losses.append(loss.item())
                     st.loss_tensors[key] = loss
+                hooks.__exit__(None, None, None)
         else:
             with record(a.kind, str(a), stage=a.stage, microbatch=a.microbatch):
                 self._backward(a, st)
