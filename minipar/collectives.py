@@ -77,6 +77,7 @@ class Meter:
     transfers: list[Transfer] = field(default_factory=list)
     keep_snapshots: bool = False
     snapshots: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
+    calls: dict[str, int] = field(default_factory=dict)  # collective name -> times called
 
     def sent_elements(self, element_size: int) -> float:
         return self.sent_bytes / element_size
@@ -115,6 +116,8 @@ class _Comm:
 
     def __init__(self, name: str, group: dist.ProcessGroup | None) -> None:
         self.name, self.group = name, group
+        for m in _meters:
+            m.calls[name] = m.calls.get(name, 0) + 1
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.step = 0
