@@ -227,3 +227,69 @@ def parameter_server_seconds(workers: int, model_bytes: float, grad_bytes: float
     """Communication time per step when the server's link carries every push and pull."""
     t = parameter_server_traffic(workers, model_bytes, grad_bytes)
     return (t.server_up + t.server_down) / link_bytes_per_second
+
+
+# --- where a transformer's FLOPs go, and what tensor parallelism sends ---
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """A decoder-only transformer's shape (ffn defaults to 4 x hidden)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq_len: int = 2048
+    vocab: int = 50272
+    ffn: int | None = None
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def params(self) -> float:
+        """Weights of the blocks and the (tied) embedding, biases and norms ignored."""
+        per_layer = 4 * self.hidden**2 + 2 * self.hidden * self.ffn_size
+        return self.layers * per_layer + self.vocab * self.hidden
+
+
+# GPT-3 / OPT family shapes (Brown et al. 2020, Zhang et al. 2022)
+OPT_CONFIGS = {
+    "760M": TransformerConfig(24, 1536, 16), "1.3B": TransformerConfig(24, 2048, 32),
+    "2.7B": TransformerConfig(32, 2560, 32), "6.7B": TransformerConfig(32, 4096, 32),
+    "13B": TransformerConfig(40, 5120, 40), "30B": TransformerConfig(48, 7168, 56),
+    "66B": TransformerConfig(64, 9216, 72), "175B": TransformerConfig(96, 12288, 96),
+}
+
+
+def transformer_flops(cfg: TransformerConfig) -> dict[str, float]:
+    """Training FLOPs per token by component (forward x 3: the backward costs twice the
+    forward). A multiply-add counts 2. Attention scores count the full s x s products
+    (QK^T and the weighted sum of V) without causal savings."""
+    h, s, f = cfg.hidden, cfg.seq_len, cfg.ffn_size
+    forward = {
+        "attention projections": cfg.layers * 2 * 4 * h * h,  # Q, K, V and output
+        "ffn": cfg.layers * 2 * 2 * h * f,
+        "attention scores": cfg.layers * 2 * 2 * s * h,
+        "logits": 2 * h * cfg.vocab,
+    }
+    return {name: 3 * value for name, value in forward.items()}
+
+
+def flop_shares(cfg: TransformerConfig) -> dict[str, float]:
+    """Each component's share of a training step's FLOPs."""
+    flops = transformer_flops(cfg)
+    total = sum(flops.values())
+    return {name: value / total for name, value in flops.items()}
+
+
+def tensor_parallel_bytes(cfg: TransformerConfig, batch: int, tp: int,
+                          bytes_per_value: int = 2) -> float:
+    """Bytes each rank sends per layer and training step under Megatron tensor parallelism:
+    two all-reduces of the [s, b, h] activations forward (after attention and after the
+    MLP) and two backward, each a ring sending 2(t-1)/t of the tensor. Sequence
+    parallelism swaps each for an all-gather plus a reduce-scatter: the same bytes."""
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1; got {tp}")
+    activation = cfg.seq_len * batch * cfg.hidden * bytes_per_value
+    return 4 * 2 * (tp - 1) / tp * activation

@@ -95,3 +95,23 @@ def test_fit_alpha_beta_recovers_a_line():
     sizes = [0, 1e3, 1e4, 1e5, 1e6]
     alpha, beta = cost.fit_alpha_beta(sizes, [2e-5 + 3e-10 * s for s in sizes])
     assert alpha == pytest.approx(2e-5) and beta == pytest.approx(3e-10)
+
+
+def test_transformer_flop_shares_follow_the_lecture_trend():
+    small, large = cost.flop_shares(cost.OPT_CONFIGS["760M"]), \
+        cost.flop_shares(cost.OPT_CONFIGS["175B"])
+    assert sum(small.values()) == pytest.approx(1.0)
+    assert large["ffn"] > small["ffn"]  # FFN dominates more as models grow
+    assert small["attention scores"] == pytest.approx(0.166, abs=0.01)  # lecture: ~15%
+    assert large["attention scores"] == pytest.approx(0.027, abs=0.005)  # lecture: ~3%
+    assert small["logits"] == pytest.approx(0.085, abs=0.01)  # lecture: ~6%
+    assert large["logits"] == pytest.approx(0.0035, abs=0.001)  # lecture: ~0.3%
+    # with ffn = 4h the FFN always does twice the projections' work
+    assert large["ffn"] / large["attention projections"] == pytest.approx(2.0)
+    assert cost.OPT_CONFIGS["175B"].params / 1e9 == pytest.approx(175, rel=0.02)
+
+
+def test_tensor_parallel_bytes():
+    cfg = cost.TransformerConfig(layers=1, hidden=1024, heads=16, seq_len=512)
+    assert cost.tensor_parallel_bytes(cfg, batch=4, tp=1) == 0
+    assert cost.tensor_parallel_bytes(cfg, batch=4, tp=2) == 4 * 512 * 4 * 1024 * 2
