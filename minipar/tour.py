@@ -333,9 +333,45 @@ def step_pipeline(ctx: TourContext) -> list[TourRow]:
     return rows
 
 
+# --- tensor parallelism ---
+
+def _tp_block(kind: str, sequence_parallel: bool) -> tuple:
+    from . import collectives
+    from . import tensor_parallel as tp
+
+    torch.manual_seed(0)
+    twin = tp.MLP(64, 256, torch.float64) if kind == "mlp" else \
+        tp.TransformerBlock(64, 4, 256, seed=0, dtype=torch.float64)
+    x = torch.randn(16, 2, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    reference = twin(x)
+    k, me = world_size(), rank()
+    parallel = tp.ParallelMLP(twin, sequence_parallel=sequence_parallel) if kind == "mlp" \
+        else tp.ParallelTransformerBlock(twin, sequence_parallel=sequence_parallel)
+    local = x.chunk(k, 0)[me].contiguous() if sequence_parallel else x
+    start = time.perf_counter()
+    with collectives.meter() as m:
+        out = parallel(local)
+        out.sum().backward()
+    want = reference.chunk(k, 0)[me] if sequence_parallel else reference
+    return torch.allclose(out, want, rtol=1e-10), m.sent_bytes, time.perf_counter() - start
+
+
+def step_tensor_parallel(ctx: TourContext) -> list[TourRow]:
+    rows = []
+    for kind, sp in (("mlp", False), ("block", False), ("block", True)):
+        run = ctx.cluster(2).run(_tp_block, kind, sp)
+        label = {"mlp": "Megatron MLP", "block": "transformer block"}[kind]
+        rows.append(TourRow(f"tensor parallel: {label}{', sequence parallel' if sp else ''}",
+                            2, all(r[0] for r in run), max(r[2] for r in run),
+                            bytes_moved=sum(r[1] for r in run),
+                            note="output vs the one-process twin; speedups: minipar bench "
+                                 "tensor-parallel"))
+    return rows
+
+
 STEPS: list[Callable[[TourContext], TourRow | list[TourRow]]] = [
     step_hello, step_split_work, step_slow_worker, step_collectives, step_data_parallel,
-    step_pipeline]
+    step_pipeline, step_tensor_parallel]
 
 
 def format_report(rows: list[TourRow]) -> str:
