@@ -375,3 +375,44 @@ def sync_sequence_parallel_grads(module: nn.Module, group=None) -> None:
     for p in shared:
         if p.grad is not None:
             collectives.all_reduce(p.grad, group=group)
+
+
+# ------------------------------------------------------------------ demo run ---
+
+def _demo() -> list[tuple[str, bool]]:
+    from .runtime import device
+
+    report = []
+    for sequence_parallel in (False, True):
+        twin = TransformerBlock(64, 4, 256, seed=0, dtype=torch.float64).to(device())
+        block = ParallelTransformerBlock(twin, sequence_parallel=sequence_parallel)
+        x = torch.randn(16, 2, 64, dtype=torch.float64, device=device(),
+                        generator=torch.Generator(device=device()).manual_seed(1))
+        k, me = world_size(), rank()
+        local = x.chunk(k, 0)[me].contiguous() if sequence_parallel else x
+        expected = twin(x).chunk(k, 0)[me] if sequence_parallel else twin(x)
+        report.append((f"block{' (sequence parallel)' if sequence_parallel else ''}",
+                       bool(torch.allclose(block(local), expected))))
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m minipar.tensor_parallel --ranks 2, or under torchrun (NCCL on GPUs)."""
+    import argparse
+    import os
+
+    from .runtime import launch
+
+    parser = argparse.ArgumentParser(description="A tensor-parallel block vs its twin")
+    parser.add_argument("--ranks", type=int, default=int(os.environ.get("WORLD_SIZE", 2)))
+    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    args = parser.parse_args(argv)
+    results = launch(_demo, args.ranks, backend=args.backend)
+    if rank() == 0:
+        for r, report in enumerate(results):
+            for name, same in report:
+                print(f"rank {r}: {name} equals its one-process twin: {same}")
+
+
+if __name__ == "__main__":
+    main()

@@ -2,6 +2,7 @@
 
 import inspect
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -88,14 +89,19 @@ def test_student_copies_are_valid_leak_nothing_and_raise(tmp_path):
         assert all(c.outputs == [] for c in copy.cells if c.cell_type == "code")
         imports = next(c.source for c in copy.cells if c.cell_type == "code")
         for cell in copy.cells:
-            if "NotImplementedError(\"exercise" in cell.source:
-                namespace = {}
-                exec(imports, namespace)  # as the learner's kernel would have run it first
-                exec(cell.source, namespace)
-                name = cell.source.split("def ")[1].split("(")[0]
-                arity = len(inspect.signature(namespace[name]).parameters)
+            names = re.findall(r'NotImplementedError\("exercise (\w+):', cell.source)
+            if not names:
+                continue
+            namespace = {}
+            exec(imports, namespace)  # as the learner's kernel would have run it first
+            exec(cell.source, namespace)
+            classes = [v for v in namespace.values() if isinstance(v, type)
+                       and v.__module__ == "builtins" and hasattr(v, names[0])]
+            for name in names:  # a function of the cell, or a method of a class in it
+                target = namespace.get(name) or getattr(classes[0], name)
+                arity = len(inspect.signature(target).parameters)
                 with pytest.raises(NotImplementedError, match=f"exercise {name}"):
-                    namespace[name](torch.zeros(1), *[0] * (arity - 1))
+                    target(torch.zeros(1), *[0] * (arity - 1))
 
 
 def test_lessons_command_refuses_an_empty_source(tmp_path, capsys):
@@ -217,5 +223,32 @@ def stage_without_receiving(module, x):
     (exercises.check_stage_forward, stage_without_receiving, "Rank 1 must receive rank 0"),
 ])
 def test_lesson03_checks_explain_mistakes(check, fn, words):
+    with pytest.raises(exercises.ExerciseError, match=words):
+        check(fn)
+
+
+class _SumBothWays(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        from minipar import collectives
+
+        return collectives.all_reduce(x.clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        from minipar import collectives
+
+        return collectives.all_reduce(grad.clone())
+
+
+def bias_on_every_rank(x_local, weight_local, bias):
+    return _SumBothWays.apply(x_local @ weight_local.t() + bias)
+
+
+@pytest.mark.parametrize("check, fn, words", [
+    (exercises.check_g_operator, _SumBothWays, "g's backward is the identity"),
+    (exercises.check_row_parallel_linear, bias_on_every_rank, "add the bias once"),
+])
+def test_lesson04_checks_explain_mistakes(check, fn, words):
     with pytest.raises(exercises.ExerciseError, match=words):
         check(fn)

@@ -111,3 +111,17 @@ def test_schedule_explorer_simulates_reports_and_measures():
     assert sorted({e.kind for e in measured} & {"F", "B"}) == ["B", "F"]
     assert "measured bubble" in explorer.status.value
     assert render_pipeline(explorer.ideal, measured).axes
+
+
+def test_split_frames_render_for_every_kind_and_size():
+    from minipar.widgets import SPLIT_KINDS, render_split, split_frames, split_viewer
+
+    for kind in SPLIT_KINDS:
+        for tp_size in (1, 2, 4):
+            for frame in range(len(split_frames(kind))):
+                assert render_split(kind, tp_size, frame).axes
+    with pytest.raises(ValueError, match="kind must be one of"):
+        split_frames("diagonal")
+    with pytest.raises(ValueError, match="tp must be 1 to 4"):
+        render_split("row", 8, 0)
+    assert split_viewer("row", 2).children

@@ -20,6 +20,8 @@ from .render import (
     render_timeline,
     to_png,
 )
+from .split_view import KINDS as SPLIT_KINDS
+from .split_view import render_split, split_frames
 
 
 def show(fig) -> None:
@@ -34,6 +36,10 @@ def __getattr__(name: str):
         from .timeline_viewer import TimelineViewer
 
         return TimelineViewer
+    if name == "split_viewer":
+        from .split_view import split_viewer
+
+        return split_viewer
     if name == "ScheduleExplorer":
         from .schedule_explorer import ScheduleExplorer
 
@@ -52,4 +58,5 @@ def __getattr__(name: str):
 __all__ = ["KIND_COLORS", "CollectiveAnimator", "CollectiveRecording", "ScheduleExplorer",
            "SpeedupLab", "TimelineViewer", "kind_colors", "record_all_reduce",
            "render_collective_frame", "render_collective_strip", "render_pipeline",
-           "render_speedup", "render_summary", "render_timeline", "show", "to_png"]
+           "render_speedup", "render_split", "render_summary", "render_timeline", "show",
+           "split_frames", "split_viewer", "SPLIT_KINDS", "to_png"]
