@@ -361,6 +361,43 @@ class ParallelTransformerBlock(nn.Module):
         sync_sequence_parallel_grads(self, self.group)
 
 
+class TinyGPT(nn.Module):
+    """The single-process twin: token + position embeddings, blocks, a final norm and an
+    output head tied to the token embedding; input [sequence, batch] token ids."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32, heads: int = 4, layers: int = 2,
+                 seq_len: int = 16, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.tokens = nn.Embedding(vocab, hidden, dtype=dtype)
+        self.positions = nn.Embedding(seq_len, hidden, dtype=dtype)
+        self.blocks = nn.ModuleList(TransformerBlock(hidden, heads, 4 * hidden, seed + 1 + i,
+                                                     dtype) for i in range(layers))
+        self.norm = nn.LayerNorm(hidden, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[0]))[:, None, :]
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x) @ self.tokens.weight.t()  # logits [sequence, batch, vocab]
+
+
+class ParallelTinyGPT(nn.Module):
+    """The same GPT with tensor-parallel blocks; embeddings, final norm and the tied head
+    stay replicated (their gradients come out equal on every rank, since every rank sees
+    the full activations after each block's g)."""
+
+    def __init__(self, twin: TinyGPT, group=None) -> None:
+        super().__init__()
+        import copy
+
+        self.tokens, self.positions = copy.deepcopy(twin.tokens), copy.deepcopy(twin.positions)
+        self.blocks = nn.ModuleList(ParallelTransformerBlock(b, group) for b in twin.blocks)
+        self.norm = copy.deepcopy(twin.norm)
+
+    forward = TinyGPT.forward
+
+
 def sync_sequence_parallel_grads(module: nn.Module, group=None) -> None:
     """With sequence parallelism, parameters that are replicated but applied to this rank's
     slice of the sequence (norms, and the biases added after a reduce-scatter) get partial

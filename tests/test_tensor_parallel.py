@@ -134,3 +134,35 @@ def test_sizes_that_do_not_divide_are_refused(cluster4):
     assert "out_features=6 is not divisible by the tensor-parallel size 4" in errors[0]
     assert "in_features=6 is not divisible" in errors[1]
     assert "heads=6 is not divisible" in errors[2]
+
+
+def _gpt_check():
+    twin = tp.TinyGPT(vocab=32, hidden=16, heads=4, layers=2, seq_len=8, seed=5,
+                      dtype=torch.float64)
+    gpt = tp.ParallelTinyGPT(twin)
+    ids = torch.randint(0, 32, (8, 2), generator=torch.Generator().manual_seed(6))
+    targets = torch.randint(0, 32, (8, 2), generator=torch.Generator().manual_seed(7))
+
+    def loss_of(model):
+        logits = model(ids)
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), targets.reshape(-1))
+
+    reference, loss = loss_of(twin), loss_of(gpt)
+    reference.backward()
+    loss.backward()
+    twin_params = dict(twin.named_parameters())
+    wrong = []
+    for name, p in gpt.named_parameters():
+        ref = twin_params[name].grad
+        if p.shape != ref.shape:
+            dim = 0 if p.shape[0] != ref.shape[0] else p.dim() - 1
+            ref = ref.chunk(minipar.world_size(), dim)[minipar.rank()]
+        if not torch.allclose(p.grad, ref, rtol=1e-10, atol=1e-12):
+            wrong.append(name)
+    return abs(loss.item() - reference.item()), wrong
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tiny_gpt_equals_its_twin(world_size):
+    for gap, wrong in minipar.launch(_gpt_check, world_size, backend="gloo", timeout=60):
+        assert gap < 1e-12 and wrong == []
