@@ -1,0 +1,116 @@
+"""Expert parallelism: the experts of an MoE layer live on different ranks; tokens travel
+to their experts by all-to-all (dispatch) and come back by all-to-all (combine).
+
+Every rank routes its own tokens with the same (replicated) gate. To give exactly the
+one-process MoELayer's result on the concatenated batch (rank 0's tokens first),
+drops included, capacity and slot priority are global: each rank all-gathers how many
+choices of each priority level it made for each expert, and offsets its slots by the
+choices that come earlier in the global priority order. Rank r holds experts
+r*E/K .. (r+1)*E/K - 1. The gate's gradient is each rank's share; sum it over ranks
+(as data parallelism would) to get the one-process gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import collectives
+from .moe import MoELayer, Routing, capacity, route
+from .runtime import rank, world_size
+from .trace import record
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows go out by send_counts; their gradients come back by the reverse exchange."""
+
+    @staticmethod
+    def forward(ctx, x, send_counts, recv_counts):
+        ctx.counts = (send_counts, recv_counts)
+        return collectives.all_to_all(x.contiguous(), send_counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_counts, recv_counts = ctx.counts
+        return collectives.all_to_all(grad.contiguous(), recv_counts), None, None
+
+
+def global_routing(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int,
+                   order: str) -> Routing:
+    """This rank's routing, with capacity and slots as if all ranks' tokens were one batch."""
+    tokens, num_experts = logits.shape
+    local = route(logits, k, float(num_experts), 1, order)  # capacity k*T: nothing drops
+    counts = torch.zeros(k, num_experts, dtype=torch.int64)
+    for j in range(k):
+        counts[j] = torch.bincount(local.expert[:, j], minlength=num_experts)
+    everyone = collectives.all_gather(counts.unsqueeze(0)).view(world_size(), k, num_experts)
+    total_tokens = int(collectives.all_gather(torch.tensor([tokens])).sum())
+    cap = capacity(total_tokens, num_experts, k, capacity_factor, min_capacity)
+    me = rank()
+    # choices of level j land after: all levels < j of every rank, and level j of ranks < me
+    per_level = everyone.sum(0)  # [k, E]: all ranks' choices at each level
+    before = per_level.cumsum(0) - per_level + everyone[:me].sum(0)
+    slot = torch.empty_like(local.expert)
+    for j in range(k):
+        one_hot = nn.functional.one_hot(local.expert[:, j], num_experts)
+        within = (one_hot.cumsum(0) - 1).gather(1, local.expert[:, j:j + 1]).squeeze(1)
+        slot[:, j] = within + before[j].gather(0, local.expert[:, j])
+    slot = torch.where(slot < cap, slot, torch.full_like(slot, -1))
+    weight = torch.where(slot >= 0, local.weight, torch.zeros_like(local.weight))
+    return Routing(local.expert, slot, weight, cap, local.balance_loss, local.z_loss,
+                   local.probs)
+
+
+class ExpertParallelMoE(nn.Module):
+    """This rank's experts of a one-process MoELayer (`twin`), with all-to-all dispatch."""
+
+    def __init__(self, twin: MoELayer) -> None:
+        super().__init__()
+        import copy
+
+        size = world_size()
+        num_experts = len(twin.experts)
+        if num_experts % size:
+            raise ValueError(f"{num_experts} experts cannot be split evenly over {size} ranks; "
+                             f"use a number of experts divisible by {size}")
+        self.per_rank = num_experts // size
+        first = rank() * self.per_rank
+        self.k, self.capacity_factor, self.min_capacity, self.order = twin.k, \
+            twin.capacity_factor, twin.min_capacity, twin.order
+        self.num_experts = num_experts
+        self.gate = copy.deepcopy(twin.gate)
+        self.experts = nn.ModuleList(copy.deepcopy(twin.experts[first + i])
+                                     for i in range(self.per_rank))
+        self.shared = copy.deepcopy(twin.shared) if twin.shared is not None else None
+        self.last_routing: Routing | None = None
+        self.tokens_received = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routing = global_routing(self.gate(x), self.k, self.capacity_factor, self.min_capacity,
+                                 self.order)
+        self.last_routing = routing
+        kept = routing.kept
+        token = torch.arange(x.shape[0]).unsqueeze(1).expand_as(routing.expert)[kept]
+        expert, slot, weight = routing.expert[kept], routing.slot[kept], routing.weight[kept]
+        owner = expert // self.per_rank
+        order = torch.argsort(owner, stable=True)  # group outgoing rows by destination rank
+        token, expert, slot, weight, owner = (t[order] for t in (token, expert, slot, weight,
+                                                                 owner))
+        send_counts = torch.bincount(owner, minlength=world_size()).tolist()
+        meta = torch.stack([expert % self.per_rank, slot], dim=1)
+        recv_meta = collectives.all_to_all(meta, send_counts)
+        # rows arriving from each rank: every rank tells every other how many it sends
+        recv_counts = collectives.all_to_all(torch.tensor(send_counts),
+                                             [1] * world_size()).tolist()
+        with record("all_to_all", "dispatch", tokens=int(recv_meta.shape[0])):
+            arrived = _AllToAll.apply(x[token], send_counts, recv_counts)
+        self.tokens_received = int(arrived.shape[0])
+        buffer = x.new_zeros(self.per_rank, routing.capacity, x.shape[1])
+        buffer = buffer.index_put((recv_meta[:, 0], recv_meta[:, 1]), arrived)
+        with record("compute", "experts", tokens=self.tokens_received):
+            out = torch.stack([e(buffer[i]) for i, e in enumerate(self.experts)])
+        results = out[recv_meta[:, 0], recv_meta[:, 1]]
+        with record("all_to_all", "combine"):
+            returned = _AllToAll.apply(results, recv_counts, send_counts)
+        y = x.new_zeros(x.shape).index_add(0, token, returned * weight.unsqueeze(-1))
+        return y + self.shared(x) if self.shared is not None else y
