@@ -183,3 +183,31 @@ def dispatch_combine(x: torch.Tensor, routing: Routing, experts: list[nn.Module]
     buffer = dispatch(x, routing, len(experts))
     expert_out = torch.stack([expert(buffer[i]) for i, expert in enumerate(experts)])
     return combine(expert_out, routing, x.shape[0])
+
+
+def imbalance(load: torch.Tensor) -> float:
+    """Busiest expert's load over the mean load (1 = perfectly balanced, E = all on one)."""
+    load = load.float()
+    return float(load.max() / load.mean()) if load.sum() > 0 else 1.0
+
+
+def train_router_stats(layer: MoELayer, x: torch.Tensor, target: torch.Tensor, steps: int,
+                       lr: float = 0.05, balance_weight: float = 0.01,
+                       z_weight: float = 0.0) -> list[dict]:
+    """Train `layer` to map x to target with SGD plus the auxiliary losses; per step report
+    each expert's load, the drop rate, the balance and z losses and the imbalance."""
+    opt = torch.optim.SGD(layer.parameters(), lr=lr)
+    history = []
+    for _ in range(steps):
+        out = layer(x)
+        r = layer.last_routing
+        loss = nn.functional.mse_loss(out, target) + balance_weight * r.balance_loss \
+            + z_weight * r.z_loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        load = r.load(len(layer.experts))
+        history.append({"load": load.tolist(), "drop_rate": r.drop_rate,
+                        "balance_loss": r.balance_loss.item(), "z_loss": r.z_loss.item(),
+                        "imbalance": imbalance(load), "loss": loss.item()})
+    return history

@@ -96,3 +96,30 @@ def test_moe_layer_equals_the_per_token_definition(shared):
 def test_bad_input_says_what_to_change(call, words):
     with pytest.raises(ValueError, match=words):
         call()
+
+
+def _skewed_layer(noisy):
+    layer = moe.MoELayer(8, 16, num_experts=4, k=1, capacity_factor=1.0, noisy=noisy, seed=5)
+    with torch.no_grad():  # a router that sends almost everything to expert 0
+        layer.gate.router.weight.zero_()
+        layer.gate.router.weight[0] = 0.5
+        if noisy:
+            layer.gate.noise.weight.fill_(2.0)
+    return layer
+
+
+def test_noise_spreads_a_skewed_router_and_the_balance_loss_fixes_it():
+    torch.manual_seed(0)
+    x = torch.rand(64, 8)  # positive inputs: expert 0's logit is the largest
+    plain, noisy = _skewed_layer(False), _skewed_layer(True)
+    plain(x)
+    noisy(x)
+    assert moe.imbalance(plain.last_routing.load(4)) > 1.9  # one expert takes its capacity
+    assert plain.last_routing.drop_rate > 0.7
+    assert moe.imbalance(noisy.last_routing.load(4)) < \
+        moe.imbalance(plain.last_routing.load(4))
+    assert noisy.last_routing.drop_rate < plain.last_routing.drop_rate
+    history = moe.train_router_stats(_skewed_layer(False), x, torch.zeros(64, 8), steps=60,
+                                     lr=0.5, balance_weight=1.0)
+    assert history[-1]["balance_loss"] < history[0]["balance_loss"]
+    assert history[-1]["drop_rate"] < history[0]["drop_rate"]
