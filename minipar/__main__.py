@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = commands.add_parser("bench", help="run a benchmark: table, JSON and plot")
     bench.add_argument("name", help="which benchmark (launch, collectives, data-parallel, "
-                                       "pipeline, tensor-parallel)")
+                                       "pipeline, tensor-parallel, moe)")
     bench.add_argument("--out", default="bench-out", help="folder for JSON and plot")
 
     lessons = commands.add_parser("lessons", help="write learners' copies of the lessons")

@@ -114,3 +114,40 @@ class ExpertParallelMoE(nn.Module):
             returned = _AllToAll.apply(results, recv_counts, send_counts)
         y = x.new_zeros(x.shape).index_add(0, token, returned * weight.unsqueeze(-1))
         return y + self.shared(x) if self.shared is not None else y
+
+
+# ------------------------------------------------------------------ demo run ---
+
+def _demo() -> tuple[bool, int]:
+    from .runtime import device
+
+    twin = MoELayer(16, 32, num_experts=4 * world_size(), k=2, seed=0, dtype=torch.float64)
+    tokens = torch.randn(8 * world_size(), 16, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(1))
+    layer = ExpertParallelMoE(twin).to(device())
+    me = rank()
+    y = layer(tokens[me * 8:(me + 1) * 8].to(device()))
+    same = torch.allclose(y.cpu(), twin(tokens)[me * 8:(me + 1) * 8], rtol=1e-10)
+    return bool(same), layer.tokens_received
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m minipar.expert_parallel --ranks 2, or under torchrun."""
+    import argparse
+    import os
+
+    from .runtime import launch
+
+    parser = argparse.ArgumentParser(description="Expert-parallel MoE vs the one-process layer")
+    parser.add_argument("--ranks", type=int, default=int(os.environ.get("WORLD_SIZE", 2)))
+    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    args = parser.parse_args(argv)
+    results = launch(_demo, args.ranks, backend=args.backend)
+    if rank() == 0:
+        for r, (same, received) in enumerate(results):
+            print(f"rank {r}: equals the one-process MoE layer: {same}; "
+                  f"received {received} token choices")
+
+
+if __name__ == "__main__":
+    main()

@@ -369,9 +369,52 @@ def step_tensor_parallel(ctx: TourContext) -> list[TourRow]:
     return rows
 
 
+# --- mixture of experts ---
+
+def _moe_twin():
+    from .moe import MoELayer
+
+    return MoELayer(16, 32, num_experts=4, k=2, capacity_factor=1.0, shared_expert=True,
+                    seed=11, dtype=torch.float64)
+
+
+def _moe_tokens(world: int) -> torch.Tensor:
+    return torch.randn(8 * world, 16, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(12))
+
+
+def _ep_forward() -> tuple:
+    from . import collectives
+    from .expert_parallel import ExpertParallelMoE
+
+    layer = ExpertParallelMoE(_moe_twin())
+    k, me = world_size(), rank()
+    x = _moe_tokens(k)[me * 8:(me + 1) * 8]
+    start = time.perf_counter()
+    with collectives.meter() as m:
+        y = layer(x)
+    return y, m.sent_bytes, time.perf_counter() - start, layer.tokens_received
+
+
+def step_experts(ctx: TourContext) -> list[TourRow]:
+    rows = []
+    for ranks in (2, 4):
+        twin = _moe_twin()
+        reference = twin(_moe_tokens(ranks))
+        run = ctx.cluster(ranks).run(_ep_forward)
+        exact = all(torch.allclose(y, reference[r * 8:(r + 1) * 8], rtol=1e-12)
+                    for r, (y, _, _, _) in enumerate(run))
+        received = [r[3] for r in run]
+        rows.append(TourRow(f"expert parallel MoE (E=4, k=2, shared expert), EP={ranks}", ranks,
+                            exact, max(r[2] for r in run), bytes_moved=sum(r[1] for r in run),
+                            note=f"drops {twin.last_routing.drop_rate:.0%}; tokens received "
+                                 f"per rank {received}"))
+    return rows
+
+
 STEPS: list[Callable[[TourContext], TourRow | list[TourRow]]] = [
     step_hello, step_split_work, step_slow_worker, step_collectives, step_data_parallel,
-    step_pipeline, step_tensor_parallel]
+    step_pipeline, step_tensor_parallel, step_experts]
 
 
 def format_report(rows: list[TourRow]) -> str:

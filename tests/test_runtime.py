@@ -230,6 +230,8 @@ def test_where_waiting_reads_a_stack_dump():
                           for r in (0, 1) for n in ("gpipe", "1f1b", "zb_h1")]),
     ("minipar.tensor_parallel", [f"rank {r}: block{s} equals its one-process twin: True"
                                  for r in (0, 1) for s in ("", " (sequence parallel)")]),
+    ("minipar.expert_parallel", [f"rank {r}: equals the one-process MoE layer: True"
+                                 for r in (0, 1)]),
 ])
 def test_torchrun_mode_joins_the_process_group(module, expected):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
