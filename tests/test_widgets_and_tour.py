@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from test_trace import two_rank_timeline
 
 from minipar import tour
@@ -125,3 +126,18 @@ def test_split_frames_render_for_every_kind_and_size():
     with pytest.raises(ValueError, match="tp must be 1 to 4"):
         render_split("row", 8, 0)
     assert split_viewer("row", 2).children
+
+
+def test_router_explorer_draws_routing_and_trains():
+    from minipar.moe import route
+    from minipar.widgets import RouterExplorer, render_routing
+
+    routing = route(torch.randn(12, 4), k=2, capacity_factor=0.5)
+    assert render_routing(routing, "test").axes
+    box = RouterExplorer(tokens=16, hidden=8)
+    first = bytes(box.children[-1].value)
+    box.children[1].children[2].click()  # train 20 steps
+    assert bytes(box.children[-1].value) != first
+    box.children[0].children[0].value = 4  # k = 4 with 8 experts is fine
+    box.children[1].children[0].value = 2  # 2 experts with k = 4 is not
+    assert "k must be at most" in box.children[2].value

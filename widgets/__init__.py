@@ -36,6 +36,14 @@ def __getattr__(name: str):
         from .timeline_viewer import TimelineViewer
 
         return TimelineViewer
+    if name == "RouterExplorer":
+        from .router_explorer import RouterExplorer
+
+        return RouterExplorer
+    if name == "render_routing":
+        from .router_explorer import render_routing
+
+        return render_routing
     if name == "split_viewer":
         from .split_view import split_viewer
 
@@ -55,7 +63,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'minipar.widgets' has no attribute {name!r}")
 
 
-__all__ = ["KIND_COLORS", "CollectiveAnimator", "CollectiveRecording", "ScheduleExplorer",
+__all__ = ["KIND_COLORS", "CollectiveAnimator", "CollectiveRecording", "RouterExplorer",
+           "ScheduleExplorer", "render_routing",
            "SpeedupLab", "TimelineViewer", "kind_colors", "record_all_reduce",
            "render_collective_frame", "render_collective_strip", "render_pipeline",
            "render_speedup", "render_split", "render_summary", "render_timeline", "show",

@@ -1,0 +1,95 @@
+"""RouterExplorer: where an MoE gate sends each token, who gets dropped, and how training
+with the balance loss changes it. `render_routing` is pure; the widget is the glue."""
+
+from __future__ import annotations
+
+import torch
+from matplotlib.figure import Figure
+
+from minipar.moe import MoELayer, Routing, imbalance, train_router_stats
+
+
+def render_routing(routing: Routing, title: str = "") -> Figure:
+    """Tokens x experts heat map of gate probabilities (choice order written in the cell,
+    dropped choices crossed in red), and each expert's load against its capacity."""
+    probs = routing.probs.detach()
+    tokens, experts = probs.shape
+    fig = Figure(figsize=(10, max(3.0, 0.16 * tokens + 1.2)), layout="constrained")
+    heat, bars = fig.subplots(1, 2, width_ratios=[1.2, 1])
+    heat.imshow(probs.numpy(), aspect="auto", cmap="Blues", vmin=0, vmax=float(probs.max()))
+    for t in range(tokens):
+        for j in range(routing.expert.shape[1]):
+            e = int(routing.expert[t, j])
+            kept = bool(routing.slot[t, j] >= 0)
+            heat.text(e, t, str(j + 1) if kept else "x", ha="center", va="center", fontsize=7,
+                      color="black" if kept else "red", fontweight="bold")
+    heat.set_xlabel("expert")
+    heat.set_ylabel("token")
+    heat.set_xticks(range(experts))
+    heat.set_title("gate probabilities (1, 2 = choice kept, x = dropped)", fontsize=9)
+    kept_load = routing.load(experts)
+    wanted = torch.bincount(routing.expert.reshape(-1), minlength=experts)
+    bars.bar(range(experts), kept_load.tolist(), color="#4C72B0", label="processed")
+    bars.bar(range(experts), (wanted - kept_load).tolist(), bottom=kept_load.tolist(),
+             color="#C44E52", label="dropped")
+    bars.axhline(routing.capacity, color="black", linestyle="--", label="capacity")
+    bars.set_xticks(range(experts))
+    bars.set_xlabel("expert")
+    bars.set_ylabel("token choices")
+    bars.legend(fontsize=7)
+    bars.set_title(f"balance loss {routing.balance_loss.item():.3f}, z-loss "
+                   f"{routing.z_loss.item():.2f}, drops {routing.drop_rate:.0%}, imbalance "
+                   f"{imbalance(kept_load):.2f}", fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+class RouterExplorer:
+    """Controls for k, capacity factor, noisy gating and the number of experts; "train"
+    runs a few SGD steps with the balance loss and redraws, so the balance can be watched
+    changing. Built lazily so importing this module needs no ipywidgets."""
+
+    def __new__(cls, tokens: int = 32, hidden: int = 16):
+        import ipywidgets as w
+
+        from .render import to_png
+
+        k = w.IntSlider(min=1, max=4, value=2, description="k", continuous_update=False)
+        factor = w.FloatSlider(min=0.25, max=2.0, step=0.25, value=1.0,
+                               description="capacity", continuous_update=False)
+        noisy = w.Checkbox(value=False, description="noisy gate")
+        experts = w.IntSlider(min=2, max=16, value=8, description="experts",
+                              continuous_update=False)
+        train = w.Button(description="train 20 steps", button_style="primary")
+        image, status = w.Image(format="png"), w.HTML()
+        x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(0)).abs()
+        target = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
+        state: dict = {}
+
+        def build(_=None) -> None:
+            if k.value > experts.value:
+                status.value = f"<b>k must be at most the number of experts ({experts.value})</b>"
+                return
+            state["layer"] = MoELayer(hidden, 2 * hidden, experts.value, k.value, factor.value,
+                                      noisy=noisy.value, seed=2)
+            with torch.no_grad():  # start from a skewed router, as an untrained one can be
+                state["layer"].gate.router.weight[0] += 0.3
+            draw("untrained")
+
+        def draw(label: str) -> None:
+            with torch.no_grad():
+                state["layer"](x)
+            image.value = to_png(render_routing(state["layer"].last_routing, label))
+            status.value = ""
+
+        def step(_=None) -> None:
+            history = train_router_stats(state["layer"], x, target, 20, lr=0.2,
+                                         balance_weight=0.5)
+            state["steps"] = state.get("steps", 0) + 20
+            draw(f"after {state['steps']} training steps (last loss {history[-1]['loss']:.3f})")
+
+        for control in (k, factor, noisy, experts):
+            control.observe(build, names="value")
+        train.on_click(step)
+        build()
+        return w.VBox([w.HBox([k, factor]), w.HBox([experts, noisy, train]), status, image])
