@@ -252,3 +252,31 @@ def bias_on_every_rank(x_local, weight_local, bias):
 def test_lesson04_checks_explain_mistakes(check, fn, words):
     with pytest.raises(exercises.ExerciseError, match=words):
         check(fn)
+
+
+def routing_token_major(logits, k, capacity):
+    expert = logits.topk(k, dim=-1).indices
+    slot, used = torch.full_like(expert, -1), [0] * logits.shape[1]
+    for t in range(logits.shape[0]):
+        for j in range(k):
+            e = int(expert[t, j])
+            if used[e] < capacity:
+                slot[t, j], used[e] = used[e], used[e] + 1
+    return expert, slot
+
+
+def dispatch_unsorted(x, expert, experts_per_rank):
+    from minipar import collectives
+
+    owner = expert // experts_per_rank
+    counts = torch.bincount(owner, minlength=dist.get_world_size()).tolist()
+    return collectives.all_to_all(x, counts)
+
+
+@pytest.mark.parametrize("check, fn, words", [
+    (exercises.check_topk_routing, routing_token_major, "token 0, choice 2: you gave expert 1"),
+    (exercises.check_dispatch, dispatch_unsorted, "Sort rows by destination rank"),
+])
+def test_lesson05_checks_explain_mistakes(check, fn, words):
+    with pytest.raises(exercises.ExerciseError, match=words):
+        check(fn)
