@@ -19,6 +19,19 @@ def mlp(sizes: list[int], seed: int = 0, dtype: torch.dtype = torch.float32) -> 
     return nn.Sequential(*layers)
 
 
+class FFN(nn.Module):
+    """A transformer's feed-forward block: hidden -> ffn -> GELU -> hidden. It is the
+    tensor-parallel lesson's MLP twin and each expert of an MoE layer."""
+
+    def __init__(self, hidden: int, ffn: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, ffn, dtype=dtype)
+        self.down = nn.Linear(ffn, hidden, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.gelu(self.up(x)))
+
+
 class TiedAutoencoder(nn.Module):
     """Encoder and decoder share one weight (tied), and a frozen scale never trains:
     the two kinds of parameter gradient synchronization most often gets wrong."""

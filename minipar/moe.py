@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .models import FFN
+
 GATE_ORDERS = ("softmax_topk", "topk_softmax")
 
 
@@ -115,16 +117,7 @@ class Gate(nn.Module):
         return logits
 
 
-class Expert(nn.Module):
-    """One FFN expert: hidden -> ffn -> GELU -> hidden."""
-
-    def __init__(self, hidden: int, ffn: int, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.up = nn.Linear(hidden, ffn, dtype=dtype)
-        self.down = nn.Linear(ffn, hidden, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(nn.functional.gelu(self.up(x)))
+Expert = FFN  # each expert is an ordinary feed-forward block
 
 
 class MoELayer(nn.Module):

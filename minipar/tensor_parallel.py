@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import collectives
+from .models import FFN
 from .runtime import rank, world_size
 
 
@@ -250,16 +251,7 @@ class RowParallelLinear(nn.Module):
 
 # --- blocks ---
 
-class MLP(nn.Module):
-    """The single-process twin: h -> ffn -> GELU -> h."""
-
-    def __init__(self, hidden: int, ffn: int, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.up = nn.Linear(hidden, ffn, dtype=dtype)
-        self.down = nn.Linear(ffn, hidden, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(nn.functional.gelu(self.up(x)))
+MLP = FFN  # the single-process twin of ParallelMLP
 
 
 class ParallelMLP(nn.Module):
