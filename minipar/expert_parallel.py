@@ -40,11 +40,11 @@ def global_routing(logits: torch.Tensor, k: int, capacity_factor: float, min_cap
     """This rank's routing, with capacity and slots as if all ranks' tokens were one batch."""
     tokens, num_experts = logits.shape
     local = route(logits, k, float(num_experts), 1, order)  # capacity k*T: nothing drops
-    counts = torch.zeros(k, num_experts, dtype=torch.int64)
+    counts = torch.zeros(k, num_experts, dtype=torch.int64, device=logits.device)
     for j in range(k):
         counts[j] = torch.bincount(local.expert[:, j], minlength=num_experts)
     everyone = collectives.all_gather(counts.unsqueeze(0)).view(world_size(), k, num_experts)
-    total_tokens = int(collectives.all_gather(torch.tensor([tokens])).sum())
+    total_tokens = int(collectives.all_gather(torch.tensor([tokens], device=logits.device)).sum())
     cap = capacity(total_tokens, num_experts, k, capacity_factor, min_capacity)
     me = rank()
     # choices of level j land after: all levels < j of every rank, and level j of ranks < me
@@ -90,7 +90,8 @@ class ExpertParallelMoE(nn.Module):
                                  self.order)
         self.last_routing = routing
         kept = routing.kept
-        token = torch.arange(x.shape[0]).unsqueeze(1).expand_as(routing.expert)[kept]
+        token = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(
+            routing.expert)[kept]
         expert, slot, weight = routing.expert[kept], routing.slot[kept], routing.weight[kept]
         owner = expert // self.per_rank
         order = torch.argsort(owner, stable=True)  # group outgoing rows by destination rank
@@ -100,7 +101,7 @@ class ExpertParallelMoE(nn.Module):
         meta = torch.stack([expert % self.per_rank, slot], dim=1)
         recv_meta = collectives.all_to_all(meta, send_counts)
         # rows arriving from each rank: every rank tells every other how many it sends
-        recv_counts = collectives.all_to_all(torch.tensor(send_counts),
+        recv_counts = collectives.all_to_all(torch.tensor(send_counts, device=x.device),
                                              [1] * world_size()).tolist()
         with record("all_to_all", "dispatch", tokens=int(recv_meta.shape[0])):
             arrived = _AllToAll.apply(x[token], send_counts, recv_counts)

@@ -157,7 +157,7 @@ class MoELayer(nn.Module):
 def dispatch(x: torch.Tensor, routing: Routing, num_experts: int) -> torch.Tensor:
     """Scatter tokens into an [E, capacity, hidden] buffer (empty slots stay zero)."""
     buffer = x.new_zeros(num_experts, routing.capacity, x.shape[1])
-    token = torch.arange(x.shape[0]).unsqueeze(1).expand_as(routing.expert)
+    token = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(routing.expert)
     kept = routing.kept
     buffer[routing.expert[kept], routing.slot[kept]] = x[token[kept]]
     return buffer
@@ -166,7 +166,7 @@ def dispatch(x: torch.Tensor, routing: Routing, num_experts: int) -> torch.Tenso
 def combine(expert_out: torch.Tensor, routing: Routing, tokens: int) -> torch.Tensor:
     """Gather each kept choice's expert output back to its token, weighted by the gate."""
     kept = routing.kept
-    token = torch.arange(tokens).unsqueeze(1).expand_as(routing.expert)
+    token = torch.arange(tokens, device=expert_out.device).unsqueeze(1).expand_as(routing.expert)
     picked = expert_out[routing.expert[kept], routing.slot[kept]]
     out = expert_out.new_zeros(tokens, expert_out.shape[-1])
     return out.index_add(0, token[kept], picked * routing.weight[kept].unsqueeze(-1))
