@@ -79,9 +79,6 @@ class Meter:
     snapshots: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
     calls: dict[str, int] = field(default_factory=dict)  # collective name -> times called
 
-    def sent_elements(self, element_size: int) -> float:
-        return self.sent_bytes / element_size
-
 
 @contextmanager
 def meter(snapshots: bool = False) -> Iterator[Meter]:
@@ -171,16 +168,22 @@ class _Comm:
 
     def _note(self, direction: str, phase: str, peer: int, chunk: int | None, nbytes: int,
               start: float, end: float) -> None:
-        for m in _meters:
-            if direction == "send":
-                m.sent_bytes += nbytes
-                m.messages += 1
-            else:
-                m.recv_bytes += nbytes
-            m.transfers.append(Transfer(self.name, phase, self.step, direction, peer, chunk,
-                                        nbytes))
-        trace.add_event(direction, f"{self.name} {phase}", start, end, peer=peer, bytes=nbytes,
-                        step=self.step, chunk=chunk)
+        _account(Transfer(self.name, phase, self.step, direction, peer, chunk, nbytes),
+                 start, end)
+
+
+def _account(transfer: Transfer, start: float, end: float, messages: int = 1) -> None:
+    """Every message minipar moves: into every open meter, and into the Timeline."""
+    for m in _meters:
+        if transfer.direction == "send":
+            m.sent_bytes += transfer.bytes
+            m.messages += messages
+        else:
+            m.recv_bytes += transfer.bytes
+        m.transfers.append(transfer)
+    trace.add_event(transfer.direction, f"{transfer.collective} {transfer.phase}", start, end,
+                    peer=transfer.peer, bytes=transfer.bytes, step=transfer.step,
+                    chunk=transfer.chunk)
 
 
 def _segments(flat: torch.Tensor) -> list[tuple[int, int]]:
@@ -604,11 +607,8 @@ class PendingSend:
         for work in self.works:
             work.wait()
         nbytes = self.tensor.numel() * self.tensor.element_size()
-        for m in _meters:
-            m.sent_bytes += nbytes
-            m.messages += 1
-            m.transfers.append(Transfer("isend", "p2p", 0, "send", self.dst, None, nbytes))
-        trace.add_event("send", "isend", self.start, trace.now(), peer=self.dst, bytes=nbytes)
+        _account(Transfer("isend", "p2p", 0, "send", self.dst, None, nbytes), self.start,
+                 trace.now(), messages=len(self.works))
 
 
 def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None) -> PendingSend:
@@ -642,12 +642,10 @@ def recv_any(tensor: torch.Tensor) -> int:
     _check_tensor(tensor)
     start = trace.now()
     source = dist.recv(tensor)
-    nbytes = tensor.numel() * tensor.element_size()
+    _account(Transfer("recv_any", "p2p", 0, "recv", source, None,
+                      tensor.numel() * tensor.element_size()), start, trace.now())
     for m in _meters:
-        m.recv_bytes += nbytes
-        m.transfers.append(Transfer("recv_any", "p2p", 0, "recv", source, None, nbytes))
         m.steps += 1
-    trace.add_event("recv", "recv_any", start, trace.now(), peer=source, bytes=nbytes)
     return source
 
 

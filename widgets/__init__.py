@@ -31,36 +31,19 @@ def show(fig) -> None:
     display(Image(to_png(fig)))
 
 
+# Widgets that need ipywidgets (or pull in heavier modules) load on first use.
+_LAZY = {"TimelineViewer": "timeline_viewer", "RouterExplorer": "router_explorer",
+         "render_routing": "router_explorer", "split_viewer": "split_view",
+         "ScheduleExplorer": "schedule_explorer", "SpeedupLab": "speedup_lab",
+         "CollectiveAnimator": "collective_animator"}
+
+
 def __getattr__(name: str):
-    if name == "TimelineViewer":
-        from .timeline_viewer import TimelineViewer
+    if name not in _LAZY:
+        raise AttributeError(f"module 'minipar.widgets' has no attribute {name!r}")
+    import importlib
 
-        return TimelineViewer
-    if name == "RouterExplorer":
-        from .router_explorer import RouterExplorer
-
-        return RouterExplorer
-    if name == "render_routing":
-        from .router_explorer import render_routing
-
-        return render_routing
-    if name == "split_viewer":
-        from .split_view import split_viewer
-
-        return split_viewer
-    if name == "ScheduleExplorer":
-        from .schedule_explorer import ScheduleExplorer
-
-        return ScheduleExplorer
-    if name == "SpeedupLab":
-        from .speedup_lab import SpeedupLab
-
-        return SpeedupLab
-    if name == "CollectiveAnimator":
-        from .collective_animator import CollectiveAnimator
-
-        return CollectiveAnimator
-    raise AttributeError(f"module 'minipar.widgets' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
 
 
 __all__ = ["KIND_COLORS", "CollectiveAnimator", "CollectiveRecording", "RouterExplorer",
