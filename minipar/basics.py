@@ -6,13 +6,11 @@
 
 from __future__ import annotations
 
-import argparse
-import os
-
 import torch
 import torch.distributed as dist
 
 import minipar
+from minipar.runtime import demo_parser
 from minipar.trace import record
 
 
@@ -55,9 +53,7 @@ def synchronized_steps(steps: int = 3, units: int = 40, slow_rank: int | None = 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=int(os.environ.get("WORLD_SIZE", 4)))
-    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    parser = demo_parser(__doc__.splitlines()[0], 4)
     args = parser.parse_args(argv)
     results = minipar.launch(hello, args.ranks, backend=args.backend)
     expected = args.ranks * (args.ranks + 1) / 2

@@ -709,15 +709,10 @@ def _demo(numel: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> None:
     """python -m minipar.collectives --ranks 4, or under torchrun (NCCL on GPUs)."""
-    import argparse
-    import os
+    from .runtime import demo_parser, launch, rank
 
-    from .runtime import launch, rank
-
-    parser = argparse.ArgumentParser(description="minipar's all-reduce algorithms vs torch's")
-    parser.add_argument("--ranks", type=int, default=int(os.environ.get("WORLD_SIZE", 4)))
+    parser = demo_parser("minipar's all-reduce algorithms vs torch's", 4)
     parser.add_argument("--numel", type=int, default=1 << 16)
-    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     args = parser.parse_args(argv)
     results = launch(_demo, args.ranks, args.numel, backend=args.backend)
     if rank() == 0:

@@ -265,17 +265,12 @@ def _demo(steps: int, per_rank: int, bucket_bytes: int) -> tuple[bool, float]:
 
 def main(argv: list[str] | None = None) -> None:
     """python -m minipar.data_parallel --ranks 2, or under torchrun (NCCL on GPUs)."""
-    import argparse
-    import os
+    from .runtime import demo_parser, launch
 
-    from .runtime import launch
-
-    parser = argparse.ArgumentParser(description="All-reduce data parallelism vs one process")
-    parser.add_argument("--ranks", type=int, default=int(os.environ.get("WORLD_SIZE", 2)))
+    parser = demo_parser("All-reduce data parallelism vs one process", 2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--per-rank", type=int, default=16)
     parser.add_argument("--bucket-bytes", type=int, default=1 << 20)
-    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
     args = parser.parse_args(argv)
     results = launch(_demo, args.ranks, args.steps, args.per_rank, args.bucket_bytes,
                      backend=args.backend)

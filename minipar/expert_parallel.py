@@ -134,14 +134,9 @@ def _demo() -> tuple[bool, int]:
 
 def main(argv: list[str] | None = None) -> None:
     """python -m minipar.expert_parallel --ranks 2, or under torchrun."""
-    import argparse
-    import os
+    from .runtime import demo_parser, launch
 
-    from .runtime import launch
-
-    parser = argparse.ArgumentParser(description="Expert-parallel MoE vs the one-process layer")
-    parser.add_argument("--ranks", type=int, default=int(os.environ.get("WORLD_SIZE", 2)))
-    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    parser = demo_parser("Expert-parallel MoE vs the one-process layer", 2)
     args = parser.parse_args(argv)
     results = launch(_demo, args.ranks, backend=args.backend)
     if rank() == 0:

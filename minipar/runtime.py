@@ -26,6 +26,7 @@ How ranks are started, and why:
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import datetime
 import faulthandler
@@ -611,6 +612,16 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str = "auto",
     task = _serialize(fn, args, kwargs)  # fail on bad input before starting processes
     with Cluster(world_size, backend, timeout=timeout) as cluster:
         return cluster._run(task, timeout)
+
+
+def demo_parser(description: str, default_ranks: int = 2) -> argparse.ArgumentParser:
+    """The options every `python -m minipar.<technique>` demo shares: --ranks (torchrun's
+    WORLD_SIZE when set) and --backend. Modules add their own before parsing."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--ranks", type=int,
+                        default=int(os.environ.get("WORLD_SIZE", default_ranks)))
+    parser.add_argument("--backend", default="auto", choices=BACKENDS)
+    return parser
 
 
 def _leave_process_group() -> None:

@@ -427,14 +427,9 @@ def _demo() -> list[tuple[str, bool]]:
 
 def main(argv: list[str] | None = None) -> None:
     """python -m minipar.tensor_parallel --ranks 2, or under torchrun (NCCL on GPUs)."""
-    import argparse
-    import os
+    from .runtime import demo_parser, launch
 
-    from .runtime import launch
-
-    parser = argparse.ArgumentParser(description="A tensor-parallel block vs its twin")
-    parser.add_argument("--ranks", type=int, default=int(os.environ.get("WORLD_SIZE", 2)))
-    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    parser = demo_parser("A tensor-parallel block vs its twin", 2)
     args = parser.parse_args(argv)
     results = launch(_demo, args.ranks, backend=args.backend)
     if rank() == 0:

@@ -3,12 +3,9 @@ real ranks, checked against one process."""
 
 from __future__ import annotations
 
-import argparse
-import os
-
 import torch
 
-from ..runtime import launch, rank, world_size
+from ..runtime import demo_parser, launch, rank, world_size
 from .engine import Pipeline, split_model
 from .schedules import schedule
 
@@ -44,9 +41,7 @@ def _run() -> list[tuple[str, bool]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=int(os.environ.get("WORLD_SIZE", 2)))
-    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    parser = demo_parser(__doc__.splitlines()[0], 2)
     args = parser.parse_args(argv)
     results = launch(_run, args.ranks, backend=args.backend)
     if rank() == 0:
