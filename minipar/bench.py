@@ -37,6 +37,13 @@ def format_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
+def _save(rows: list[dict], fig, out_dir: Path, name: str) -> None:
+    """Write a benchmark's rows as JSON and its figure as PNG into out_dir."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"bench_{name}.json").write_text(json.dumps(rows, indent=2))
+    fig.savefig(out_dir / f"bench_{name}.png", dpi=100)
+
+
 def _timed(fn: Callable[[], object]) -> float:
     start = time.perf_counter()
     fn()
@@ -127,8 +134,6 @@ def launch_report(rows: list[dict], out_dir: Path) -> str:
     """Print-ready table; writes bench_launch.json and bench_launch.png into out_dir."""
     from matplotlib.figure import Figure
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_launch.json").write_text(json.dumps(rows, indent=2))
     shown = [{"measure": r["measure"], "median": _human(r["median"]),
               "goal": "" if r["goal"] is None else "<= " + _human(r["goal"]),
               "ok": {None: "", True: "yes", False: "NO"}[r["meets_goal"]]} for r in rows]
@@ -139,7 +144,7 @@ def launch_report(rows: list[dict], out_dir: Path) -> str:
             color=["#55A868" if r["meets_goal"] else "#C44E52" for r in goals])
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_xlabel("measured / goal (left of the line meets the goal)")
-    fig.savefig(out_dir / "bench_launch.png", dpi=100)
+    _save(rows, fig, out_dir, "launch")
     return format_table(shown, [("measure", "measure"), ("median", "median"),
                                 ("goal", "goal"), ("ok", "meets goal")])
 
@@ -265,8 +270,6 @@ def collectives_report(rows: list[dict], out_dir: Path) -> str:
     """Bus bandwidth per algorithm (GB/s), ring vs torch, ring vs model; JSON and a plot."""
     from matplotlib.figure import Figure
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_collectives.json").write_text(json.dumps(rows, indent=2))
     algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
     world_sizes = sorted({r["world_size"] for r in rows})
     by_key = {(r["world_size"], r["bytes"], r["algorithm"]): r for r in rows}
@@ -299,7 +302,7 @@ def collectives_report(rows: list[dict], out_dir: Path) -> str:
         ax.set_ylabel("bus bandwidth (GB/s)")
         ax.set_title(f"all-reduce on {k} CPU ranks (gloo)", fontsize=10)
         ax.legend(fontsize=7)
-    fig.savefig(out_dir / "bench_collectives.png", dpi=100)
+    _save(rows, fig, out_dir, "collectives")
     alpha, beta, gamma = rows[0]["alpha"], rows[0]["beta"], rows[0]["gamma"]
     columns = [("K", "K"), ("size", "size")] + [(a, a) for a in algorithms] + [
         ("ring/torch", "ring vs torch (range)"), ("ring/model", "ring time / model")]
@@ -395,8 +398,6 @@ def data_parallel_report(rows: list[dict], out_dir: Path) -> str:
     """Samples/s, speedup over one process, ratio to DDP, communication share; JSON, plot."""
     from matplotlib.figure import Figure
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_data_parallel.json").write_text(json.dumps(rows, indent=2))
     shown = [{"size": f"{r['size']} ({r['params'] / 1e6:.1f}M params, {r['per_rank']}/rank)",
               "variant": r["variant"], "samples/s": f"{r['samples_per_s']:.0f}",
               "speedup": f"{r['speedup']:.2f}x", "vs DDP": f"{r['vs_ddp']:.2f}x",
@@ -413,7 +414,7 @@ def data_parallel_report(rows: list[dict], out_dir: Path) -> str:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
     ax.set_ylabel("speedup over one process")
     ax.legend(fontsize=7)
-    fig.savefig(out_dir / "bench_data_parallel.png", dpi=100)
+    _save(rows, fig, out_dir, "data_parallel")
     return format_table(shown, [("size", "model"), ("variant", "trainer"),
                                 ("samples/s", "samples/s"), ("speedup", "vs one process"),
                                 ("vs DDP", "vs torch DDP"), ("comm", "all-reduce share")])
@@ -668,8 +669,6 @@ def pipeline_report(rows: list[dict], out_dir: Path) -> str:
     """Speedup and bubble per micro-batch count; JSON and a plot against 2m/(m+1)."""
     from matplotlib.figure import Figure
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_pipeline.json").write_text(json.dumps(rows, indent=2))
     fig = Figure(figsize=(7, 3.5), layout="constrained")
     ax = fig.add_subplot()
     ms = sorted({r["microbatches"] for r in rows})
@@ -684,7 +683,7 @@ def pipeline_report(rows: list[dict], out_dir: Path) -> str:
     ax.set_ylabel("speedup over one process")
     ax.set_title("2 pipeline stages on 2 CPU ranks", fontsize=10)
     ax.legend(fontsize=8)
-    fig.savefig(out_dir / "bench_pipeline.png", dpi=100)
+    _save(rows, fig, out_dir, "pipeline")
     shown = [{"schedule": r["schedule"], "m": r["microbatches"],
               "speedup": f"{r['speedup']:.2f}x", "ceiling": f"{r['ceiling']:.2f}x",
               "measured": f"{r['bubble_measured']:.3f}", "ideal": f"{r['bubble_ideal']:.3f}",
@@ -764,8 +763,6 @@ def tensor_parallel_report(rows: list[dict], out_dir: Path) -> str:
     """Speedup of TP = 2 over one process per block and hidden size; JSON and a plot."""
     from matplotlib.figure import Figure
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_tensor_parallel.json").write_text(json.dumps(rows, indent=2))
     fig = Figure(figsize=(6, 3.5), layout="constrained")
     ax = fig.add_subplot()
     for kind in dict.fromkeys(r["block"] for r in rows):
@@ -776,7 +773,7 @@ def tensor_parallel_report(rows: list[dict], out_dir: Path) -> str:
     ax.set_xlabel("hidden size")
     ax.set_ylabel("speedup of TP=2 over one process")
     ax.legend(fontsize=8)
-    fig.savefig(out_dir / "bench_tensor_parallel.png", dpi=100)
+    _save(rows, fig, out_dir, "tensor_parallel")
     shown = [{"block": r["block"], "hidden": r["hidden"],
               "one": f"{r['one_process_s'] * 1e3:.1f} ms", "tp2": f"{r['tp2_s'] * 1e3:.1f} ms",
               "speedup": f"{r['speedup']:.2f}x"} for r in rows]
@@ -843,14 +840,12 @@ def moe_report(rows: list[dict], out_dir: Path) -> str:
     """Tokens/s table; JSON and a bar plot."""
     from matplotlib.figure import Figure
 
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench_moe.json").write_text(json.dumps(rows, indent=2))
     fig = Figure(figsize=(5, 3), layout="constrained")
     ax = fig.add_subplot()
     ax.bar([r["layer"] for r in rows], [r["tokens_per_s"] for r in rows],
            color=["#8C8C8C", "#4C72B0", "#55A868"])
     ax.set_ylabel("tokens / s (forward + backward)")
-    fig.savefig(out_dir / "bench_moe.png", dpi=100)
+    _save(rows, fig, out_dir, "moe")
     shown = [{"layer": r["layer"], "tps": f"{r['tokens_per_s']:.0f}",
               "dense": f"{r['vs_dense']:.2f}x", "one": f"{r['vs_one_process_moe']:.2f}x",
               "a2a": "" if r["all_to_all_share"] is None else f"{r['all_to_all_share']:.0%}"}
