@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
             run_benchmark(args.name, args.out)
             return 0
-        from .exercises import write_student_copies
+        from .lessons import write_student_copies
 
         written = write_student_copies(args.source or _default_lessons(), args.student)
         for path in written:

@@ -1,6 +1,11 @@
-"""Tiny models and data sets that lessons, tests and benchmarks train: deterministic by seed."""
+"""Tiny models and data sets that lessons, tests and benchmarks train, deterministic by seed.
+
+Each is a single-process twin that the parallel versions (pipeline stages,
+tensor-parallel layers, MoE experts) are cut from and tested against."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -19,6 +24,15 @@ def mlp(sizes: list[int], seed: int = 0, dtype: torch.dtype = torch.float32) -> 
     return nn.Sequential(*layers)
 
 
+def linear_stack(width: int, blocks: int, seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> nn.Sequential:
+    """`blocks` blocks of Linear(width, width) then tanh, initialized from `seed`: the
+    model pipelines split into stages (one block is the smallest piece a stage holds)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width, dtype=dtype), nn.Tanh())
+                           for _ in range(blocks)])
+
+
 class FFN(nn.Module):
     """A transformer's feed-forward block: hidden -> ffn -> GELU -> hidden. It is the
     tensor-parallel lesson's MLP twin and each expert of an MoE layer."""
@@ -30,6 +44,71 @@ class FFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(nn.functional.gelu(self.up(x)))
+
+
+class SelfAttention(nn.Module):
+    """The single-process twin: causal multi-head attention on [seq, batch, hidden]."""
+
+    def __init__(self, hidden: int, heads: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden={hidden} must be a multiple of heads={heads}")
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden, dtype=dtype)
+        self.proj = nn.Linear(hidden, hidden, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(attend(self.qkv(x), self.heads))
+
+
+def attend(qkv: torch.Tensor, heads: int) -> torch.Tensor:
+    """Causal attention given [s, b, 3 * heads * d] packed as (head, q|k|v, d): each head's
+    q, k and v sit together, so a column split of the packed projection keeps whole heads."""
+    s, b, width = qkv.shape
+    d = width // (3 * heads)
+    q, k, v = qkv.view(s, b, heads, 3, d).permute(3, 1, 2, 0, 4)  # each [b, heads, s, d]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    mask = torch.ones(s, s, dtype=torch.bool, device=qkv.device).triu(1)
+    weights = scores.masked_fill(mask, float("-inf")).softmax(-1)
+    return (weights @ v).permute(2, 0, 1, 3).reshape(s, b, heads * d)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(ln(x)), then + mlp(ln(x)). The single-process twin."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int, seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.ln1 = nn.LayerNorm(hidden, dtype=dtype)
+        self.attn = SelfAttention(hidden, heads, dtype)
+        self.ln2 = nn.LayerNorm(hidden, dtype=dtype)
+        self.mlp = FFN(hidden, ffn, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """The single-process twin: token + position embeddings, blocks, a final norm and an
+    output head tied to the token embedding; input [sequence, batch] token ids."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32, heads: int = 4, layers: int = 2,
+                 seq_len: int = 16, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.tokens = nn.Embedding(vocab, hidden, dtype=dtype)
+        self.positions = nn.Embedding(seq_len, hidden, dtype=dtype)
+        self.blocks = nn.ModuleList(TransformerBlock(hidden, heads, 4 * hidden, seed + 1 + i,
+                                                     dtype) for i in range(layers))
+        self.norm = nn.LayerNorm(hidden, dtype=dtype)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[0]))[:, None, :]
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x) @ self.tokens.weight.t()  # logits [sequence, batch, vocab]
 
 
 class TiedAutoencoder(nn.Module):

@@ -310,9 +310,8 @@ class capture:
 
     def __enter__(self) -> capture:
         self._saved = (_recorder.t0, _recorder.rank, _recorder.buffer)
-        if self.rank is None:
-            from .runtime import rank as current_rank
-            self.rank = current_rank()
+        if self.rank is None:  # the rank that minipar's workers and torchrun both export
+            self.rank = int(os.environ.get("RANK", 0))
         _recorder.rank, _recorder.buffer, _recorder.t0 = self.rank, [], perf_counter()
         return self
 

@@ -10,6 +10,13 @@ import minipar
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
 
+def pytest_collection_modifyitems(items):
+    """Lessons run whole notebooks: they belong to the slow set (`-m "not slow"` skips them)."""
+    for item in items:
+        if str(item.fspath).endswith(".ipynb"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def cluster4():
     """Four CPU ranks (gloo) shared by every test that only needs working ranks."""
@@ -60,3 +67,21 @@ def child_pids(parent: int | None = None) -> set:
         if int(fields[1]) == parent and fields[0] != "Z":
             found.add(int(entry))
     return found
+
+
+def mse(out, target):
+    """The mean squared error every training test uses."""
+    return ((out - target) ** 2).mean()
+
+
+def value_errors(*calls) -> list[str]:
+    """Each call's ValueError message, or "no error": how tests check (often inside a rank)
+    that bad input is refused with a message naming what to change."""
+    messages = []
+    for call in calls:
+        try:
+            call()
+            messages.append("no error")
+        except ValueError as err:
+            messages.append(str(err))
+    return messages

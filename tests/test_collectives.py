@@ -111,7 +111,8 @@ def _all_to_all_cases():
     return failures
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("world_size", [pytest.param(k, marks=pytest.mark.slow) if k > 4 else k
+                                        for k in WORLD_SIZES])
 def test_matches_torch_distributed(world_size):
     results = minipar.launch(lambda: _all_cases() + _all_to_all_cases(), world_size,
                              backend="gloo", timeout=120)
@@ -213,11 +214,13 @@ def test_transfers_are_events_with_peer_bytes_chunk_and_step(cluster4):
 
 def test_segments_overlap_reduction_and_still_match(cluster2, monkeypatch):
     def small_segments():
-        C.SEGMENT_BYTES = 64  # 16 floats a segment: many segments per chunk
+        from minipar.collectives import comm
+
+        comm.SEGMENT_BYTES = 64  # 16 floats a segment: many segments per chunk
         t = torch.arange(1000, dtype=torch.float32) * (minipar.rank() + 1)
         with C.meter() as m:
             C.all_reduce(t)
-        C.SEGMENT_BYTES = 1 << 20
+        comm.SEGMENT_BYTES = 1 << 20
         return torch.equal(t, torch.arange(1000, dtype=torch.float32) * 3), m.messages, m.steps
 
     for same, messages, steps in cluster2.run(small_segments):

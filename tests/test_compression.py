@@ -8,7 +8,7 @@ import torch
 
 import minipar
 from minipar import collectives
-from minipar.compression import (
+from minipar.data_parallel.compression import (
     ErrorFeedback,
     Int8,
     PowerSGD,

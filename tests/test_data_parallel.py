@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import value_errors
 
 import minipar
 from minipar import collectives
@@ -117,15 +118,9 @@ def test_overlap_shows_in_the_timeline(cluster2):
 
 def test_bad_input_is_explained(cluster2):
     def bad():
-        errors = []
-        for call in (lambda: DataParallel(mlp([2, 2]), bucket_bytes=0),
-                     lambda: DataParallel(mlp([2, 2]), algorithm="star"),
-                     lambda: shard(torch.zeros(1, 2))):
-            try:
-                call()
-            except ValueError as err:
-                errors.append(str(err))
-        return errors
+        return value_errors(lambda: DataParallel(mlp([2, 2]), bucket_bytes=0),
+                            lambda: DataParallel(mlp([2, 2]), algorithm="star"),
+                            lambda: shard(torch.zeros(1, 2)))
 
     errors = cluster2.run(bad)[0]
     assert "bucket_bytes must be a positive int" in errors[0]

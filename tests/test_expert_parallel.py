@@ -3,11 +3,11 @@ gradients, for EP = 1, 2, 4."""
 
 import pytest
 import torch
+from conftest import value_errors
 
 import minipar
 from minipar import collectives
-from minipar.expert_parallel import ExpertParallelMoE
-from minipar.moe import MoELayer
+from minipar.moe import ExpertParallelMoE, MoELayer
 
 TOKENS_PER_RANK = 6
 
@@ -64,9 +64,6 @@ def test_equals_the_one_process_layer(world_size, shared):
 
 def test_experts_must_divide_among_ranks(cluster4):
     def attempt():
-        try:
-            ExpertParallelMoE(MoELayer(4, 8, num_experts=6, k=1))
-        except ValueError as err:
-            return str(err)
+        return value_errors(lambda: ExpertParallelMoE(MoELayer(4, 8, num_experts=6, k=1)))[0]
 
     assert "6 experts cannot be split evenly over 4 ranks" in cluster4.run(attempt)[0]

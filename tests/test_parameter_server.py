@@ -3,12 +3,13 @@ async converges with bounded, recorded staleness."""
 
 import pytest
 import torch
+from conftest import mse, value_errors
 
 import minipar
 from minipar import collectives
 from minipar.data_parallel import single_process_sgd
+from minipar.data_parallel.parameter_server import train_parameter_server
 from minipar.models import mlp, regression_data
-from minipar.parameter_server import train_parameter_server
 
 STEPS, BATCH, LR = 4, 12, 0.2
 
@@ -19,19 +20,16 @@ def _setup():
     return model, list(zip(x.split(BATCH), y.split(BATCH), strict=True))
 
 
-def _mse(out, y):
-    return ((out - y) ** 2).mean()
-
 
 def _single_process():
     model, batches = _setup()
-    return single_process_sgd(model, batches, _mse, LR)
+    return single_process_sgd(model, batches, mse, LR)
 
 
 def _run_sync(servers):
     model, batches = _setup()
     with collectives.meter() as m:
-        report = train_parameter_server(model, batches, _mse, LR, servers=servers)
+        report = train_parameter_server(model, batches, mse, LR, servers=servers)
     return report, m.sent_bytes, m.recv_bytes
 
 
@@ -58,7 +56,7 @@ def _run_async(max_staleness, slow):
     model, _ = _setup()
     x, y = regression_data(20 * BATCH, 6, seed=4, dtype=torch.float64)
     batches = list(zip(x.split(BATCH), y.split(BATCH), strict=True))
-    report = train_parameter_server(model, batches, _mse, 0.1, mode="async",
+    report = train_parameter_server(model, batches, mse, 0.1, mode="async",
                                     max_staleness=max_staleness, slow_workers=slow)
     return report
 
@@ -78,10 +76,7 @@ def test_async_converges_with_bounded_recorded_staleness():
 def test_bad_configurations_are_refused(cluster2):
     def attempt(kwargs):
         model, batches = _setup()
-        try:
-            train_parameter_server(model, batches, _mse, LR, **kwargs)
-        except ValueError as err:
-            return str(err)
+        return value_errors(lambda: train_parameter_server(model, batches, mse, LR, **kwargs))[0]
 
     for kwargs, words in [({"servers": 2}, "servers must be an int from 1 to world_size - 1"),
                           ({"mode": "gossip"}, "mode must be one of"),
@@ -96,7 +91,7 @@ def _worker_dies():
         if minipar.rank() == 2 and len(exploding_loss.calls) == 2:
             raise RuntimeError("worker lost its data")
         exploding_loss.calls.append(1)
-        return _mse(out, y)
+        return mse(out, y)
 
     exploding_loss.calls = []
     train_parameter_server(model, batches, exploding_loss, LR)
@@ -110,10 +105,7 @@ def test_a_worker_dying_mid_training_is_named_not_a_hang():
 def test_more_servers_than_parameters_is_refused():
     def attempt():
         tiny = torch.nn.Linear(1, 1, bias=False)  # one parameter
-        try:
-            train_parameter_server(tiny, [], _mse, LR, servers=2)
-        except ValueError as err:
-            return str(err)
+        return value_errors(lambda: train_parameter_server(tiny, [], mse, LR, servers=2))[0]
 
     assert "the model has only 1 parameters; use at most 1 servers" in \
         minipar.launch(attempt, 3, backend="gloo", timeout=30)[0]

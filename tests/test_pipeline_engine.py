@@ -3,6 +3,7 @@ the loss and every gradient, float64, rtol 1e-10."""
 
 import pytest
 import torch
+from conftest import mse
 
 import minipar
 from minipar.models import regression_data
@@ -25,14 +26,11 @@ def _data():
     return regression_data(10, 6, seed=3, dtype=torch.float64)  # 10: uneven micro-batches
 
 
-def _mse(out, y):
-    return ((out - y) ** 2).mean()
-
 
 def _reference(n_stages):
     model = _layers(n_stages)
     x, y = _data()
-    loss = _mse(model(x), y)
+    loss = mse(model(x), y)
     loss.backward()
     return loss.item(), [p.grad.clone() for p in model.parameters()]
 
@@ -45,7 +43,7 @@ def _pipeline_run(cases):
         stages = split_model(model, k * v, boundaries=list(range(2, 2 * k * v, 2)))
         pipe = Pipeline(stages, schedule(name, k, m, v))
         x, y = _data()
-        loss = pipe.train_step(x, y, _mse)
+        loss = pipe.train_step(x, y, mse)
         grads = {(s, i): p.grad.clone() for s, mod in pipe.modules.items()
                  for i, p in enumerate(mod.parameters())}
         results[(name, m, v)] = (loss, grads)
@@ -92,7 +90,7 @@ def _pipedream_run(m, lr):
     pipe = Pipeline(split_model(_layers(k), k, boundaries=list(range(2, 2 * k, 2))),
                     schedule("pipedream", k, m), lr=lr)
     x, y = _data()
-    pipe.train_step(x, y, _mse)
+    pipe.train_step(x, y, mse)
     return ({s: [p.detach().clone() for p in mod.parameters()] for s, mod in pipe.modules.items()},
             pipe.versions_used)
 
@@ -118,7 +116,7 @@ def _pipedream_reference(k, m, lr):
             saved[(s, i)] = (inp, out, stash)
         elif event.kind == "B":
             inp, out, stash = saved[(s, i)]
-            root = _mse(out, ys[i]) * len(xs[i]) / len(x) if s == k - 1 else out
+            root = mse(out, ys[i]) * len(xs[i]) / len(x) if s == k - 1 else out
             wrt = ([inp] if s > 0 else []) + list(stash.values())
             grads = list(torch.autograd.grad(root, wrt, None if s == k - 1 else grads_in[(s, i)]))
             if s > 0:
@@ -145,7 +143,7 @@ def test_pipedream_backward_uses_the_weights_its_forward_used(world_size):
     sync_stages = split_model(_layers(world_size), world_size,
                               boundaries=list(range(2, 2 * world_size, 2)))
     x, y = _data()
-    _mse(torch.nn.Sequential(*sync_stages)(x), y).backward()
+    mse(torch.nn.Sequential(*sync_stages)(x), y).backward()
     with torch.no_grad():
         for s_mod in sync_stages:
             for p in s_mod.parameters():
@@ -162,7 +160,7 @@ def _both_engines(name):
     x, y = regression_data(8, 6, seed=5, dtype=torch.float64)  # 4 equal micro-batches
     theirs = split_model(_layers(k), k, boundaries=bounds)
     stage = PipelineStage(theirs[r], r, k, torch.device("cpu"))
-    runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](stage, 4, loss_fn=_mse)
+    runner = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name](stage, 4, loss_fn=mse)
     if r == 0:
         runner.step(x)
     elif r == k - 1:
@@ -170,7 +168,7 @@ def _both_engines(name):
     else:
         runner.step()
     mine = split_model(_layers(k), k, boundaries=bounds)
-    Pipeline(mine, schedule(name, k, 4)).train_step(x, y, _mse)
+    Pipeline(mine, schedule(name, k, 4)).train_step(x, y, mse)
     return [(a.grad, b.grad) for a, b in zip(theirs[r].parameters(), mine[r].parameters(),
                                              strict=True)]
 

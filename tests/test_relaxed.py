@@ -2,11 +2,12 @@
 averages with local steps; Hogwild! ranks share one tensor and still converge."""
 
 import torch
+from conftest import mse, value_errors
 
 import minipar
 from minipar.data_parallel import single_process_sgd
+from minipar.data_parallel.relaxed import train_relaxed
 from minipar.models import mlp, regression_data
-from minipar.relaxed import train_relaxed
 
 BATCH = 16
 
@@ -24,14 +25,11 @@ def _batches(steps, dtype=torch.float64):
     return list(zip(x.split(BATCH), y.split(BATCH), strict=True))
 
 
-def _mse(out, y):
-    return ((out - y) ** 2).mean()
-
 
 def test_local_sgd_with_one_local_step_is_synchronous_sgd():
-    results = minipar.launch(train_relaxed, 4, "local_sgd", _model64, _batches(5), _mse, 0.2,
+    results = minipar.launch(train_relaxed, 4, "local_sgd", _model64, _batches(5), mse, 0.2,
                              local_steps=1, backend="gloo", timeout=60)
-    _, reference = single_process_sgd(_model64(), _batches(5), _mse, 0.2)
+    _, reference = single_process_sgd(_model64(), _batches(5), mse, 0.2)
     for report, params in results:
         assert report.rounds == 5
         assert torch.allclose(params, reference, rtol=1e-12, atol=1e-14)
@@ -39,7 +37,7 @@ def test_local_sgd_with_one_local_step_is_synchronous_sgd():
 
 def test_local_sgd_and_co2_converge_and_agree_across_ranks():
     for method in ("local_sgd", "co2"):
-        results = minipar.launch(train_relaxed, 2, method, _model64, _batches(40), _mse, 0.2,
+        results = minipar.launch(train_relaxed, 2, method, _model64, _batches(40), mse, 0.2,
                                  local_steps=4, backend="gloo", timeout=60)
         for report, _ in results:
             assert report.rounds == 10
@@ -49,7 +47,7 @@ def test_local_sgd_and_co2_converge_and_agree_across_ranks():
 
 
 def test_co2_overlaps_averaging_with_local_steps(cluster2):
-    results = cluster2.run(train_relaxed, "co2", _model64, _batches(12), _mse, 0.2,
+    results = cluster2.run(train_relaxed, "co2", _model64, _batches(12), mse, 0.2,
                            local_steps=3)
     events = [e for e in results.timeline if e.rank == 0]
     averages = [e for e in events if e.kind == "all_reduce"]
@@ -61,7 +59,7 @@ def test_co2_overlaps_averaging_with_local_steps(cluster2):
 def test_hogwild_ranks_share_parameters_and_converge(tmp_path, cluster2):
     shared = str(tmp_path / "params.bin")
     results = cluster2.run(train_relaxed, "hogwild", _model32, _batches(40, torch.float32),
-                           _mse, 0.1, shared_file=shared)
+                           mse, 0.1, shared_file=shared)
     assert torch.equal(results[0][1], results[1][1])  # one tensor in shared memory
     for report, _ in results:
         assert sum(report.losses[-5:]) < 0.5 * sum(report.losses[:5])
@@ -69,9 +67,7 @@ def test_hogwild_ranks_share_parameters_and_converge(tmp_path, cluster2):
 
 def test_bad_local_steps_is_refused(cluster2):
     def bad():
-        try:
-            train_relaxed("local_sgd", _model64, _batches(2), _mse, 0.1, local_steps=0)
-        except ValueError as err:
-            return str(err)
+        return value_errors(lambda: train_relaxed("local_sgd", _model64, _batches(2), mse, 0.1,
+                                                  local_steps=0))[0]
 
     assert "local_steps must be an int >= 1" in cluster2.run(bad)[0]

@@ -1,6 +1,7 @@
 """launch / Cluster: results, output, notebook functions, failures, timeouts, no orphans."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from conftest import child_pids, wait_gone
 
 import minipar
-from minipar.runtime import _where_waiting
+from minipar.runtime.worker import where_waiting
 
 
 def rank_square():
@@ -214,31 +215,22 @@ def test_where_waiting_reads_a_stack_dump():
           File "{runtime}", line 200 in _run_task
           File "{runtime}", line 250 in _worker_main
     """)
-    assert _where_waiting(dump) == (
+    assert where_waiting(dump) == (
         "in recv() at distributed_c10d.py:2400, called from my_step() at <cell>:3")
-    assert "no stack" in _where_waiting("")
+    assert "no stack" in where_waiting("")
 
 
-@pytest.mark.parametrize("module, expected", [
-    ("minipar.basics", ["hello from rank 0 of 2 on cpu: sum = 3",
-                        "hello from rank 1 of 2 on cpu: sum = 3", "all 2 ranks agree on 3: True"]),
-    ("minipar.collectives", [f"rank {r}: {a:17} matches torch: True" for r in (0, 1)
-                             for a in ("naive", "tree", "ring", "halving_doubling")]),
-    ("minipar.data_parallel", ["rank 0: equals one process: True",
-                               "rank 1: equals one process: True"]),
-    ("minipar.pipeline", [f"rank {r}: {n:17} gradients equal one process: True"
-                          for r in (0, 1) for n in ("gpipe", "1f1b", "zb_h1")]),
-    ("minipar.tensor_parallel", [f"rank {r}: block{s} equals its one-process twin: True"
-                                 for r in (0, 1) for s in ("", " (sequence parallel)")]),
-    ("minipar.expert_parallel", [f"rank {r}: equals the one-process MoE layer: True"
-                                 for r in (0, 1)]),
-])
-def test_torchrun_mode_joins_the_process_group(module, expected):
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["minipar.basics", "minipar.collectives",
+                                    "minipar.data_parallel", "minipar.pipeline",
+                                    "minipar.tensor_parallel", "minipar.moe"])
+def test_torchrun_mode_joins_the_process_group(module):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     done = subprocess.run(
         [torchrun, "--standalone", "--nproc-per-node", "2", "-m", module],
         capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    for line in expected:
-        assert line in done.stdout
+    assert "matches one process?" in done.stdout and " NO " not in done.stdout
+    checked = re.search(r"(\d+)/(\d+) checked cases match one process", done.stdout)
+    assert checked and checked.group(1) == checked.group(2) != "0", done.stdout

@@ -3,9 +3,10 @@ gradient, float64, rtol 1e-10) for TP = 1, 2, 4, with Megatron's communication c
 
 import pytest
 import torch
+from conftest import value_errors
 
 import minipar
-from minipar import collectives
+from minipar import collectives, models
 from minipar import tensor_parallel as tp
 
 S, B, H, HEADS, FFN = 8, 2, 8, 4, 16
@@ -50,13 +51,13 @@ def _check_linear_layers():
 def _check_block(kind, sequence_parallel=False):
     torch.manual_seed(2)
     if kind == "mlp":
-        twin = tp.MLP(H, FFN, torch.float64)
+        twin = models.FFN(H, FFN, torch.float64)
         par = tp.ParallelMLP(twin, sequence_parallel=sequence_parallel)
     elif kind == "attention":
-        twin = tp.SelfAttention(H, HEADS, torch.float64)
+        twin = models.SelfAttention(H, HEADS, torch.float64)
         par = tp.ParallelSelfAttention(twin, sequence_parallel=sequence_parallel)
     else:
-        twin = tp.TransformerBlock(H, HEADS, FFN, seed=3, dtype=torch.float64)
+        twin = models.TransformerBlock(H, HEADS, FFN, seed=3, dtype=torch.float64)
         par = tp.ParallelTransformerBlock(twin, sequence_parallel=sequence_parallel)
     x = _x(4).requires_grad_(True)
     out = twin(x)
@@ -120,15 +121,9 @@ def test_layers_and_blocks_equal_their_twins(world_size):
 
 def test_sizes_that_do_not_divide_are_refused(cluster4):
     def attempt():
-        errors = []
-        for make in (lambda: tp.ColumnParallelLinear(8, 6),
-                     lambda: tp.RowParallelLinear(6, 8),
-                     lambda: tp.ParallelSelfAttention(tp.SelfAttention(12, 6))):
-            try:
-                make()
-            except ValueError as err:
-                errors.append(str(err))
-        return errors
+        return value_errors(lambda: tp.ColumnParallelLinear(8, 6),
+                            lambda: tp.RowParallelLinear(6, 8),
+                            lambda: tp.ParallelSelfAttention(models.SelfAttention(12, 6)))
 
     errors = cluster4.run(attempt)[0]
     assert "out_features=6 is not divisible by the tensor-parallel size 4" in errors[0]
@@ -137,7 +132,7 @@ def test_sizes_that_do_not_divide_are_refused(cluster4):
 
 
 def _gpt_check():
-    twin = tp.TinyGPT(vocab=32, hidden=16, heads=4, layers=2, seq_len=8, seed=5,
+    twin = models.TinyGPT(vocab=32, hidden=16, heads=4, layers=2, seq_len=8, seed=5,
                       dtype=torch.float64)
     gpt = tp.ParallelTinyGPT(twin)
     ids = torch.randint(0, 32, (8, 2), generator=torch.Generator().manual_seed(6))

@@ -1,8 +1,9 @@
 """minipar.widgets: pictures of what the library did.
 
 `render_*` functions are pure (data in, matplotlib Figure out) and need only
-matplotlib; the interactive widgets need ipywidgets (`pip install minipar[lessons]`)
-and are imported on first use.
+matplotlib (a Timeline's Gantt chart and summary bars are in `minipar.plots`); the
+interactive widgets need ipywidgets (`pip install minipar[lessons]`) and are imported
+on first use.
 """
 
 from .collective_view import (
@@ -11,15 +12,7 @@ from .collective_view import (
     render_collective_frame,
     render_collective_strip,
 )
-from .render import (
-    KIND_COLORS,
-    kind_colors,
-    render_pipeline,
-    render_speedup,
-    render_summary,
-    render_timeline,
-    to_png,
-)
+from .render import render_pipeline, render_speedup
 from .split_view import KINDS as SPLIT_KINDS
 from .split_view import render_split, split_frames
 
@@ -27,6 +20,8 @@ from .split_view import render_split, split_frames
 def show(fig) -> None:
     """Display a Figure as a PNG in a notebook (works without %matplotlib)."""
     from IPython.display import Image, display
+
+    from minipar.plots import to_png
 
     display(Image(to_png(fig)))
 
@@ -46,9 +41,9 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
 
 
-__all__ = ["KIND_COLORS", "CollectiveAnimator", "CollectiveRecording", "RouterExplorer",
+__all__ = ["CollectiveAnimator", "CollectiveRecording", "RouterExplorer",
            "ScheduleExplorer", "render_routing",
-           "SpeedupLab", "TimelineViewer", "kind_colors", "record_all_reduce",
+           "SpeedupLab", "TimelineViewer", "record_all_reduce",
            "render_collective_frame", "render_collective_strip", "render_pipeline",
-           "render_speedup", "render_split", "render_summary", "render_timeline", "show",
-           "split_frames", "split_viewer", "SPLIT_KINDS", "to_png"]
+           "render_speedup", "render_split", "show",
+           "split_frames", "split_viewer", "SPLIT_KINDS"]

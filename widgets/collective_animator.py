@@ -5,6 +5,7 @@ from __future__ import annotations
 import ipywidgets as w
 
 from minipar import collectives
+from minipar.plots import to_png
 from minipar.runtime import Cluster
 
 from .collective_view import (
@@ -13,7 +14,6 @@ from .collective_view import (
     render_collective_frame,
     render_collective_strip,
 )
-from .render import to_png
 
 
 class CollectiveAnimator(w.VBox):

@@ -72,7 +72,9 @@ def record_all_reduce(algorithm: str, world_size: int, numel: int | None = None,
     from minipar import collectives
     from minipar.runtime import launch
 
-    collectives._check_algorithm(algorithm, collectives.ALL_REDUCE_ALGORITHMS)
+    if algorithm not in collectives.ALL_REDUCE_ALGORITHMS:
+        allowed = ", ".join(collectives.ALL_REDUCE_ALGORITHMS)
+        raise ValueError(f"algorithm must be one of {allowed}; got {algorithm!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or not 2 <= world_size <= 8:
         raise ValueError(f"world_size must be an int from 2 to 8; got {world_size!r}")
     numel = numel or (2 * world_size if world_size <= 4 else world_size)

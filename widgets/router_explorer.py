@@ -52,7 +52,7 @@ class RouterExplorer:
     def __new__(cls, tokens: int = 32, hidden: int = 16):
         import ipywidgets as w
 
-        from .render import to_png
+        from minipar.plots import to_png
 
         k = w.IntSlider(min=1, max=4, value=2, description="k", continuous_update=False)
         factor = w.FloatSlider(min=0.25, max=2.0, step=0.25, value=1.0,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import ipywidgets as w
 
 from minipar.pipeline import SCHEDULES, fill_bubbles, peak_in_flight, schedule, simulate
+from minipar.plots import to_png
 
-from .render import render_pipeline, to_png
+from .render import render_pipeline
 
 
 class ScheduleExplorer(w.VBox):
@@ -89,12 +90,12 @@ class ScheduleExplorer(w.VBox):
 
     def measure(self):
         """Run the current schedule on real ranks and draw its Timeline under the ideal."""
-        from minipar.bench import _pipeline_steps
+        from minipar.pipeline.bench import schedule_step_seconds
         from minipar.runtime import launch
 
         before = self.status.value
         self.status.value = "measuring on real ranks..."
-        run = launch(_pipeline_steps, self.plan.ranks, self.plan.name, self.plan.microbatches,
+        run = launch(schedule_step_seconds, self.plan.ranks, self.plan.name, self.plan.microbatches,
                      self.plan.virtual, 512, 2048, 4, 1, backend="gloo", timeout=120)
         first = sorted(e.start for e in run.timeline if e.label == "0F0")[-1]
         self.measured = type(run.timeline)(e for e in run.timeline if e.start >= first)

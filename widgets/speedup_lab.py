@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import ipywidgets as w
 
-from minipar.bench import COMPRESSION_CHOICES, measure_speedup
+from minipar.data_parallel.speedup import COMPRESSION_CHOICES, measure_speedup
+from minipar.plots import to_png
 
-from .render import render_speedup, to_png
+from .render import render_speedup
 
 BUCKETS = {"one per parameter": None, "256 KiB": 256 << 10, "1 MiB": 1 << 20, "25 MiB": 25 << 20}
 

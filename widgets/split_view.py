@@ -98,7 +98,7 @@ def split_viewer(kind: str = "megatron_mlp", tp: int = 2):
     """Dropdown for the split, slider for TP, Play through the steps (ipywidgets)."""
     import ipywidgets as w
 
-    from .render import to_png
+    from minipar.plots import to_png
 
     kind_box = w.Dropdown(options=KINDS, value=kind, description="split")
     tp_box = w.IntSlider(min=1, max=4, value=tp, description="TP size", continuous_update=False)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import ipywidgets as w
 
+from minipar.plots import render_summary, render_timeline, to_png
 from minipar.trace import Timeline
-
-from .render import render_summary, render_timeline, to_png
 
 
 class TimelineViewer(w.VBox):

@@ -28,7 +28,7 @@ from torch import nn
 from .. import collectives
 from ..runtime import rank
 from ..trace import record
-from .schedules import Action, Schedule
+from .plan import Action, Schedule
 
 _HEADER = 9  # ndim + up to 8 dimensions, sent before each activation
 
@@ -164,26 +164,26 @@ class Pipeline:
 
     def _run(self, a: Action, inputs, targets, weights, loss_fn, st: _StepState) -> None:
         key, last = (a.stage, a.microbatch), self.plan.stages - 1
+        if a.kind.startswith(("SEND", "RECV")):  # labelled as the plan and the simulator do
+            tag = {"label": str(a), "stage": a.stage, "microbatch": a.microbatch}
         if a.kind == "RECV_F":
-            header = collectives.recv(torch.zeros(_HEADER, dtype=torch.int64),
-                                      self.plan.rank_of(a.stage - 1))
+            src = self.plan.rank_of(a.stage - 1)
+            header = collectives.recv(torch.zeros(_HEADER, dtype=torch.int64), src, **tag)
             shape = header[1:1 + int(header[0])].tolist()
-            data = collectives.recv(torch.empty(shape, dtype=self.dtype),
-                                    self.plan.rank_of(a.stage - 1))
-            st.incoming[key] = data
+            st.incoming[key] = collectives.recv(torch.empty(shape, dtype=self.dtype), src, **tag)
         elif a.kind == "SEND_F":
             out = st.outputs[key].detach()
             header = torch.zeros(_HEADER, dtype=torch.int64)
             header[0] = out.dim()
             header[1:1 + out.dim()] = torch.tensor(out.shape)
             dst = self.plan.rank_of(a.stage + 1)
-            st.sends += [collectives.isend(header, dst), collectives.isend(out, dst)]
+            st.sends += [collectives.isend(header, dst, **tag), collectives.isend(out, dst, **tag)]
         elif a.kind == "RECV_B":
             grad = torch.empty_like(st.outputs[key])
-            st.grads[key] = collectives.recv(grad, self.plan.rank_of(a.stage + 1))
+            st.grads[key] = collectives.recv(grad, self.plan.rank_of(a.stage + 1), **tag)
         elif a.kind == "SEND_B":
             st.sends.append(collectives.isend(st.input_grads.pop(key),
-                                              self.plan.rank_of(a.stage - 1)))
+                                              self.plan.rank_of(a.stage - 1), **tag))
         elif a.kind == "F":
             with record("F", str(a), stage=a.stage, microbatch=a.microbatch):
                 if a.stage == 0:

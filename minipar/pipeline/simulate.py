@@ -2,14 +2,16 @@
 
 Each rank runs its actions in order. A compute action takes its kind's cost; a send
 costs nothing to the sender and its message lands `costs["p2p"]` seconds later; a
-receive waits until its message has landed. The result is the same kind of Timeline
-a real run records, so ideal and measured runs are drawn and summarized alike.
+receive waits until its message has landed. Events carry the plan's labels (`1F0`,
+`1SEND_F0`, `2RECV_F0`) and kinds (F, B, I, W, send, recv), as the engine records them,
+so a simulated and a measured Timeline can be compared action by action, drawn and
+summarized alike.
 """
 
 from __future__ import annotations
 
 from ..trace import Event, Timeline
-from .schedules import Schedule
+from .plan import Schedule, check_structure
 
 
 def simulate(plan: Schedule, costs: dict[str, float]) -> Timeline:
@@ -36,9 +38,11 @@ def simulate(plan: Schedule, costs: dict[str, float]) -> Timeline:
                     if key not in landed:
                         break
                     start = max(clock[r], landed[key])
-                    if start > clock[r]:
-                        events.append(Event(r, "wait", str(a), clock[r], start,
-                                            stage=a.stage, microbatch=a.microbatch))
+                    if start > clock[r]:  # blocked in the receive, as a real rank records it
+                        source = a.stage - 1 if a.kind == "RECV_F" else a.stage + 1
+                        events.append(Event(r, "recv", str(a), clock[r], start,
+                                            stage=a.stage, microbatch=a.microbatch,
+                                            peer=plan.rank_of(source)))
                     clock[r] = start
                 elif a.kind.startswith("SEND"):
                     target = a.stage + 1 if a.kind == "SEND_F" else a.stage - 1
@@ -84,7 +88,7 @@ def in_flight_over_time(timeline: Timeline, split_backward: bool = False
 def fill_bubbles(timeline: Timeline, unit_cost: float, label: str = "K-FAC") -> Timeline:
     """Put units of extra work (each `unit_cost` long, e.g. K-FAC curvature statistics as in
     PipeFisher) into every idle gap of every rank that fits one; returns the new Timeline.
-    A rank working on extra work is no longer blocked, so the "wait" spans go. Compare
+    A rank working on extra work is no longer blocked, so the receive waits go. Compare
     `.summary().bubble_fraction` before and after for the utilization gained."""
     if unit_cost <= 0:
         raise ValueError(f"unit_cost must be > 0 seconds; got {unit_cost!r}")
@@ -97,4 +101,11 @@ def fill_bubbles(timeline: Timeline, unit_cost: float, label: str = "K-FAC") -> 
                 extra.append(Event(rank, "extra", label, t, t + unit_cost))
                 t += unit_cost
             t = max(t, end)
-    return Timeline([*(e for e in timeline.events if e.kind != "wait"), *extra])
+    return Timeline([*(e for e in timeline.events if e.kind not in ("wait", "recv")), *extra])
+
+
+def validate(plan: Schedule) -> None:
+    """Raise ValueError unless the plan is well formed (`plan.check_structure`) and runs to
+    the end without a deadlock (a replay with unit costs)."""
+    check_structure(plan)
+    simulate(plan, {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0})

@@ -5,7 +5,7 @@ Two ways to combine the ranks' gradients, both on minipar's own collectives:
 - `DataParallel`: every rank keeps a full replica and the ranks all-reduce
   gradients, one parameter at a time or in buckets, optionally overlapped with
   the backward pass (what torch's DDP does, in a file you can read).
-- `ParameterServer` (in `parameter_server.py`): one or more server ranks hold
+- the parameter server (`parameter_server.py`): one or more server ranks hold
   the weights; workers pull them, compute, and push gradients back.
 
 The loss-scaling convention (one for the whole package): gradients are averaged
@@ -25,10 +25,11 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.nn.utils import parameters_to_vector
 
-from . import collectives
-from .runtime import rank, world_size
-from .trace import record
+from .. import collectives
+from ..runtime import rank, world_size
+from ..trace import record
 
 FIRST_BUCKET_BYTES = 1 << 20  # as torch's DDP: a small first bucket starts communication early
 
@@ -53,8 +54,6 @@ def single_process_sgd(model: nn.Module, batches, loss_fn, lr: float
                        ) -> tuple[list[float], torch.Tensor]:
     """The reference every data-parallel method is held to: one process, whole batches,
     plain SGD. Returns the loss of each step and the final flattened parameters."""
-    from torch.nn.utils import parameters_to_vector
-
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
     for x, y in batches:
@@ -226,59 +225,3 @@ class DataParallel(nn.Module):
             bucket.unpack()
             bucket.waiting = len(bucket.params)
         self._started, self._next, self._ready = False, 0, set()
-
-
-# ------------------------------------------------------------------ demo run ---
-
-def _demo(steps: int, per_rank: int, bucket_bytes: int) -> tuple[bool, float]:
-    """Train a small MLP with DataParallel; compare with one process on rank 0's side."""
-    import time
-
-    from torch.nn.utils import parameters_to_vector
-
-    from .models import mlp, regression_data
-    from .runtime import device
-
-    k = world_size()
-    x, y = regression_data(steps * per_rank * k, 32, seed=0, dtype=torch.float64)
-    model = mlp([32, 128, 1], seed=0, dtype=torch.float64).to(device())
-    ddp = DataParallel(model, bucket_bytes=bucket_bytes)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    start = time.perf_counter()
-    for bx, by in zip(x.split(per_rank * k), y.split(per_rank * k), strict=True):
-        lx, ly = shard(bx).to(device()), shard(by).to(device())
-        loss = ((ddp(lx) - ly) ** 2).mean() * shard_weight(len(lx), len(bx))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-    seconds = time.perf_counter() - start
-    reference = mlp([32, 128, 1], seed=0, dtype=torch.float64)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
-    for bx, by in zip(x.split(per_rank * k), y.split(per_rank * k), strict=True):
-        ((reference(bx) - by) ** 2).mean().backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-    same = torch.allclose(parameters_to_vector(model.parameters()).cpu(),
-                          parameters_to_vector(reference.parameters()), rtol=1e-9)
-    return same, seconds
-
-
-def main(argv: list[str] | None = None) -> None:
-    """python -m minipar.data_parallel --ranks 2, or under torchrun (NCCL on GPUs)."""
-    from .runtime import demo_parser, launch
-
-    parser = demo_parser("All-reduce data parallelism vs one process", 2)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--per-rank", type=int, default=16)
-    parser.add_argument("--bucket-bytes", type=int, default=1 << 20)
-    args = parser.parse_args(argv)
-    results = launch(_demo, args.ranks, args.steps, args.per_rank, args.bucket_bytes,
-                     backend=args.backend)
-    if rank() == 0:
-        for r, (same, seconds) in enumerate(results):
-            print(f"rank {r}: equals one process: {same}, {seconds * 1e3:.0f} ms "
-                  f"for {args.steps} steps")
-
-
-if __name__ == "__main__":
-    main()

@@ -29,8 +29,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .models import FFN
-
 GATE_ORDERS = ("softmax_topk", "topk_softmax")
 
 
@@ -117,90 +115,7 @@ class Gate(nn.Module):
         return logits
 
 
-Expert = FFN  # each expert is an ordinary feed-forward block
-
-
-class MoELayer(nn.Module):
-    """Gate + E expert FFNs (+ an optional shared expert every token also visits).
-
-    Dispatch and combine are index operations: tokens are scattered into an
-    [E, capacity, hidden] buffer, each expert runs on its rows, and the outputs are
-    gathered back and weighted; no Python loop over tokens. `last_routing` keeps the
-    latest Routing for statistics and the auxiliary losses.
-    """
-
-    def __init__(self, hidden: int, ffn: int, num_experts: int, k: int = 2,
-                 capacity_factor: float = 1.25, min_capacity: int = 1,
-                 order: str = "softmax_topk", noisy: bool = False, shared_expert: bool = False,
-                 seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        _check(k, num_experts, capacity_factor, order)
-        torch.manual_seed(seed)
-        self.k, self.capacity_factor, self.min_capacity, self.order = k, capacity_factor, \
-            min_capacity, order
-        self.gate = Gate(hidden, num_experts, noisy, dtype)
-        self.experts = nn.ModuleList(Expert(hidden, ffn, dtype) for _ in range(num_experts))
-        self.shared = Expert(hidden, ffn, dtype) if shared_expert else None
-        self.last_routing: Routing | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[1] != self.gate.router.in_features:
-            raise ValueError(f"x must be [tokens, {self.gate.router.in_features}]; got "
-                             f"{tuple(x.shape)}")
-        routing = route(self.gate(x), self.k, self.capacity_factor, self.min_capacity,
-                        self.order)
-        self.last_routing = routing
-        out = dispatch_combine(x, routing, list(self.experts))
-        return out + self.shared(x) if self.shared is not None else out
-
-
-def dispatch(x: torch.Tensor, routing: Routing, num_experts: int) -> torch.Tensor:
-    """Scatter tokens into an [E, capacity, hidden] buffer (empty slots stay zero)."""
-    buffer = x.new_zeros(num_experts, routing.capacity, x.shape[1])
-    token = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(routing.expert)
-    kept = routing.kept
-    buffer[routing.expert[kept], routing.slot[kept]] = x[token[kept]]
-    return buffer
-
-
-def combine(expert_out: torch.Tensor, routing: Routing, tokens: int) -> torch.Tensor:
-    """Gather each kept choice's expert output back to its token, weighted by the gate."""
-    kept = routing.kept
-    token = torch.arange(tokens, device=expert_out.device).unsqueeze(1).expand_as(routing.expert)
-    picked = expert_out[routing.expert[kept], routing.slot[kept]]
-    out = expert_out.new_zeros(tokens, expert_out.shape[-1])
-    return out.index_add(0, token[kept], picked * routing.weight[kept].unsqueeze(-1))
-
-
-def dispatch_combine(x: torch.Tensor, routing: Routing, experts: list[nn.Module]) -> torch.Tensor:
-    buffer = dispatch(x, routing, len(experts))
-    expert_out = torch.stack([expert(buffer[i]) for i, expert in enumerate(experts)])
-    return combine(expert_out, routing, x.shape[0])
-
-
 def imbalance(load: torch.Tensor) -> float:
     """Busiest expert's load over the mean load (1 = perfectly balanced, E = all on one)."""
     load = load.float()
     return float(load.max() / load.mean()) if load.sum() > 0 else 1.0
-
-
-def train_router_stats(layer: MoELayer, x: torch.Tensor, target: torch.Tensor, steps: int,
-                       lr: float = 0.05, balance_weight: float = 0.01,
-                       z_weight: float = 0.0) -> list[dict]:
-    """Train `layer` to map x to target with SGD plus the auxiliary losses; per step report
-    each expert's load, the drop rate, the balance and z losses and the imbalance."""
-    opt = torch.optim.SGD(layer.parameters(), lr=lr)
-    history = []
-    for _ in range(steps):
-        out = layer(x)
-        r = layer.last_routing
-        loss = nn.functional.mse_loss(out, target) + balance_weight * r.balance_loss \
-            + z_weight * r.z_loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        load = r.load(len(layer.experts))
-        history.append({"load": load.tolist(), "drop_rate": r.drop_rate,
-                        "balance_loss": r.balance_loss.item(), "z_loss": r.z_loss.item(),
-                        "imbalance": imbalance(load), "loss": loss.item()})
-    return history

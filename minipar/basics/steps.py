@@ -1,25 +1,21 @@
-"""First steps on many ranks: hello world, and what one slow worker costs everyone.
-
-    python -m minipar.basics --ranks 4                 # spawns 4 CPU ranks
-    torchrun --nproc-per-node 2 -m minipar.basics      # joins torchrun's ranks
-"""
+"""First steps on many ranks: hello world, independent work, and what one slow worker
+costs everyone."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-import minipar
-from minipar.runtime import demo_parser
-from minipar.trace import record
+from ..runtime import device, rank, world_size
+from ..trace import record
 
 
 def hello() -> float:
     """Each rank contributes rank+1; after all_reduce every rank holds 1+2+...+K."""
-    me, size = minipar.rank(), minipar.world_size()
-    value = torch.tensor([me + 1.0], device=minipar.device())
+    me, size = rank(), world_size()
+    value = torch.tensor([me + 1.0], device=device())
     dist.all_reduce(value)
-    print(f"hello from rank {me} of {size} on {minipar.device()}: sum = {value.item():g}")
+    print(f"hello from rank {me} of {size} on {device()}: sum = {value.item():g}")
     return value.item()
 
 
@@ -41,7 +37,7 @@ def synchronized_steps(steps: int = 3, units: int = 40, slow_rank: int | None = 
     rank records its compute and its wait, so the Timeline shows who idles.
     Returns the sum of all ranks' checksums from the last step.
     """
-    me = minipar.rank()
+    me = rank()
     my_units = round(units * slowdown) if me == slow_rank else units
     total = torch.zeros(1, dtype=torch.float64)
     for step in range(steps):
@@ -50,17 +46,3 @@ def synchronized_steps(steps: int = 3, units: int = 40, slow_rank: int | None = 
         with record("wait", "all_reduce", step=step):
             dist.all_reduce(total)
     return total.item()
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = demo_parser(__doc__.splitlines()[0], 4)
-    args = parser.parse_args(argv)
-    results = minipar.launch(hello, args.ranks, backend=args.backend)
-    expected = args.ranks * (args.ranks + 1) / 2
-    if minipar.rank() == 0:
-        ok = all(r == expected for r in results)
-        print(f"all {args.ranks} ranks agree on {expected:g}: {ok}")
-
-
-if __name__ == "__main__":
-    main()

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import collectives
-from .data_parallel import shard, shard_weight
-from .runtime import world_size
+from .. import collectives
+from ..runtime import world_size
+from .ddp import shard, shard_weight
 
 
 class Compressor:

@@ -12,27 +12,31 @@ r*E/K .. (r+1)*E/K - 1. The gate's gradient is each rank's share; sum it over ra
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
-from . import collectives
-from .moe import MoELayer, Routing, capacity, route
-from .runtime import rank, world_size
-from .trace import record
+from .. import collectives
+from ..runtime import rank, world_size
+from ..trace import record
+from .layer import MoELayer
+from .routing import Routing, capacity, route
 
 
 class _AllToAll(torch.autograd.Function):
-    """Rows go out by send_counts; their gradients come back by the reverse exchange."""
+    """Rows go out by send_counts; their gradients come back by the reverse exchange. Both
+    sizes are known, so neither direction swaps counts again."""
 
     @staticmethod
     def forward(ctx, x, send_counts, recv_counts):
         ctx.counts = (send_counts, recv_counts)
-        return collectives.all_to_all(x.contiguous(), send_counts)
+        return collectives.all_to_all(x.contiguous(), send_counts, recv_counts)
 
     @staticmethod
     def backward(ctx, grad):
         send_counts, recv_counts = ctx.counts
-        return collectives.all_to_all(grad.contiguous(), recv_counts), None, None
+        return collectives.all_to_all(grad.contiguous(), recv_counts, send_counts), None, None
 
 
 def global_routing(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int,
@@ -66,8 +70,6 @@ class ExpertParallelMoE(nn.Module):
 
     def __init__(self, twin: MoELayer) -> None:
         super().__init__()
-        import copy
-
         size = world_size()
         num_experts = len(twin.experts)
         if num_experts % size:
@@ -98,11 +100,9 @@ class ExpertParallelMoE(nn.Module):
         token, expert, slot, weight, owner = (t[order] for t in (token, expert, slot, weight,
                                                                  owner))
         send_counts = torch.bincount(owner, minlength=world_size()).tolist()
+        recv_counts = collectives.swap_counts(send_counts)  # rows arriving from each rank
         meta = torch.stack([expert % self.per_rank, slot], dim=1)
-        recv_meta = collectives.all_to_all(meta, send_counts)
-        # rows arriving from each rank: every rank tells every other how many it sends
-        recv_counts = collectives.all_to_all(torch.tensor(send_counts, device=x.device),
-                                             [1] * world_size()).tolist()
+        recv_meta = collectives.all_to_all(meta, send_counts, recv_counts)
         with record("all_to_all", "dispatch", tokens=int(recv_meta.shape[0])):
             arrived = _AllToAll.apply(x[token], send_counts, recv_counts)
         self.tokens_received = int(arrived.shape[0])
@@ -115,35 +115,3 @@ class ExpertParallelMoE(nn.Module):
             returned = _AllToAll.apply(results, recv_counts, send_counts)
         y = x.new_zeros(x.shape).index_add(0, token, returned * weight.unsqueeze(-1))
         return y + self.shared(x) if self.shared is not None else y
-
-
-# ------------------------------------------------------------------ demo run ---
-
-def _demo() -> tuple[bool, int]:
-    from .runtime import device
-
-    twin = MoELayer(16, 32, num_experts=4 * world_size(), k=2, seed=0, dtype=torch.float64)
-    tokens = torch.randn(8 * world_size(), 16, dtype=torch.float64,
-                         generator=torch.Generator().manual_seed(1))
-    layer = ExpertParallelMoE(twin).to(device())
-    me = rank()
-    y = layer(tokens[me * 8:(me + 1) * 8].to(device()))
-    same = torch.allclose(y.cpu(), twin(tokens)[me * 8:(me + 1) * 8], rtol=1e-10)
-    return bool(same), layer.tokens_received
-
-
-def main(argv: list[str] | None = None) -> None:
-    """python -m minipar.expert_parallel --ranks 2, or under torchrun."""
-    from .runtime import demo_parser, launch
-
-    parser = demo_parser("Expert-parallel MoE vs the one-process layer", 2)
-    args = parser.parse_args(argv)
-    results = launch(_demo, args.ranks, backend=args.backend)
-    if rank() == 0:
-        for r, (same, received) in enumerate(results):
-            print(f"rank {r}: equals the one-process MoE layer: {same}; "
-                  f"received {received} token choices")
-
-
-if __name__ == "__main__":
-    main()

@@ -21,13 +21,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from . import collectives
-from .data_parallel import shard
-from .runtime import rank
-from .trace import record
+from .. import collectives
+from ..runtime import rank
+from ..trace import record
+from .ddp import shard
 
 
 @dataclass
@@ -113,8 +114,6 @@ def hogwild(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor
     """Lock-free SGD on parameters every rank maps from `shared_file` (rank 0 writes the
     start values into it; the others wait at a barrier). Each rank trains on its own
     shard of every batch and writes straight into the shared tensor."""
-    import torch.distributed as dist
-
     params = list(model.parameters())
     if any(p.dtype != torch.float32 for p in params):
         raise ValueError("hogwild shares float32 memory: build the model in float32")

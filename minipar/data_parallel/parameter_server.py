@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from . import collectives
-from .data_parallel import shard, shard_weight
-from .runtime import rank, world_size
-from .trace import record
+from .. import collectives
+from ..runtime import rank, world_size
+from ..trace import record
+from .ddp import shard, shard_weight
 
 MODES = ("sync", "async")
 

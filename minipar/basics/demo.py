@@ -1,0 +1,72 @@
+"""The first-steps demo: hello world (an all-reduce of rank+1), independent work split
+over the ranks, and synchronized steps with one slow rank, each checked against one
+process. `python -m minipar.basics`, `minipar tour` and the tests run `demo`."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..demo import Check, Context, Row, best_run, combine, one_process
+from ..plots import render_timeline, to_png
+from ..runtime import rank, world_size
+from .steps import busy_work, hello, synchronized_steps
+
+
+def _split_work(tasks: int, units: int) -> float:
+    """Tasks dealt round-robin over the ranks, the checksums summed by an all-reduce."""
+    me, size = rank(), world_size()
+    local = torch.tensor([sum(busy_work(units + t) for t in range(me, tasks, size))],
+                         dtype=torch.float64)
+    dist.all_reduce(local)
+    return local.item()
+
+
+def demo(cases: tuple[str, ...] = ("hello", "split_work"), tasks: int = 16,
+         units: int = 100) -> list[Check]:
+    """On every rank: hello world, and `tasks` units of work split over the ranks, each
+    against what one process computes."""
+    k, checks = world_size(), []
+    if "hello" in cases:
+        start = time.perf_counter()
+        total = hello()
+        checks.append(Check("hello: all-reduce of rank+1", total == k * (k + 1) / 2,
+                            time.perf_counter() - start,
+                            note=f"every rank holds {'+'.join(str(r + 1) for r in range(k))}"))
+    if "split_work" in cases:
+        expected = sum(busy_work(units + t) for t in range(tasks))
+        start = time.perf_counter()
+        got = _split_work(tasks, units)
+        checks.append(Check("independent work split over ranks + all-reduce",
+                            math.isclose(got, expected, rel_tol=1e-9),
+                            time.perf_counter() - start))
+    return checks
+
+
+def tour(ctx: Context, tasks: int = 16, units: int = 200, steps: int = 3) -> list[Row]:
+    """Hello on 4 ranks; split work on 2 with its speedup over one process; one slow rank
+    among 4, drawn as a Gantt chart."""
+    rows = ctx.checks(4, demo, ("hello",))
+    _, single = one_process(lambda: sum(busy_work(units + t) for t in range(tasks)))
+    (split,) = combine(best_run(ctx.cluster(2), demo, ("split_work",), tasks, units))
+    split.speedup, split.note = single / split.seconds, "ceiling 2x on 2 cores"
+    rows.append(split)
+    cluster = ctx.cluster(4)
+    balanced = best_run(cluster, synchronized_steps, steps, units)
+    slow = best_run(cluster, synchronized_steps, steps, units, slow_rank=3, slowdown=2.0)
+    per_rank = [units] * 3 + [2 * units]
+    reference, single = one_process(
+        lambda: [sum(busy_work(u) for u in per_rank) for _ in range(steps)][-1])
+    summary = slow.timeline.summary()
+    (ctx.out_dir / "slow_worker.png").write_bytes(
+        to_png(render_timeline(slow.timeline, title="one slow rank (rank 3 does 2x work)")))
+    slow.timeline.save_chrome(ctx.out_dir / "slow_worker.trace.json")
+    rows.append(Row("one slow worker, then synchronize", 4,
+                    all(math.isclose(r, reference, rel_tol=1e-6) for r in slow), slow.seconds,
+                    single / slow.seconds,
+                    note=f"{slow.seconds / balanced.seconds:.2f}x the balanced step time; "
+                         f"idle {summary.bubble_fraction:.0%} of rank-time"))
+    return rows

@@ -1,0 +1,284 @@
+"""The messaging layer every collective is written on: one step posts all its sends and
+receives together and waits for all of them; every message is metered and becomes an
+event in the Timeline; arguments are checked on every rank before anything moves."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .. import trace
+
+OPS = ("sum", "avg", "max")
+ALL_REDUCE_ALGORITHMS = ("naive", "tree", "ring", "halving_doubling")
+ROOTED_ALGORITHMS = ("naive", "tree")
+SEGMENT_BYTES = 1 << 20  # ring segments: small enough to overlap, large enough to stream
+
+_meters: list[Meter] = []
+_validate = True
+
+
+# ------------------------------------------------------------------- the meter ---
+
+@dataclass
+class Transfer:
+    """One message this rank sent or received."""
+
+    collective: str
+    phase: str
+    step: int
+    direction: str  # "send" or "recv"
+    peer: int
+    chunk: int | None
+    bytes: int
+
+
+@dataclass
+class Meter:
+    """This rank's traffic inside a `meter()` block."""
+
+    sent_bytes: int = 0
+    recv_bytes: int = 0
+    messages: int = 0  # messages sent (a segmented chunk counts once per segment)
+    steps: int = 0  # communication steps this rank took part in
+    transfers: list[Transfer] = field(default_factory=list)
+    keep_snapshots: bool = False
+    snapshots: list[tuple[str, int, torch.Tensor]] = field(default_factory=list)
+    calls: dict[str, int] = field(default_factory=dict)  # collective name -> times called
+
+
+@contextmanager
+def meter(snapshots: bool = False) -> Iterator[Meter]:
+    """Count this rank's sent/received bytes, messages and steps inside the block.
+
+    With `snapshots=True` the meter also keeps a copy of the working buffer after
+    every step (what the animator draws); use it with small tensors.
+    """
+    m = Meter(keep_snapshots=snapshots)
+    _meters.append(m)
+    try:
+        yield m
+    finally:
+        _meters.remove(m)
+
+
+@contextmanager
+def validation(enabled: bool) -> Iterator[None]:
+    """Switch the cross-rank shape/argument handshake on or off inside the block."""
+    global _validate
+    previous, _validate = _validate, enabled
+    try:
+        yield
+    finally:
+        _validate = previous
+
+
+def validating() -> bool:
+    """Whether the cross-rank handshake is on (see `validation`)."""
+    return _validate
+
+
+# ------------------------------------------------------------------- one step ---
+
+class _Comm:
+    """One collective call on one rank: its group, its step counter, its messages."""
+
+    def __init__(self, name: str, group: dist.ProcessGroup | None, label: str | None = None,
+                 **fields: int) -> None:
+        self.name, self.group = name, group
+        self.label, self.fields = label, fields  # what the Timeline calls this call's messages
+        for m in _meters:
+            m.calls[name] = m.calls.get(name, 0) + 1
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.step = 0
+        self.buffer: torch.Tensor | None = None  # what snapshots copy
+
+    def global_rank(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def exchange(self, phase: str, sends: list[tuple[torch.Tensor, int, int | None]] = (),
+                 recvs: list[tuple[torch.Tensor, int, int | None]] = (),
+                 on_arrival: Callable[[int, int, int], None] | None = None) -> None:
+        """One step: post every send (tensor, peer, chunk) and receive, then wait for all.
+
+        Tensors longer than SEGMENT_BYTES go in segments; `on_arrival(i, start, end)`
+        runs for receive i's elements [start, end) as soon as they land.
+        """
+        sends = [s for s in sends if s[0].numel()]
+        recvs = [r for r in recvs if r[0].numel()]
+        ops, send_meta, recv_meta = [], [], []
+        for tensor, peer, chunk in sends:
+            for tag, (a, b) in enumerate(_segments(tensor)):
+                ops.append(dist.P2POp(dist.isend, tensor[a:b], self.global_rank(peer),
+                                      self.group, tag))
+                send_meta.append((peer, chunk, (b - a) * tensor.element_size()))
+        first_recv = len(ops)
+        for index, (tensor, peer, chunk) in enumerate(recvs):
+            for tag, (a, b) in enumerate(_segments(tensor)):
+                ops.append(dist.P2POp(dist.irecv, tensor[a:b], self.global_rank(peer),
+                                      self.group, tag))
+                recv_meta.append((index, a, b, peer, chunk, (b - a) * tensor.element_size()))
+        if ops:
+            start = trace.now()
+            requests = dist.batch_isend_irecv(ops)
+            for request, (index, a, b, peer, chunk, nbytes) in zip(
+                    requests[first_recv:], recv_meta, strict=True):
+                request.wait()
+                end = trace.now()
+                self._note("recv", phase, peer, chunk, nbytes, start, end)
+                if on_arrival is not None:
+                    on_arrival(index, a, b)
+            for request, (peer, chunk, nbytes) in zip(requests[:first_recv], send_meta,
+                                                      strict=True):
+                request.wait()
+                self._note("send", phase, peer, chunk, nbytes, start, trace.now())
+        for m in _meters:
+            if ops:
+                m.steps += 1
+            if m.keep_snapshots and self.buffer is not None:
+                m.snapshots.append((phase, self.step, self.buffer.detach().clone()))
+        self.step += 1
+
+    def _note(self, direction: str, phase: str, peer: int, chunk: int | None, nbytes: int,
+              start: float, end: float) -> None:
+        _account(Transfer(self.name, phase, self.step, direction, peer, chunk, nbytes),
+                 start, end, label=self.label, **self.fields)
+
+
+def _account(transfer: Transfer, start: float, end: float, messages: int = 1,
+             label: str | None = None, **fields: int) -> None:
+    """Every message minipar moves: into every open meter, and into the Timeline (labelled
+    "collective phase" unless the caller names it, as the pipeline engine does: 1SEND_F0)."""
+    for m in _meters:
+        if transfer.direction == "send":
+            m.sent_bytes += transfer.bytes
+            m.messages += messages
+        else:
+            m.recv_bytes += transfer.bytes
+        m.transfers.append(transfer)
+    trace.add_event(transfer.direction, label or f"{transfer.collective} {transfer.phase}",
+                    start, end, peer=transfer.peer, bytes=transfer.bytes, step=transfer.step,
+                    chunk=transfer.chunk, **fields)
+
+
+def _segments(flat: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) element ranges of at most SEGMENT_BYTES each (the same on both ends)."""
+    per = max(SEGMENT_BYTES // max(flat.element_size(), 1), 1)
+    n = flat.numel()
+    return [(a, min(a + per, n)) for a in range(0, n, per)] or [(0, 0)]
+
+
+# ------------------------------------------------------------------ checking ---
+
+def _check_op(op: str, tensor: torch.Tensor) -> None:
+    if op not in OPS:
+        raise ValueError(f"op must be one of {', '.join(map(repr, OPS))}; got {op!r}")
+    if op == "avg" and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(f"op='avg' needs a floating-point tensor (got {tensor.dtype}); "
+                         "use op='sum' and divide yourself, or convert with .float()")
+
+
+def _check_algorithm(algorithm: str, allowed: tuple[str, ...]) -> None:
+    if algorithm not in allowed:
+        raise ValueError(f"algorithm must be one of {', '.join(map(repr, allowed))}; "
+                         f"got {algorithm!r}")
+
+
+def _check_root(name: str, root: int, size: int) -> None:
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < size:
+        raise ValueError(f"{name} must be a rank in 0..{size - 1}; got {root!r}")
+
+
+def _check_tensor(tensor: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor; got {type(tensor).__name__}")
+    if tensor.dtype == torch.bool:
+        raise ValueError("bool tensors are not supported; convert with .to(torch.uint8)")
+
+
+_CODES = {name: i for i, name in enumerate(OPS + ALL_REDUCE_ALGORITHMS + ("-",))}
+
+
+def _agree(comm: _Comm, tensor: torch.Tensor, op: str = "-", algorithm: str = "-",
+           root: int = -1, dim0_may_differ: bool = False) -> None:
+    """Every rank checks that all ranks called with matching tensors and arguments."""
+    if not _validate or comm.size == 1:
+        return
+    shape = list(tensor.shape)
+    if dim0_may_differ and shape:
+        shape[0] = -1
+    if len(shape) > 8:
+        raise ValueError(f"{comm.name}: tensors with more than 8 dimensions are not supported; "
+                         "reshape to fewer first")
+    meta = [len(shape), *shape, *([0] * (8 - len(shape))), zlib.crc32(str(tensor.dtype).encode()),
+            _CODES[op], _CODES[algorithm], root]
+    mine = torch.tensor(meta, dtype=torch.int64, device=tensor.device)
+    everyone = [torch.empty_like(mine) for _ in range(comm.size)]
+    dist.all_gather(everyone, mine, group=comm.group)
+    rows = [row.tolist() for row in everyone]
+    if all(row == rows[0] for row in rows):
+        return
+    shapes = {r: tuple(row[1:1 + row[0]]) for r, row in enumerate(rows)}
+    if len(set(shapes.values())) > 1:
+        detail = ", ".join(f"rank {r} has {s}" for r, s in shapes.items())
+        what = "trailing dimensions" if dim0_may_differ else "shapes"
+        raise ValueError(f"{comm.name}: tensor {what} differ across ranks ({detail}); every "
+                         "rank must pass a tensor of the same shape")
+    raise ValueError(f"{comm.name}: ranks disagree on dtype, op, algorithm or root; every rank "
+                     "must call it with the same arguments")
+
+
+# ------------------------------------------------------------ working buffers ---
+
+def split_bounds(n: int, parts: int) -> list[int]:
+    """Start offsets (and the end) of torch.tensor_split(range(n), parts)'s pieces."""
+    base, extra = divmod(n, parts)
+    return [i * base + min(i, extra) for i in range(parts + 1)]
+
+
+_scratch_buffers: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch(like: torch.Tensor, numel: int) -> torch.Tensor:
+    """A reusable receive buffer: fresh pages for every call cost page faults on big tensors."""
+    key = (like.dtype, like.device)
+    buffer = _scratch_buffers.get(key)
+    if buffer is None or buffer.numel() < numel:
+        buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+        _scratch_buffers[key] = buffer
+    return buffer[:numel]
+
+
+def _combine(acc: torch.Tensor, incoming: torch.Tensor, op: str) -> None:
+    if op == "max":
+        torch.maximum(acc, incoming, out=acc)
+    else:  # sum, and avg (divided once at the end)
+        acc.add_(incoming)
+
+
+def _reduce_as_it_lands(targets: list[torch.Tensor], incoming: list[torch.Tensor],
+                        op: str) -> Callable[[int, int, int], None]:
+    """An on_arrival callback: combine receive i's landed segment into targets[i]."""
+    def combine(i: int, a: int, b: int) -> None:
+        _combine(targets[i][a:b], incoming[i][a:b], op)
+
+    return combine
+
+
+def _flat_work(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat, contiguous working view (a copy only if the tensor is not contiguous)."""
+    return tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+
+
+def _finish(tensor: torch.Tensor, flat: torch.Tensor, op: str, size: int) -> torch.Tensor:
+    if op == "avg":
+        flat.div_(size)
+    if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+        tensor.copy_(flat.view(tensor.shape))
+    return tensor

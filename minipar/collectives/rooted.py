@@ -1,0 +1,155 @@
+"""Rooted collectives: broadcast and reduce as a star ("naive": the root talks to one
+rank at a time) or a binomial tree; scatter and gather."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .comm import (
+    ROOTED_ALGORITHMS,
+    _agree,
+    _check_algorithm,
+    _check_op,
+    _check_root,
+    _check_tensor,
+    _Comm,
+    _finish,
+    _flat_work,
+    _reduce_as_it_lands,
+    _scratch,
+)
+
+
+def _reduce_into(comm: _Comm, flat: torch.Tensor, dst: int, op: str, algorithm: str) -> None:
+    """Reduce every rank's `flat` into `flat` on `dst` (other ranks' `flat` is scratch)."""
+    size, me = comm.size, comm.rank
+    comm.buffer = flat
+    incoming = _scratch(flat, flat.numel())
+    if algorithm == "naive":
+        for src in range(size):  # the root takes one rank at a time: K-1 steps
+            if src == dst:
+                continue
+            if me == dst:
+                comm.exchange("reduce", recvs=[(incoming, src, None)],
+                              on_arrival=_reduce_as_it_lands([flat], [incoming], op))
+            elif me == src:
+                comm.exchange("reduce", sends=[(flat, dst, None)])
+            else:
+                comm.exchange("reduce")
+        return
+    relative = (me - dst) % size
+    for i in range(math.ceil(math.log2(size))):  # binomial tree: ceil(log2 K) rounds
+        m = 1 << i
+        if relative % (2 * m) == m:
+            comm.exchange("reduce", sends=[(flat, (relative - m + dst) % size, None)])
+        elif relative % (2 * m) == 0 and relative + m < size:
+            comm.exchange("reduce", recvs=[(incoming, (relative + m + dst) % size, None)],
+                          on_arrival=_reduce_as_it_lands([flat], [incoming], op))
+        else:
+            comm.exchange("reduce")
+
+
+def _broadcast_from(comm: _Comm, flat: torch.Tensor, src: int, algorithm: str) -> None:
+    size, me = comm.size, comm.rank
+    comm.buffer = flat
+    if algorithm == "naive":
+        for dst in range(size):  # the root sends to one rank at a time: K-1 steps
+            if dst == src:
+                continue
+            if me == src:
+                comm.exchange("broadcast", sends=[(flat, dst, None)])
+            elif me == dst:
+                comm.exchange("broadcast", recvs=[(flat, src, None)])
+            else:
+                comm.exchange("broadcast")
+        return
+    relative = (me - src) % size
+    for i in reversed(range(math.ceil(math.log2(size)))):
+        m = 1 << i
+        if relative % (2 * m) == 0 and relative + m < size:
+            comm.exchange("broadcast", sends=[(flat, (relative + m + src) % size, None)])
+        elif relative % (2 * m) == m:
+            comm.exchange("broadcast", recvs=[(flat, (relative - m + src) % size, None)])
+        else:
+            comm.exchange("broadcast")
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "tree",
+              group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Copy `src`'s tensor into every rank's tensor (in place; returns it).
+
+    "tree": a binomial tree, ceil(log2 K) rounds, each holder sends once per round.
+    "naive": the root sends to every other rank itself, K-1 rounds.
+    """
+    _check_tensor(tensor)
+    _check_algorithm(algorithm, ROOTED_ALGORITHMS)
+    comm = _Comm("broadcast", group)
+    _check_root("src", src, comm.size)
+    _agree(comm, tensor, algorithm=algorithm, root=src)
+    if comm.size > 1:
+        flat = _flat_work(tensor)
+        _broadcast_from(comm, flat, src, algorithm)
+        _finish(tensor, flat, "sum", comm.size)
+    return tensor
+
+
+def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", algorithm: str = "tree",
+           group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Combine every rank's tensor into `dst`'s tensor (in place; others are left unchanged).
+
+    "tree": binomial tree, ceil(log2 K) rounds; "naive": `dst` receives from each rank
+    in turn, K-1 rounds and (K-1) x N bytes into one node.
+    """
+    _check_tensor(tensor)
+    _check_op(op, tensor)
+    _check_algorithm(algorithm, ROOTED_ALGORITHMS)
+    comm = _Comm("reduce", group)
+    _check_root("dst", dst, comm.size)
+    _agree(comm, tensor, op, algorithm, dst)
+    flat = _flat_work(tensor) if comm.rank == dst else tensor.detach().reshape(-1).clone()
+    if comm.size > 1:
+        _reduce_into(comm, flat, dst, op, algorithm)
+    if comm.rank == dst:
+        _finish(tensor, flat, op, comm.size)
+    return tensor
+
+
+def scatter(tensor: torch.Tensor, src: int = 0,
+            group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Rank r gets chunk r of `src`'s tensor (tensor_split along dim 0), in one step.
+
+    Every rank passes a tensor of the full shape; only `src`'s contents matter.
+    """
+    _check_tensor(tensor)
+    comm = _Comm("scatter", group)
+    _check_root("src", src, comm.size)
+    _agree(comm, tensor, root=src)
+    if comm.rank == src:
+        chunks = [c.contiguous() for c in torch.tensor_split(tensor, comm.size)]
+        comm.exchange("scatter", sends=[(c.view(-1), r, r) for r, c in enumerate(chunks)
+                                        if r != src])
+        return chunks[src].clone()
+    mine = torch.empty_like(torch.tensor_split(tensor, comm.size)[comm.rank])
+    comm.exchange("scatter", recvs=[(mine.view(-1), src, comm.rank)])
+    return mine
+
+
+def gather(tensor: torch.Tensor, dst: int = 0,
+           group: dist.ProcessGroup | None = None) -> torch.Tensor | None:
+    """`dst` gets every rank's tensor concatenated along dim 0 in rank order; others get None."""
+    _check_tensor(tensor)
+    comm = _Comm("gather", group)
+    _check_root("dst", dst, comm.size)
+    _agree(comm, tensor, root=dst)
+    piece = tensor.contiguous()
+    if comm.rank != dst:
+        comm.exchange("gather", sends=[(piece.view(-1), dst, comm.rank)])
+        return None
+    out = torch.empty((comm.size, *piece.shape), dtype=piece.dtype, device=piece.device)
+    out[dst] = piece
+    comm.exchange("gather", recvs=[(out[r].view(-1), r, r) for r in range(comm.size)
+                                   if r != dst])
+    return out.reshape(comm.size * piece.shape[0], *piece.shape[1:]) if piece.dim() else out

@@ -1,0 +1,16 @@
+"""Data parallelism: the same model on every rank, different samples.
+
+- `ddp.py`: all-reduce data parallelism from scratch (`DataParallel`: per parameter or
+  in buckets, overlapped with backward), the sharding and loss-scaling convention
+  (`shard`, `shard_weight`) and the single-process reference (`single_process_sgd`);
+- `parameter_server.py`: server ranks hold the weights, workers push gradients;
+- `relaxed.py`: local SGD, CO2-style overlapped averaging, Hogwild!;
+- `compression.py`: top-k, int8, PowerSGD and per-layer levels, with error feedback;
+- `speedup.py`: the SpeedupLab's weak-scaling measurement and model;
+- `bench.py`, `exercises.py` (lesson 02's checks), `demo.py` (`python -m
+  minipar.data_parallel`).
+"""
+
+from .ddp import FIRST_BUCKET_BYTES, DataParallel, shard, shard_weight, single_process_sgd
+
+__all__ = ["FIRST_BUCKET_BYTES", "DataParallel", "shard", "shard_weight", "single_process_sgd"]

@@ -1,0 +1,140 @@
+"""The data-parallel demo: each trainer on real ranks against single-process SGD on the
+same batches (computed on every rank), and the relaxed and compressed trainers, which
+are not exact by design, with their loss going down. `python -m minipar.data_parallel`,
+`minipar tour` and the tests run `demo`."""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector
+
+from .. import collectives
+from ..demo import Check, Context, Row
+from ..models import mlp, regression_data
+from ..runtime import rank, world_size
+from .compression import TopK, train_compressed
+from .ddp import DataParallel, shard, shard_weight, single_process_sgd
+from .parameter_server import train_parameter_server
+from .relaxed import train_relaxed
+
+CASES = ("all_reduce", "parameter_server", "local_sgd", "co2", "hogwild", "top_k")
+STEPS, BATCH, LR = 4, 64, 0.05
+
+
+def _batches(steps: int = STEPS, dtype: torch.dtype = torch.float64) -> list:
+    x, y = regression_data(steps * BATCH, 32, seed=7, dtype=dtype)
+    return list(zip(x.split(BATCH), y.split(BATCH), strict=True))
+
+
+def _model(dtype: torch.dtype = torch.float64) -> torch.nn.Module:
+    return mlp([32, 256, 256, 1], seed=7, dtype=dtype)
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def _same(params: torch.Tensor, reference: torch.Tensor) -> bool:
+    return torch.allclose(params, reference, rtol=1e-9, atol=1e-12)
+
+
+def _all_reduce_trainer() -> Check:
+    ref_losses, ref_params = single_process_sgd(_model(), _batches(), _mse, LR)
+    model = _model()
+    ddp = DataParallel(model, bucket_bytes=64 << 10, overlap=True)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    start = time.perf_counter()
+    with collectives.meter() as m:
+        for x, y in _batches():
+            lx, ly = shard(x), shard(y)
+            loss = _mse(ddp(lx), ly) * shard_weight(len(lx), len(x))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / world_size())
+    seconds = time.perf_counter() - start
+    same = _same(parameters_to_vector(model.parameters()).detach(), ref_params) and all(
+        math.isclose(a, b, rel_tol=1e-9) for a, b in zip(losses, ref_losses, strict=True))
+    return Check("data parallel: bucketed all-reduce, overlapped", same, seconds, m.sent_bytes,
+                 note="every step, float64; speedups: minipar bench data-parallel")
+
+
+def _parameter_server() -> Check:
+    _, ref_params = single_process_sgd(_model(), _batches(), _mse, LR)
+    start = time.perf_counter()
+    with collectives.meter() as m:
+        report = train_parameter_server(_model(), _batches(), _mse, LR)
+    same = _same(report.params, ref_params) if report.role == "server" else None
+    return Check(f"parameter server, sync (1 server, {world_size() - 1} workers)", same,
+                 time.perf_counter() - start, m.sent_bytes,
+                 note="server's weights vs single-process SGD")
+
+
+def _local_sgd() -> Check:
+    _, ref_params = single_process_sgd(_model(), _batches(), _mse, LR)
+    start = time.perf_counter()
+    _, params = train_relaxed("local_sgd", _model, _batches(), _mse, LR, local_steps=1)
+    return Check("local SGD, H=1 (average every step)", _same(params, ref_params),
+                 time.perf_counter() - start, note="H=1 is synchronous SGD")
+
+
+def _shared_file() -> str:
+    """A path every rank maps for Hogwild!: rank 0 picks it, the others are told."""
+    path = [tempfile.mkstemp(prefix="minipar-hogwild-")[1] if rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    return path[0]
+
+
+def _relaxed(method: str) -> Check:
+    dtype = torch.float32 if method == "hogwild" else torch.float64
+    kwargs = {"shared_file": _shared_file()} if method == "hogwild" else {"local_steps": 4}
+    start = time.perf_counter()
+    report, _ = train_relaxed(method, lambda: _model(dtype), _batches(24, dtype), _mse, LR,
+                              **kwargs)
+    seconds = time.perf_counter() - start
+    if method == "hogwild":
+        dist.barrier()
+        if rank() == 0:
+            os.remove(kwargs["shared_file"])
+    label = {"co2": "CO2-style local SGD, H=4, async average",
+             "hogwild": "Hogwild!, lock-free shared memory"}[method]
+    return Check(label, None, seconds, note=f"not exact by design; loss {report.losses[0]:.3f} "
+                                            f"-> {report.losses[-1]:.3f}")
+
+
+def _top_k() -> Check:
+    batches = _batches(24)
+    start = time.perf_counter()
+    report = train_compressed(_model(), batches, _mse, LR, TopK(0.05))
+    share = sum(report.payload_bytes) / (len(batches) * report.dense_bytes)
+    return Check("data parallel, top-5% gradients + error feedback", None,
+                 time.perf_counter() - start,
+                 note=f"payload {share:.0%} of dense; loss {report.losses[0]:.3f} -> "
+                      f"{report.losses[-1]:.3f}")
+
+
+RUNS = {"all_reduce": _all_reduce_trainer, "parameter_server": _parameter_server,
+        "local_sgd": _local_sgd, "co2": lambda: _relaxed("co2"),
+        "hogwild": lambda: _relaxed("hogwild"), "top_k": _top_k}
+
+
+def demo(cases: tuple[str, ...] = CASES) -> list[Check]:
+    """On every rank: run each named trainer (see RUNS) on the same small regression task."""
+    unknown = [c for c in cases if c not in RUNS]
+    if unknown:
+        raise ValueError(f"cases must be among {', '.join(RUNS)}; got {unknown}")
+    return [RUNS[case]() for case in cases]
+
+
+def tour(ctx: Context) -> list[Row]:
+    return (ctx.checks(2, demo, ("all_reduce",)) + ctx.checks(4, demo, ("parameter_server",))
+            + ctx.checks(2, demo, ("local_sgd", "co2", "hogwild", "top_k")))

@@ -1,0 +1,118 @@
+"""The speedup lab's engine: weak scaling of one data-parallel configuration on 1..K real
+ranks, beside the ideal and the alpha-beta model of its gradient exchange."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+
+from .. import trace
+from ..collectives.bench import PINGPONG_SIZES, fit_machine
+from ..cost import all_reduce_cost
+from ..models import mlp
+from ..runtime import Cluster, world_size
+from .compression import ErrorFeedback, Int8, PowerSGD, TopK
+from .ddp import DataParallel
+
+COMPRESSION_CHOICES = ("none", "top-1%", "top-10%", "int8", "powersgd-4")
+
+
+def _make_compressor(name: str):
+    choices = {"top-1%": lambda: TopK(0.01), "top-10%": lambda: TopK(0.1), "int8": Int8,
+               "powersgd-4": lambda: PowerSGD(4)}
+    if name not in choices:
+        raise ValueError(f"compression must be one of {COMPRESSION_CHOICES}; got {name!r}")
+    return choices[name]()
+
+
+def _lab_steps(width: int, per_rank: int, bucket_bytes: int | None, compression: str,
+               steps: int) -> float:
+    """Median step time on this rank; compute and all-reduce spans go into the Timeline."""
+
+    model = mlp([width, width, width, width], seed=0)
+    x = torch.randn(per_rank, width)
+    parallel = world_size() > 1
+    wrapped = DataParallel(model, bucket_bytes, overlap=True) \
+        if parallel and compression == "none" else model
+    compressor = _make_compressor(compression) if parallel and compression != "none" else None
+    feedback = ErrorFeedback()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    times = []
+    for step in range(steps + 1):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        with trace.record("compute", "forward+backward", step=step):
+            ((wrapped(x) - x) ** 2).mean().backward()
+        if compressor is not None:
+            with trace.record("all_reduce", "compressed gradients", step=step), torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.grad.copy_(feedback.average(compressor, p.grad, name))
+        opt.step()
+        opt.zero_grad()
+        if step:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_speedup(max_ranks: int, width: int, per_rank: int, bucket_bytes: int | None,
+                    compression: str = "none", steps: int = 5) -> list[dict]:
+    """Weak scaling (per-rank batch fixed) on 1..max_ranks ranks, measured and modelled.
+
+    Speedup = samples/s on K ranks over samples/s on 1. The model: the 1-rank step
+    time (all compute) plus an alpha-beta-gamma ring all-reduce of the gradient as
+    sent (compressed size), with alpha, beta, gamma measured on this machine.
+    """
+
+    if compression != "none":
+        _make_compressor(compression)
+    rows = []
+    alpha = beta = gamma = 0.0
+    for k in range(1, max_ranks + 1):
+        with Cluster(k, backend="gloo") as cluster:
+            if k == 2:
+                alpha, beta, gamma = fit_machine(cluster, PINGPONG_SIZES[:5])
+            result = cluster.run(_lab_steps, width, per_rank, bucket_bytes, compression, steps)
+        measured = [e for e in result.timeline if (e.step or 0) >= 1 or e.kind != "compute"]
+        first = min(e.start for e in result.timeline if e.label == "forward+backward"
+                    and e.step == 1)
+        summary = trace.Timeline(e for e in measured if e.start >= first).summary(k)
+        rows.append({"ranks": k, "seconds": max(result),
+                     "samples_per_s": k * per_rank / max(result),
+                     "compute": sum(summary.busy) / k / steps,
+                     "comm": sum(summary.comm) / k / steps,
+                     "idle": sum(summary.idle) / k / steps})
+    base = rows[0]
+    for row in rows:
+        k = row["ranks"]
+        row["speedup"] = row["samples_per_s"] / base["samples_per_s"]
+        comm = _gradient_exchange_seconds(width, compression, k, alpha, beta, gamma)
+        row["model_speedup"] = k * base["seconds"] / (base["seconds"] + comm)
+    return rows
+
+
+def _gradient_exchange_seconds(width: int, compression: str, k: int, alpha: float, beta: float,
+                               gamma: float) -> float:
+    """Modelled time to exchange one step's gradients of the lab's 3-layer MLP.
+
+    Dense and PowerSGD factors are all-reduced (ring); top-k and int8 payloads are
+    all-gathered (ring: K-1 steps, each rank forwarding one payload per step).
+    """
+
+    shapes = [(width, width), (width,)] * 3
+    if compression == "none":
+        return all_reduce_cost("ring", k, sum(math.prod(s) for s in shapes) * 4, alpha, beta,
+                               gamma).seconds
+    compressor = _make_compressor(compression)
+    total = 0.0
+    for shape in shapes:
+        payload = compressor.payload_bytes(torch.empty(shape))
+        if compression.startswith("powersgd") and len(shape) == 2:
+            total += 2 * all_reduce_cost("ring", k, payload / 2, alpha, beta, gamma).seconds
+        elif compression.startswith("powersgd"):
+            total += all_reduce_cost("ring", k, payload, alpha, beta, gamma).seconds
+        else:
+            total += (k - 1) * (2 * alpha + payload * beta)  # two all-gathers: data + index/scale
+    return total

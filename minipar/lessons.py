@@ -1,0 +1,83 @@
+"""Learners' copies of the lessons.
+
+A lesson's exercise is a function whose body sits between ``### BEGIN SOLUTION`` and
+``### END SOLUTION``. `minipar lessons --student DIR` writes copies where that part
+is replaced by a stub raising NotImplementedError that names the exercise, with
+every output cleared. The checks that grade the exercises live with their
+technique (`minipar.<technique>.exercises`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+
+
+def strip_solutions(source: str, cell_label: str = "cell") -> str:
+    """Replace each BEGIN/END SOLUTION block with a stub naming its exercise."""
+    lines, out, inside = source.split("\n"), [], False
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if stripped.startswith(BEGIN):
+            if inside:
+                raise ValueError(f"{cell_label}: {BEGIN} inside another solution block")
+            inside = True
+            indent = line[: len(line) - len(line.lstrip())]
+            name = _exercise_name(lines[:i], indent) or cell_label
+            out.append(f'{indent}raise NotImplementedError("exercise {name}: '
+                       'write your code here")')
+        elif stripped.startswith(END):
+            if not inside:
+                raise ValueError(f"{cell_label}: {END} without {BEGIN}")
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise ValueError(f"{cell_label}: {BEGIN} without {END}")
+    return "\n".join(out)
+
+
+def _exercise_name(before: list[str], indent: str) -> str | None:
+    """The innermost enclosing `def` above the solution block."""
+    for line in reversed(before):
+        match = re.match(r"(\s*)def (\w+)", line)
+        if match and len(match.group(1)) < len(indent):
+            return match.group(2)
+    return None
+
+
+def student_notebook(notebook: dict) -> dict:
+    """A learner's copy of a notebook: solutions stubbed, every output cleared."""
+    copy = json.loads(json.dumps(notebook))
+    for index, cell in enumerate(copy["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+        if BEGIN in source:
+            source = strip_solutions(source, f"cell {index}")
+        cell["source"] = source.splitlines(keepends=True)
+        cell["outputs"], cell["execution_count"] = [], None
+    return copy
+
+
+def write_student_copies(source_dir: str | Path, dest_dir: str | Path) -> list[Path]:
+    """Write a learner's copy of every lesson notebook in `source_dir` into `dest_dir`."""
+    source_dir, dest_dir = Path(source_dir), Path(dest_dir)
+    notebooks = sorted(source_dir.glob("[0-9][0-9]_*.ipynb"))
+    if not notebooks:
+        raise ValueError(f"no lesson notebooks (NN_name.ipynb) in {source_dir}; "
+                         "pass --source with the lessons folder of a minipar checkout")
+    if dest_dir.resolve() == source_dir.resolve():
+        raise ValueError("the student folder must differ from the lessons folder, "
+                         "or the solutions would be overwritten")
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for path in notebooks:
+        target = dest_dir / path.name
+        copy = student_notebook(json.loads(path.read_text()))
+        target.write_text(json.dumps(copy, indent=1, ensure_ascii=False) + "\n")
+        written.append(target)
+    return written

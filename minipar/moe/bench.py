@@ -1,0 +1,84 @@
+"""`minipar bench moe`: an MoE layer against a dense FFN of the same active size, and
+expert parallelism on two ranks against the whole layer on one."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .. import trace
+from ..models import FFN
+from ..report import format_table, progress, save_results
+from ..runtime import Cluster, rank, world_size
+from .expert_parallel import ExpertParallelMoE
+from .layer import MoELayer
+
+
+def _moe_step(kind: str, tokens: int, hidden: int, ffn: int, experts: int, k: int,
+              steps: int) -> tuple[float, float]:
+    """Median seconds per forward+backward, and the share spent in all-to-all (EP only)."""
+
+    torch.manual_seed(0)
+    if kind == "dense":
+        layer = FFN(hidden, k * ffn)  # the same active parameters as k experts
+    else:
+        layer = MoELayer(hidden, ffn, experts, k, capacity_factor=1.25)
+        if world_size() > 1:
+            layer = ExpertParallelMoE(layer)
+    local = tokens // world_size()
+    x = torch.randn(tokens, hidden)[rank() * local:(rank() + 1) * local]
+    times = []
+    with trace.capture() as captured:
+        for step in range(steps + 1):
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            layer(x).pow(2).mean().backward()
+            if step:
+                times.append(time.perf_counter() - start)
+    first = min(e.start for e in captured.events) if captured.events else 0.0
+    exchange = trace.union_length([(e.start, e.end) for e in captured.events
+                                   if e.kind == "all_to_all" and e.start >= first])
+    return statistics.median(times), exchange / (sum(times) * (steps + 1) / steps)
+
+
+def measure(tokens: int = 4096, hidden: int = 256, ffn: int = 512, experts: int = 8,
+              k: int = 2, steps: int = 3) -> list[dict]:
+    """Tokens/s: dense FFN (same active size), MoE on one process, MoE with EP = 2."""
+    rows = []
+    with Cluster(1, backend="gloo") as one, Cluster(2, backend="gloo") as two:
+        for kind, cluster in (("dense", one), ("moe", one), ("moe, EP=2", two)):
+            progress(kind)
+            best = min((cluster.run(_moe_step, kind.split(",")[0], tokens, hidden, ffn,
+                                    experts, k, steps) for _ in range(2)),
+                       key=lambda run: max(r[0] for r in run))
+            seconds = max(r[0] for r in best)
+            rows.append({"layer": kind, "tokens_per_s": tokens / seconds, "seconds": seconds,
+                         "all_to_all_share": max(r[1] for r in best) if "EP" in kind else None})
+    dense = rows[0]["tokens_per_s"]
+    moe_one = rows[1]["tokens_per_s"]
+    for row in rows:
+        row["vs_dense"] = row["tokens_per_s"] / dense
+        row["vs_one_process_moe"] = row["tokens_per_s"] / moe_one
+    return rows
+
+
+def report(rows: list[dict], out_dir: Path) -> str:
+    """Tokens/s table; JSON and a bar plot."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5, 3), layout="constrained")
+    ax = fig.add_subplot()
+    ax.bar([r["layer"] for r in rows], [r["tokens_per_s"] for r in rows],
+           color=["#8C8C8C", "#4C72B0", "#55A868"])
+    ax.set_ylabel("tokens / s (forward + backward)")
+    save_results(rows, fig, out_dir, "moe")
+    shown = [{"layer": r["layer"], "tps": f"{r['tokens_per_s']:.0f}",
+              "dense": f"{r['vs_dense']:.2f}x", "one": f"{r['vs_one_process_moe']:.2f}x",
+              "a2a": "" if r["all_to_all_share"] is None else f"{r['all_to_all_share']:.0%}"}
+             for r in rows]
+    return format_table(shown, [("layer", "layer"), ("tps", "tokens/s"),
+                                ("dense", "vs dense FFN"), ("one", "vs MoE on one process"),
+                                ("a2a", "all-to-all share")])

@@ -1,0 +1,50 @@
+"""The expert-parallelism demo: an MoE layer's experts spread over the ranks, tokens
+dispatched and combined by all-to-all, each rank checking its tokens' outputs against
+the one-process layer (drops included). `python -m minipar.moe`, `minipar tour` and the
+tests run `demo`."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import collectives
+from ..demo import Check, Context, Row
+from ..runtime import device, rank, world_size
+from .expert_parallel import ExpertParallelMoE
+from .layer import MoELayer
+
+EXPERTS, TOKENS_PER_RANK, HIDDEN = 4, 8, 16
+
+
+def _twin() -> MoELayer:
+    return MoELayer(HIDDEN, 32, num_experts=EXPERTS, k=2, capacity_factor=1.0,
+                    shared_expert=True, seed=11, dtype=torch.float64)
+
+
+def demo() -> list[Check]:
+    """On every rank: this rank's experts and tokens, against the whole layer on one process."""
+    k, me = world_size(), rank()
+    title = f"expert parallel MoE (E={EXPERTS}, k=2, shared expert), EP={k}"
+    if EXPERTS % k:
+        return [Check(title, None, 0.0, note=f"skipped: {EXPERTS} experts do not split over "
+                                             f"{k} ranks")]
+    twin = _twin()
+    tokens = torch.randn(TOKENS_PER_RANK * k, HIDDEN, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(12))
+    reference = twin(tokens)[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK]
+    layer = ExpertParallelMoE(twin).to(device())
+    x = tokens[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK].to(device())
+    start = time.perf_counter()
+    with collectives.meter() as m:
+        y = layer(x)
+    seconds = time.perf_counter() - start
+    received = collectives.all_gather(torch.tensor([layer.tokens_received], device=device()))
+    return [Check(title, bool(torch.allclose(y.cpu(), reference, rtol=1e-12)), seconds,
+                  m.sent_bytes, note=f"drops {twin.last_routing.drop_rate:.0%}; tokens "
+                                     f"received per rank {received.tolist()}")]
+
+
+def tour(ctx: Context) -> list[Row]:
+    return ctx.checks(2, demo) + ctx.checks(4, demo)

@@ -1,0 +1,82 @@
+"""Lesson 05's exercise checks: top-k routing with capacity, and all-to-all dispatch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .. import runtime
+from ..grading import ExerciseError, run_on_ranks
+from .routing import route
+
+_ROUTING_CASES = [
+    (torch.tensor([[4.0, 3, 0, 0], [4.0, 0, 3, 0], [4.0, 3, 0, 0], [0.0, 4, 3, 0]]), 2, 2),
+    (torch.tensor([[5.0, 0, 1]] * 6), 1, 2),
+    (torch.randn(10, 4, generator=torch.Generator().manual_seed(41)), 2, 3),
+    (torch.randn(9, 3, generator=torch.Generator().manual_seed(42)), 3, 4),
+]
+
+
+def check_topk_routing(top_k_routing: Callable) -> str:
+    """`top_k_routing(logits, k, capacity)` -> (expert [T, k], slot [T, k], -1 = dropped),
+    with minipar's convention: choices ranked by logit, slots given to every token's first
+    choice in token order, then every second choice, ..., full experts drop the choice."""
+    for logits, k, cap in _ROUTING_CASES:
+        tokens, experts = logits.shape
+        want = route(logits, k, capacity_factor=cap * experts / (k * tokens))
+        assert want.capacity == cap
+        try:
+            expert, slot = top_k_routing(logits, k, cap)
+        except NotImplementedError:
+            raise ExerciseError("top_k_routing: not written yet. Replace the `raise "
+                                "NotImplementedError` line with your code.") from None
+        expert, slot = torch.as_tensor(expert), torch.as_tensor(slot)
+        if expert.shape != (tokens, k) or slot.shape != (tokens, k):
+            raise ExerciseError(f"top_k_routing: return two [tokens, k] = [{tokens}, {k}] "
+                                f"tensors; got {tuple(expert.shape)} and {tuple(slot.shape)}")
+        for t in range(tokens):
+            for j in range(k):
+                e, s = int(expert[t, j]), int(slot[t, j])
+                we, ws = int(want.expert[t, j]), int(want.slot[t, j])
+                if (e, s) != (we, ws):
+                    why = ("choice j must be the expert with the (j+1)-th largest logit"
+                           if e != we else
+                           "slots go to every token's first choice (in token order) before "
+                           "any second choice; a choice that finds its expert full gets -1")
+                    raise ExerciseError(
+                        f"top_k_routing(k={k}, capacity={cap}): token {t}, choice {j + 1}: you "
+                        f"gave expert {e} slot {s}, expected expert {we} slot {ws} ({why})")
+    return f"top_k_routing: every (token, choice) right in {len(_ROUTING_CASES)} cases"
+
+
+def _call_dispatch(fn: Callable, experts_per_rank: int) -> tuple:
+    me, k = runtime.rank(), runtime.world_size()
+    gen = torch.Generator().manual_seed(50 + me)
+    expert = torch.randint(0, experts_per_rank * k, (7,), generator=gen)
+    x = torch.arange(7, dtype=torch.float64)[:, None] + 100 * me + torch.zeros(7, 3)
+    got = fn(x, expert, experts_per_rank)
+    return got, expert
+
+
+def check_dispatch(dispatch_to_owners: Callable, world_sizes: tuple[int, ...] = (2, 4)) -> str:
+    """`dispatch_to_owners(x, expert, experts_per_rank)` sends row i of x to the rank that
+    owns expert[i] (rank = expert // experts_per_rank) with collectives.all_to_all and
+    returns the rows this rank received: grouped by source rank, in each source's row order."""
+    for k in world_sizes:
+        results = run_on_ranks("dispatch_to_owners", _call_dispatch, k, dispatch_to_owners, 2)
+        for dst, (got, _) in enumerate(results):
+            rows = []
+            for src, (_, expert) in enumerate(results):
+                for i, e in enumerate(expert.tolist()):
+                    if e // 2 == dst:
+                        rows.append(torch.full((3,), float(i + 100 * src), dtype=torch.float64))
+            want = torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64)
+            if got.shape != want.shape or not torch.equal(got, want):
+                ids = [int(v) for v in got[:, 0].tolist()] if got.dim() == 2 else got.tolist()
+                raise ExerciseError(
+                    f"dispatch_to_owners on {k} ranks: rank {dst} received rows "
+                    f"{ids} (value = 100 x source rank + row), expected "
+                    f"{[int(v) for v in want[:, 0].tolist()]}. Sort rows by destination rank "
+                    "(stably), and pass send_counts = rows per destination.")
+    return f"dispatch_to_owners: every rank received exactly its rows on {world_sizes} ranks"

@@ -1,0 +1,54 @@
+"""What every benchmark and the tour share to report: tables, JSON and plot files,
+progress lines and simple timers. Benchmarks compare things measured in the same run;
+this module only prints and saves them."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+def progress(message: str) -> None:
+    """A progress line on stderr for long sweeps (kept out of the printed table)."""
+    print(f"  .. {message}", file=sys.stderr, flush=True)
+
+
+def format_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
+    """A plain-text table of `rows` with (key, header) columns."""
+    cells = [[header for _, header in columns]]
+    cells += [[str(row.get(key, "")) for key, _ in columns] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def save_results(rows: list[dict], fig, out_dir: Path, name: str) -> None:
+    """Write a benchmark's rows as bench_NAME.json and its figure as bench_NAME.png."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"bench_{name}.json").write_text(json.dumps(rows, indent=2))
+    fig.savefig(out_dir / f"bench_{name}.png", dpi=100)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds one call of fn takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def human_seconds(seconds: float) -> str:
+    """3 significant-ish digits in s, ms or us."""
+    if seconds >= 1:
+        return f"{seconds:.2f} s"
+    if seconds >= 1e-3:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds * 1e6:.2f} us"
+
+
+def human_bytes(nbytes: int) -> str:
+    """4 KiB, 16 MiB: the sizes benchmarks sweep."""
+    return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"

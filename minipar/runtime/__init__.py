@@ -1,0 +1,38 @@
+"""Run one function on every rank: CPU processes (gloo), one GPU per rank (NCCL), or torchrun.
+
+`launch(fn, world_size)` starts fresh processes, initializes torch.distributed in
+each, runs `fn` on every rank and returns the per-rank results in rank order.
+`Cluster(world_size)` keeps the ranks alive between calls so that widgets and
+benchmarks pay the start-up once.
+
+How ranks are started, and why:
+- The function travels by value (cloudpickle), so functions and lambdas defined in a
+  notebook cell or in `__main__` work.
+- Processes come from a clean "forkserver" that has already imported torch (Linux
+  and macOS): children are forks of a fresh single-threaded server, never of the
+  notebook kernel, and skip re-importing torch (about 3x faster than "spawn", which
+  stays available as `start_method="spawn"`).
+- Rendezvous uses a TCPStore that the caller hosts on loopback with a port the OS
+  picks, so parallel runs never collide on a fixed port.
+- Each rank writes stdout/stderr to its own file; the caller replays them after the
+  run, in rank order, each line prefixed ``[rank r]``, so notebooks and nbval see the
+  same text every run.
+- Failure is loud and fast: the first rank that raises ends the whole group and the
+  caller gets a `RankError` with that rank's traceback. A run that passes its
+  timeout ends with a `RankTimeout` naming, for each rank still running, the call it
+  was blocked in (read from a faulthandler stack dump). No process outlives its run
+  or its Cluster: ranks also kill themselves if the calling process disappears.
+
+The files, in the order a run passes through them: `device` (backend, device, rank),
+`cluster` (Cluster, launch), `group` (the launcher's side of the processes),
+`worker` (the rank's side), `torchrun` (joining torchrun's group), `errors`.
+"""
+
+from .cluster import DEFAULT_TIMEOUT, START_METHODS, Cluster, launch
+from .device import BACKENDS, device, gpu_count, rank, resolve_backend, synchronize, world_size
+from .errors import RankError, RankTimeout, Results
+from .torchrun import under_torchrun
+
+__all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "START_METHODS", "Cluster", "RankError", "RankTimeout",
+           "Results", "device", "gpu_count", "launch", "rank", "resolve_backend", "synchronize",
+           "under_torchrun", "world_size"]

@@ -1,0 +1,62 @@
+"""The device helper: which backend, which device, which rank. The one place that
+touches torch.cuda; everything else asks these functions."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+_device = torch.device("cpu")
+
+
+def gpu_count() -> int:
+    """Number of visible CUDA GPUs (0 on a CPU-only machine)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_backend(backend: str, ranks_per_machine: int) -> str:
+    """Turn "auto" into "nccl" (one GPU per rank available) or "gloo"; check the others."""
+    if backend not in BACKENDS:
+        allowed = ", ".join(map(repr, BACKENDS))
+        raise ValueError(f"backend must be one of {allowed}; got {backend!r}")
+    gpus = gpu_count()
+    if backend == "auto":
+        return "nccl" if gpus >= ranks_per_machine and dist.is_nccl_available() else "gloo"
+    if backend == "nccl" and (gpus < ranks_per_machine or not dist.is_nccl_available()):
+        raise ValueError(
+            f"backend='nccl' needs one GPU per rank: {ranks_per_machine} ranks but {gpus} GPUs "
+            "visible (or NCCL is missing from this torch build); use backend='gloo' to run on "
+            "CPU processes, or backend='auto' to pick for you")
+    return backend
+
+
+def _bind_device(backend: str, local_rank: int) -> None:
+    global _device
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+        _device = torch.device("cuda", local_rank)
+    else:
+        _device = torch.device("cpu")
+
+
+def device() -> torch.device:
+    """The device this rank computes on: its own GPU under NCCL, else the CPU."""
+    return _device
+
+
+def synchronize() -> None:
+    """Wait for queued GPU work on this rank's device (a no-op on CPU); use before timing."""
+    if _device.type == "cuda":
+        torch.cuda.synchronize(_device)
+
+
+def rank() -> int:
+    """This process's rank (0 outside any launch)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """Number of ranks in the run (1 outside any launch)."""
+    return dist.get_world_size() if dist.is_initialized() else 1

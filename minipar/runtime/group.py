@@ -1,0 +1,212 @@
+"""The launcher's side of one set of ranks: start the processes, collect replies,
+and end them all at the first error, death or timeout."""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from multiprocessing.connection import wait as wait_for
+from typing import Any
+
+import cloudpickle
+import torch.distributed as dist
+
+from .errors import RankError, RankTimeout
+from .worker import HOST, STARTUP_TIMEOUT, _worker_main, where_waiting
+
+
+@contextmanager
+def _main_module_hidden() -> Iterator[None]:
+    """Keep multiprocessing from re-running the caller's script in every rank.
+
+    Functions reach the ranks by value, so ranks never need `__main__`; hiding it
+    means a script without an ``if __name__ == "__main__"`` guard does not launch
+    itself again in each rank, and slow top-level code does not run K more times.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__} \
+        if main is not None else {}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__spec__ = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+            if "__spec__" not in saved:
+                main.__dict__.pop("__spec__", None)
+
+
+class RankGroup:
+    """The processes of one set of ranks, their pipes and their output files."""
+
+    def __init__(self, size: int, backend: str, start_method: str, threads: int) -> None:
+        self.size, self.backend = size, backend
+        self.io_dir = tempfile.mkdtemp(prefix="minipar-")
+        self.store = dist.TCPStore(HOST, 0, None, True,
+                                   datetime.timedelta(seconds=STARTUP_TIMEOUT),
+                                   wait_for_workers=False)
+        ctx = mp.get_context(start_method)
+        if start_method == "forkserver":
+            ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle",
+                                        "minipar.runtime.worker"])
+        self.conns, self.procs = [], []
+        self.offsets = [[0, 0] for _ in range(size)]
+        _live_groups.add(self)
+        try:
+            self._start_ranks(ctx, threads)
+            self._collect(STARTUP_TIMEOUT, starting=True)
+        except BaseException:
+            self.stop()
+            self.cleanup()
+            raise
+
+    def _start_ranks(self, ctx: Any, threads: int) -> None:
+        with _main_module_hidden():
+            self._start_processes(ctx, threads)
+
+    def _start_processes(self, ctx: Any, threads: int) -> None:
+        for r in range(self.size):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=_worker_main, name=f"minipar-rank-{r}",
+                               args=(r, self.size, self.backend, self.store.port,
+                                     self.io_dir, os.getpid(), threads, child_end))
+            proc.start()
+            child_end.close()
+            self.conns.append(parent_end)
+            self.procs.append(proc)
+
+    def run(self, task: bytes, timeout: float) -> list:
+        for conn in self.conns:
+            conn.send_bytes(task)
+        return self._collect(timeout)
+
+    def _collect(self, timeout: float, starting: bool = False) -> list:
+        """Wait for every rank's reply; the first error or death ends the group."""
+        replies: list = [None] * self.size
+        pending = set(range(self.size))
+        deadline = time.monotonic() + timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                waiting = self._where_waiting(pending)
+                self.stop()
+                if starting:
+                    raise RankError(min(pending), f"did not join the process group within "
+                                    f"{timeout:g}s ({waiting[min(pending)]})")
+                raise RankTimeout(timeout, waiting)
+            handles = {self.conns[r]: r for r in pending}
+            handles.update({self.procs[r].sentinel: r for r in pending})
+            for handle in wait_for(list(handles), timeout=min(remaining, 1.0)):
+                r = handles[handle]
+                if r not in pending:
+                    continue
+                if handle is self.conns[r] or self.conns[r].poll():
+                    try:
+                        status, value = cloudpickle.loads(self.conns[r].recv_bytes())
+                    except (EOFError, OSError):
+                        status, value = "died", None
+                else:
+                    status, value = "died", None
+                if status == "died":
+                    self.procs[r].join(timeout=1.0)
+                    code = self.procs[r].exitcode
+                    self.stop()
+                    stderr = self.take_output()[r][1].strip()
+                    raise RankError(r, f"exited with code {code} before returning "
+                                    "(crashed or killed)"
+                                    + (f"; its last output:\n{stderr[-2000:]}" if stderr else ""))
+                if status == "error":
+                    self.stop()
+                    raise RankError(r, f"raised {value.strip().splitlines()[-1]}", value)
+                replies[r] = value
+                pending.discard(r)
+        return replies
+
+    def _where_waiting(self, ranks: set[int]) -> dict[int, str]:
+        if not hasattr(signal, "SIGUSR1"):
+            return {r: "still running" for r in ranks}
+        for r in ranks:
+            if self.procs[r].is_alive():
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+        time.sleep(0.3)
+        found = {}
+        for r in ranks:
+            try:
+                with open(os.path.join(self.io_dir, f"{r}.stack")) as f:
+                    found[r] = where_waiting(f.read())
+            except OSError:
+                found[r] = "still running (no stack available)"
+        return found
+
+    def take_output(self) -> list[tuple[str, str]]:
+        """What each rank printed since the last call: (stdout, stderr) per rank."""
+        taken = []
+        for r in range(self.size):
+            pair = []
+            for i, ext in enumerate(("out", "err")):
+                try:
+                    with open(os.path.join(self.io_dir, f"{r}.{ext}"), "rb") as f:
+                        f.seek(self.offsets[r][i])
+                        data = f.read()
+                except OSError:
+                    data = b""
+                self.offsets[r][i] += len(data)
+                pair.append(data.decode("utf-8", errors="replace"))
+            taken.append(tuple(pair))
+        return taken
+
+    def stop(self, graceful: bool = False) -> None:
+        """End every rank; graceful lets them leave their loop first."""
+        for conn in self.conns:
+            conn.close()
+        if graceful:
+            deadline = time.monotonic() + 2.0
+            for proc in self.procs:
+                proc.join(timeout=max(deadline - time.monotonic(), 0.0))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join(timeout=2.0)
+        self.conns, self.procs = [], []
+        _live_groups.discard(self)
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.io_dir, ignore_errors=True)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self.procs)
+
+
+_live_groups: weakref.WeakSet[RankGroup] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_groups() -> None:
+    for group in list(_live_groups):
+        group.stop()
+        group.cleanup()
+
+
+def replay(outputs: list[tuple[str, str]]) -> None:
+    """Print every rank's output in rank order, each line prefixed with its rank."""
+    for stream_index, stream in ((0, sys.stdout), (1, sys.stderr)):
+        text = "".join(f"[rank {r}] {line}\n"
+                       for r, pair in enumerate(outputs)
+                       for line in pair[stream_index].splitlines())
+        if text:
+            stream.write(text)
+            stream.flush()

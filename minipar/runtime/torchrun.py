@@ -1,0 +1,59 @@
+"""Under torchrun (RANK and WORLD_SIZE set), `launch` joins that process group and
+runs the function in this process: how minipar scales past one machine."""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import trace
+from .device import _bind_device, rank, resolve_backend
+from .errors import Results
+from .worker import in_rank
+
+
+def under_torchrun() -> bool:
+    """True in a process torchrun started (and not in one of minipar's own ranks)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and not in_rank()
+
+
+def _leave_process_group() -> None:
+    """Destroy the group minipar joined under torchrun before the interpreter exits
+    (left to exit-time destructors, gloo's threads can abort the process)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run_under_torchrun(fn: Callable, size: int, args: tuple, kwargs: dict, backend: str,
+                        timeout: float) -> Results:
+    env_size = int(os.environ["WORLD_SIZE"])
+    if size != env_size:
+        raise ValueError(f"world_size={size} but torchrun started {env_size} processes; "
+                         f"pass world_size={env_size} (or minipar.world_size())")
+    if not dist.is_initialized():
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
+        backend = resolve_backend(backend, local_size)
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        _bind_device(backend, local_rank)
+        if backend == "gloo":
+            torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout, 60)))
+        atexit.register(_leave_process_group)
+    started = time.perf_counter()
+    dist.barrier()
+    with trace.capture(rank()) as captured:
+        result = fn(*args, **kwargs)
+    gathered: list = [None] * size
+    dist.all_gather_object(gathered, (result, captured.events))
+    results = Results(r for r, _ in gathered)
+    results.timeline = trace.Timeline(e for _, events in gathered for e in events)
+    results.outputs = [""] * size  # under torchrun, ranks print directly
+    results.seconds = time.perf_counter() - started
+    return results

@@ -1,0 +1,160 @@
+"""Inside a rank: the process minipar starts, and how it reports back.
+
+A worker joins the process group, then loops: receive a task (a function sent by
+value), run it with a common t=0, send back its result and recorded events, or the
+traceback of what it raised. Its output goes to files the launcher replays.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import re
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from .. import trace
+from .device import _bind_device, rank
+
+STARTUP_TIMEOUT = 60.0
+HOST = "127.0.0.1"
+IN_RANK_ENV = "MINIPAR_IN_RANK"  # set in every process minipar starts
+_TASK_FRAME = "_run_task"  # the worker frame that calls the user's function
+
+
+def in_rank() -> bool:
+    """True inside a process started by minipar (where starting more ranks is refused)."""
+    return os.environ.get(IN_RANK_ENV) == "1"
+
+
+def _die_with_parent(launcher_pid: int) -> None:
+    """End this rank if the launching process goes away, so no rank is orphaned."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            try:
+                os.kill(launcher_pid, 0)
+            except OSError:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="minipar-parent-watch", daemon=True).start()
+
+
+def _redirect_output(out_path: str, err_path: str) -> None:
+    for fd, path in ((1, out_path), (2, err_path)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", closefd=False)
+
+
+def _flush_output() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        import ctypes
+        ctypes.CDLL(None).fflush(None)  # C++ prints from torch/gloo
+    except (OSError, AttributeError):
+        pass
+
+
+def _user_traceback(err: BaseException) -> str:
+    """The traceback from the user's code down, without the worker's own frames."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None \
+            and tb.tb_frame.f_code.co_name in ("_worker_main", _TASK_FRAME):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(err), err, tb))
+
+
+def _run_task(task: bytes) -> tuple:
+    fn, args, kwargs, path = cloudpickle.loads(task)
+    for entry in path:
+        if entry not in sys.path:
+            sys.path.append(entry)
+    dist.barrier()  # a common t=0 for every rank's events
+    with trace.capture(rank()) as captured:
+        result = fn(*args, **kwargs)
+    return result, captured.events
+
+
+def _worker_main(rank_: int, size: int, backend: str, port: int, io_dir: str,
+                 launcher_pid: int, threads: int, conn: Any) -> None:
+    _redirect_output(os.path.join(io_dir, f"{rank_}.out"), os.path.join(io_dir, f"{rank_}.err"))
+    stack_file = open(os.path.join(io_dir, f"{rank_}.stack"), "w")
+    if hasattr(signal, "SIGUSR1"):
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    _die_with_parent(launcher_pid)
+    os.environ.update(RANK=str(rank_), WORLD_SIZE=str(size), LOCAL_RANK=str(rank_),
+                      LOCAL_WORLD_SIZE=str(size), **{IN_RANK_ENV: "1"})
+    if backend == "gloo":
+        torch.set_num_threads(threads)
+        try:
+            torch.set_num_interop_threads(threads)
+        except RuntimeError:  # already fixed in this process
+            pass
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
+    try:
+        _bind_device(backend, rank_)
+        store = dist.TCPStore(HOST, port, None, False, datetime.timedelta(seconds=STARTUP_TIMEOUT))
+        dist.init_process_group(backend, store=store, rank=rank_, world_size=size,
+                                timeout=datetime.timedelta(hours=1))
+        conn.send_bytes(cloudpickle.dumps(("ready", None)))
+    except BaseException:
+        conn.send_bytes(cloudpickle.dumps(("error", traceback.format_exc())))
+        _flush_output()
+        os._exit(1)
+    while True:
+        try:
+            task = conn.recv_bytes()
+        except (EOFError, OSError):
+            break
+        try:
+            result, events = _run_task(task)
+            try:
+                reply = cloudpickle.dumps(("ok", (result, events)))
+            except Exception as err:
+                raise TypeError(f"the return value of rank {rank_} cannot be pickled "
+                                f"({err}); return tensors, numbers or plain containers") from None
+        except BaseException as err:
+            reply = cloudpickle.dumps(("error", _user_traceback(err)))
+        _flush_output()
+        conn.send_bytes(reply)
+    _flush_output()
+    os._exit(0)  # skip interpreter teardown: nothing is left to flush
+
+
+def where_waiting(stack_dump: str) -> str:
+    """Summarize a faulthandler dump: the innermost call, and the user's line that led to it."""
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack_dump)
+    block = next((b for b in reversed(blocks) if _TASK_FRAME in b), "")
+    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', block)
+    if not frames:
+        return "still running (no stack available)"
+    inner_file, inner_line, inner_fn = frames[0]  # faulthandler lists the innermost first
+    depth = next((i for i, frame in enumerate(frames) if frame[2] == _TASK_FRAME), len(frames))
+    library = (os.path.dirname(torch.__file__),
+               os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    users = [f for f in frames[:depth] if not f[0].startswith(library)]
+    user = users[0] if users else frames[max(depth - 1, 0)]
+    where = f"in {inner_fn}() at {os.path.basename(inner_file)}:{inner_line}"
+    if user != frames[0]:
+        where += f", called from {user[2]}() at {os.path.basename(user[0])}:{user[1]}"
+    return where

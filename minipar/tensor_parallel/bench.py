@@ -1,0 +1,80 @@
+"""`minipar bench tensor-parallel`: the Megatron MLP and a transformer block split over two
+ranks, against the whole block on one, at growing hidden sizes."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .. import trace
+from ..models import FFN, TransformerBlock
+from ..report import format_table, progress, save_results
+from ..runtime import Cluster, world_size
+from .layers import ParallelMLP, ParallelTransformerBlock
+
+TP_HIDDEN = (256, 512, 1024, 1536)
+
+
+def _tp_step_seconds(kind: str, hidden: int, tokens: int, steps: int) -> float:
+    """Median forward+backward seconds of one block (parallel if world_size > 1)."""
+
+    torch.manual_seed(0)
+    if kind == "mlp":
+        twin = FFN(hidden, 4 * hidden)
+        block = ParallelMLP(twin) if world_size() > 1 else twin
+    else:
+        twin = TransformerBlock(hidden, hidden // 64, 4 * hidden)
+        block = ParallelTransformerBlock(twin) if world_size() > 1 else twin
+    x = torch.randn(tokens // 4, 4, hidden)
+    times = []
+    for step in range(steps + 1):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        with trace.record("compute", f"{kind} step", step=step):
+            block(x).sum().backward()
+        if step:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(hidden_sizes: tuple[int, ...] = TP_HIDDEN, tokens: int = 256,
+                          steps: int = 3) -> list[dict]:
+    """TP = 2 vs one process for the MLP and the transformer block at several hidden sizes."""
+    rows = []
+    with Cluster(1, backend="gloo") as one, Cluster(2, backend="gloo") as two:
+        for kind in ("mlp", "block"):
+            for hidden in hidden_sizes:
+                progress(f"{kind}, hidden {hidden}")
+                single = min(one.run(_tp_step_seconds, kind, hidden, tokens, steps)[0]
+                             for _ in range(2))
+                parallel = min(max(two.run(_tp_step_seconds, kind, hidden, tokens, steps))
+                               for _ in range(2))
+                rows.append({"block": kind, "hidden": hidden, "tokens": tokens,
+                             "one_process_s": single, "tp2_s": parallel,
+                             "speedup": single / parallel})
+    return rows
+
+
+def report(rows: list[dict], out_dir: Path) -> str:
+    """Speedup of TP = 2 over one process per block and hidden size; JSON and a plot."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.5), layout="constrained")
+    ax = fig.add_subplot()
+    for kind in dict.fromkeys(r["block"] for r in rows):
+        mine = [r for r in rows if r["block"] == kind]
+        ax.plot([r["hidden"] for r in mine], [r["speedup"] for r in mine], marker="o", label=kind)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.axhline(2.0, color="#B0B0B0", linestyle="--", label="ideal on 2 cores")
+    ax.set_xlabel("hidden size")
+    ax.set_ylabel("speedup of TP=2 over one process")
+    ax.legend(fontsize=8)
+    save_results(rows, fig, out_dir, "tensor_parallel")
+    shown = [{"block": r["block"], "hidden": r["hidden"],
+              "one": f"{r['one_process_s'] * 1e3:.1f} ms", "tp2": f"{r['tp2_s'] * 1e3:.1f} ms",
+              "speedup": f"{r['speedup']:.2f}x"} for r in rows]
+    return format_table(shown, [("block", "block"), ("hidden", "hidden"), ("one", "one process"),
+                                ("tp2", "TP=2"), ("speedup", "speedup")])

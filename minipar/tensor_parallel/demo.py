@@ -1,0 +1,55 @@
+"""The tensor-parallel demo: the Megatron MLP and a transformer block (with and without
+sequence parallelism) split over the ranks, each rank checking its output against the
+one-process twin. `python -m minipar.tensor_parallel`, `minipar tour` and the tests run
+`demo`."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import collectives
+from ..demo import Check, Context, Row
+from ..models import FFN, TransformerBlock
+from ..runtime import device, rank, world_size
+from .layers import ParallelMLP, ParallelTransformerBlock
+
+CASES = (("mlp", False), ("block", False), ("block", True))
+HIDDEN, HEADS, SEQUENCE = 64, 4, 16
+
+
+def _case(kind: str, sequence_parallel: bool) -> Check:
+    k, me = world_size(), rank()
+    title = {"mlp": "tensor parallel: Megatron MLP",
+             "block": "tensor parallel: transformer block"}[kind]
+    title += ", sequence parallel" if sequence_parallel else ""
+    if HEADS % k or SEQUENCE % k:
+        return Check(title, None, 0.0, note=f"skipped: {HEADS} heads and a sequence of "
+                                            f"{SEQUENCE} do not split over {k} ranks")
+    torch.manual_seed(0)
+    twin = (FFN(HIDDEN, 4 * HIDDEN, torch.float64) if kind == "mlp" else
+            TransformerBlock(HIDDEN, HEADS, 4 * HIDDEN, seed=0, dtype=torch.float64)).to(device())
+    x = torch.randn(SEQUENCE, 2, HIDDEN, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(1)).to(device())
+    reference = twin(x)
+    parallel = ParallelMLP(twin, sequence_parallel=sequence_parallel) if kind == "mlp" \
+        else ParallelTransformerBlock(twin, sequence_parallel=sequence_parallel)
+    local = x.chunk(k, 0)[me].contiguous() if sequence_parallel else x
+    start = time.perf_counter()
+    with collectives.meter() as m:
+        out = parallel(local)
+        out.sum().backward()
+    seconds = time.perf_counter() - start
+    want = reference.chunk(k, 0)[me] if sequence_parallel else reference
+    return Check(title, bool(torch.allclose(out, want, rtol=1e-10)), seconds, m.sent_bytes,
+                 note="output vs the one-process twin; speedups: minipar bench tensor-parallel")
+
+
+def demo(cases: tuple[tuple[str, bool], ...] = CASES) -> list[Check]:
+    """On every rank: run each (block kind, sequence parallel) case forward and backward."""
+    return [_case(*case) for case in cases]
+
+
+def tour(ctx: Context) -> list[Row]:
+    return ctx.checks(2, demo)

@@ -1,0 +1,140 @@
+"""Megatron's mappings as autograd functions on minipar's collectives: what each does
+forward, and its mirror backward.
+
+f = `copy_to_parallel_region`: identity forward, all-reduce backward.
+g = `reduce_from_parallel_region`: all-reduce forward, identity backward.
+scatter / gather split and join the last dimension; the sequence-parallel pair
+all-gathers and reduce-scatters along dim 0 (the sequence).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import collectives
+from ..runtime import rank, world_size
+
+
+def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """(rank, size) inside the tensor-parallel group."""
+    return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else \
+        (rank(), world_size())
+
+
+def _last_dim_gather(x: torch.Tensor, group) -> torch.Tensor:
+    moved = x.movedim(-1, 0).contiguous()
+    gathered = collectives.all_gather(moved, group=group)
+    return gathered.movedim(0, -1).contiguous()
+
+
+def _last_dim_slice(x: torch.Tensor, group) -> torch.Tensor:
+    me, size = _tp(group)
+    return x.chunk(size, dim=-1)[me].contiguous()
+
+
+class _CopyToParallel(torch.autograd.Function):
+    """f: identity forward, all-reduce backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return collectives.all_reduce(grad.contiguous().clone(), group=ctx.group), None
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        return collectives.all_reduce(x.contiguous().clone(), group=group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToParallel(torch.autograd.Function):
+    """Keep this rank's slice of the last dimension; backward all-gathers it."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _last_dim_slice(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _last_dim_gather(grad, ctx.group), None
+
+
+class _GatherFromParallel(torch.autograd.Function):
+    """All-gather the last dimension; backward keeps this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _last_dim_gather(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _last_dim_slice(grad, ctx.group), None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Sequence parallel: all-gather the sequence forward, reduce-scatter it backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return collectives.all_gather(x.contiguous(), group=group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return collectives.reduce_scatter(grad.contiguous(), group=ctx.group), None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """Sequence parallel: reduce-scatter the sequence forward, all-gather it backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return collectives.reduce_scatter(x.contiguous(), group=group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return collectives.all_gather(grad.contiguous(), group=ctx.group), None
+
+
+def copy_to_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Megatron's f: identity forward, all-reduce backward (before a column split)."""
+    return _CopyToParallel.apply(x, group)
+
+
+def reduce_from_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Megatron's g: all-reduce forward, identity backward (after a row split)."""
+    return _ReduceFromParallel.apply(x, group)
+
+
+def scatter_to_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's slice of the last dimension (backward: all-gather)."""
+    return _ScatterToParallel.apply(x, group)
+
+
+def gather_from_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """All ranks' slices joined along the last dimension (backward: keep the slice)."""
+    return _GatherFromParallel.apply(x, group)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """All-gather along the sequence (dim 0); backward reduce-scatters."""
+    return _GatherSequence.apply(x, group)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Reduce-scatter along the sequence (dim 0); backward all-gathers."""
+    return _ReduceScatterSequence.apply(x, group)

@@ -1,0 +1,155 @@
+"""The shape of the code, checked statically: small files, no import cycles (lazy imports
+count), the library never imports the widgets, and no package reaches into another's
+private names. ARCHITECTURE.md says why."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, Path]:
+    """Dotted name -> file, for the library and the widgets (installed as minipar.widgets)."""
+    found = {}
+    for base, prefix in ((ROOT / "minipar", "minipar"), (ROOT / "widgets", "minipar.widgets")):
+        for path in sorted(base.rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join([prefix, *parts])] = path
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_package(name: str) -> bool:
+    return MODULES[name].name == "__init__.py"
+
+
+def _resolve(module: str, level: int, target: str | None) -> str:
+    """The absolute name of `from <level dots><target>` written in `module`."""
+    if level == 0:
+        return target or ""
+    base = module.split(".") if _is_package(module) else module.split(".")[:-1]
+    base = base[:len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def _imports(module: str) -> list[tuple[str, list[str], int]]:
+    """(imported module, names taken from it, line) for every import, lazy ones included."""
+    tree = ast.parse(MODULES[module].read_text())
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, [], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            source = _resolve(module, node.level, node.module)
+            names = [alias.name for alias in node.names]
+            found.append((source, names, node.lineno))
+    return found
+
+
+def _edges(module: str) -> set[str]:
+    """Internal modules `module` imports: `from pkg import sub` counts as importing pkg.sub."""
+    edges = set()
+    for source, names, _ in _imports(module):
+        for name in names or [None]:
+            if name and f"{source}.{name}" in MODULES:
+                edges.add(f"{source}.{name}")
+            elif source in MODULES:
+                edges.add(source)
+    edges.discard(module)
+    return edges
+
+
+def _package(module: str) -> str:
+    """minipar.<package> for modules inside a subpackage; the module itself otherwise."""
+    parts = module.split(".")
+    if len(parts) >= 2 and f"{parts[0]}.{parts[1]}" in MODULES \
+            and _is_package(f"{parts[0]}.{parts[1]}"):
+        return f"{parts[0]}.{parts[1]}"
+    return module
+
+
+def test_every_file_is_small():
+    long = {str(path.relative_to(ROOT)): n for path in MODULES.values()
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines (split them): {long}"
+
+
+def test_no_import_cycles():
+    graph = {m: _edges(m) for m in MODULES}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycle = stack[stack.index(n):] + [n]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_the_library_never_imports_the_widgets():
+    bad = [(m, line) for m in MODULES if not m.startswith("minipar.widgets")
+           for source, names, line in _imports(m)
+           if source.startswith("minipar.widgets")
+           or (source == "minipar" and "widgets" in names)]
+    assert not bad, f"library modules importing minipar.widgets: {bad}"
+
+
+def _private_uses(module: str, tree: ast.AST, here: str) -> list[str]:
+    """`from X import _name` and `X._name` where X belongs to another package than `here`."""
+    bad, bound = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            source = _resolve(module, node.level, node.module) if module else node.module or ""
+            for alias in node.names:
+                full = f"{source}.{alias.name}"
+                if full in MODULES:
+                    bound[alias.asname or alias.name] = full
+                elif alias.name.startswith("_") and source.startswith("minipar") \
+                        and _package(source) != here:
+                    bad.append(f"line {node.lineno}: from {source} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in MODULES:
+                    bound[alias.asname or alias.name.split(".")[0]] = \
+                        alias.name if alias.asname else alias.name.split(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in bound and node.attr.startswith("_") \
+                and not node.attr.startswith("__") \
+                and _package(bound[node.value.id]) != here:
+            bad.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
+    return bad
+
+
+def test_no_package_uses_another_packages_private_names():
+    bad = {}
+    for m, path in MODULES.items():
+        found = _private_uses(m, ast.parse(path.read_text()), _package(m))
+        if found:
+            bad[m] = found
+    for notebook in sorted((ROOT / "lessons").glob("*.ipynb")):
+        cells = json.loads(notebook.read_text())["cells"]
+        source = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        lines = [line for line in source.splitlines() if not line.lstrip().startswith(("%", "!"))]
+        found = _private_uses("", ast.parse("\n".join(lines)), "lesson")
+        if found:
+            bad[notebook.name] = found
+    assert not bad, f"private names used across packages: {bad}"

@@ -1,0 +1,39 @@
+"""Every technique's demo (what `python -m minipar.<technique>` and `minipar tour` run)
+matches one process on real ranks."""
+
+import pytest
+
+from minipar.basics import demo as basics
+from minipar.collectives import demo as collectives
+from minipar.data_parallel import demo as data_parallel
+from minipar.demo import Check, combine
+from minipar.moe import demo as moe
+from minipar.pipeline import demo as pipeline
+from minipar.tensor_parallel import demo as tensor_parallel
+
+
+@pytest.mark.parametrize("technique, args", [
+    (basics, (("hello", "split_work"), 4, 20)), (collectives, (1 << 12, 1)),
+    (data_parallel, ()), (pipeline, ()), (tensor_parallel, ()), (moe, ()),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_every_demo_matches_one_process(cluster2, technique, args):
+    rows = combine(cluster2.run(technique.demo, *args))
+    assert rows
+    assert all(row.matches is not False for row in rows), [r for r in rows if not r.matches]
+    assert any(row.matches for row in rows)
+
+
+def test_demos_on_four_ranks_include_the_parameter_server(cluster4):
+    rows = combine(cluster4.run(data_parallel.demo, ("parameter_server",)))
+    assert rows[0].matches is True and rows[0].bytes_moved > 0
+    rows = combine(cluster4.run(moe.demo))
+    assert rows[0].matches is True and "tokens received per rank" in rows[0].note
+
+
+def test_combine_judges_only_ranks_that_checked_something():
+    checks = [[Check("x", True, 1.0, 10), Check("y", None, 2.0)],
+              [Check("x", None, 3.0, 5), Check("y", None, 1.0)]]
+    x, y = combine(checks)
+    assert (x.matches, x.seconds, x.bytes_moved, x.ranks) == (True, 3.0, 15, 2)
+    assert y.matches is None and y.bytes_moved is None
+    assert combine([[Check("x", True, 1.0)], [Check("x", False, 1.0)]])[0].matches is False
