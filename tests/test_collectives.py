@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import value_errors
 
 import minipar
 from minipar import collectives as C
@@ -260,3 +261,22 @@ def test_isend_matches_a_plain_recv_across_segments(cluster2):
 
     sent, same = cluster2.run(exchange_big)
     assert same and sent == ((3 << 20) // 4 + 5) * 4
+
+
+def test_all_to_all_with_known_counts_skips_the_count_exchange_and_checks_them(cluster2):
+    def run():
+        me = minipar.rank()
+        x = torch.arange(6.0).reshape(3, 2) + 10 * me
+        send = [1, 2] if me == 0 else [2, 1]
+        recv = C.swap_counts(send)
+        with C.meter() as m:
+            got = C.all_to_all(x, send, recv)
+        wrong = value_errors(lambda: C.all_to_all(x, send, recv[::-1]))[0]
+        return recv, got, {t.phase for t in m.transfers}, wrong
+
+    (recv0, got0, phases, wrong), (recv1, got1, _, _) = cluster2.run(run)
+    assert recv0 == [1, 2] and recv1 == [2, 1]
+    assert got0.tolist() == [[0.0, 1.0], [10.0, 11.0], [12.0, 13.0]]
+    assert got1.tolist() == [[2.0, 3.0], [4.0, 5.0], [14.0, 15.0]]
+    assert phases == {"exchange"}  # no "counts" phase: both sizes were known
+    assert "rank 0 expects [2, 1] rows from ranks 0..1 but they send [1, 2]" in wrong

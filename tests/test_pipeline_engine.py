@@ -7,7 +7,7 @@ from conftest import mse
 
 import minipar
 from minipar.models import regression_data
-from minipar.pipeline import Pipeline, schedule, split_model
+from minipar.pipeline import Pipeline, schedule, simulate, split_model
 
 SYNC = [("naive", 1, 1), ("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 3, 1), ("zb_h1", 4, 1),
         ("looped_bfs", 4, 2), ("interleaved_1f1b", 4, 2)]
@@ -99,8 +99,6 @@ def _pipedream_reference(k, m, lr):
     """PipeDream semantics in one process, replayed in the simulator's order: each stage's
     forward runs on a copy of its current weights; its backward differentiates that copy
     and updates the live weights at once."""
-    from minipar.pipeline import simulate
-
     stages = split_model(_layers(k), k, boundaries=list(range(2, 2 * k, 2)))
     plan = schedule("pipedream", k, m)
     x, y = _data()
@@ -200,3 +198,22 @@ def test_measured_activation_memory_follows_the_schedule(cluster2):
                                       peak_in_flight(schedule("1f1b", 2, 8)), strict=True)]
     assert [g[0] / o[0] for g, o in zip(gpipe, one_f, strict=True)] == expected  # [4.0, 8.0]
     assert all(now == 0 for _, now in gpipe + one_f)  # every activation freed after the step
+
+
+def test_measured_and_simulated_runs_use_the_plans_labels(cluster2):
+    def run():
+        pipe = Pipeline(split_model(_layers(2), 2), schedule("1f1b", 2, 4))
+        x, y = _data()
+        pipe.train_step(x, y, mse)
+
+    measured = cluster2.run(run).timeline
+    plan = schedule("1f1b", 2, 4)
+    simulated = simulate(plan, {"F": 1, "B": 2})
+    communication = {str(a) for actions in plan.actions for a in actions if not a.is_compute}
+    sent_or_received = [e for e in measured if e.kind in ("send", "recv")]
+    assert {e.label for e in sent_or_received} == communication
+    assert all(e.label == f"{e.stage}{'SEND' if e.kind == 'send' else 'RECV'}_"
+                          f"{e.label.split('_')[1][0]}{e.microbatch}" for e in sent_or_received)
+    compute = {(e.kind, e.label) for e in measured if e.kind in ("F", "B")}
+    assert compute == {(e.kind, e.label) for e in simulated if e.kind in ("F", "B")}
+    assert {e.label for e in simulated if e.kind == "recv"} <= communication
