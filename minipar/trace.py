@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -48,6 +49,7 @@ class Event:
     peer: int | None = None
     bytes: int | None = None
     step: int | None = None
+    thread: int = 0  # 0: the rank's main thread; 1, 2, ...: its other threads, in order seen
     args: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -107,6 +109,22 @@ def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return merged
 
 
+def subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]
+             ) -> list[tuple[float, float]]:
+    """The parts of intervals `a` that no interval of `b` covers."""
+    out, cuts = [], _merged(b)
+    for start, end in _merged(a):
+        for cut_start, cut_end in cuts:
+            if cut_end <= start or cut_start >= end:
+                continue
+            if cut_start > start:
+                out.append((start, cut_start))
+            start = max(start, cut_end)
+        if start < end:
+            out.append((start, end))
+    return out
+
+
 def overlap_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     """Time covered by both sets of intervals."""
     a, b = _merged(a), _merged(b)
@@ -164,20 +182,25 @@ class Timeline:
     def summary(self, world_size: int | None = None) -> Summary:
         """Compute, communication and idle time per rank; they add up to the makespan.
 
-        Busy is the union of a rank's compute-track events (nested spans count once)
-        minus any "wait" events inside them (a rank blocked in a wait is not computing,
-        even inside a compute span); comm is the rest of the time covered by events;
-        idle is the time covered by nothing. The bubble fraction is the share of all rank-time not
-        spent computing: 1 - sum(busy) / (ranks x makespan).
+        Busy is the time when some thread of the rank computes (a compute-track event)
+        and is not blocked in a "wait" of its own: a wait inside a compute span means that
+        thread stopped computing, while another thread's work, say a communication thread
+        all-reducing, overlaps the computation and costs nothing. Comm is the rest of the
+        time covered by events (communication not hidden under computation); idle is the
+        time no thread of the rank does anything. The bubble fraction is the share of all
+        rank-time not spent computing: 1 - sum(busy) / (ranks x makespan).
         """
         n = world_size if world_size is not None else (max(self.ranks) + 1 if self.events else 0)
         span = self.makespan
         busy, comm, idle = [], [], []
         for r in range(n):
             mine = [e for e in self.events if e.rank == r]
-            spans = [(e.start, e.end) for e in mine if e.track == "compute"]
-            compute = union_length(spans) - overlap_length(
-                spans, [(e.start, e.end) for e in mine if e.kind == "wait"])
+            computing = []
+            for thread in {e.thread for e in mine}:
+                on = [e for e in mine if e.thread == thread]
+                computing += subtract([(e.start, e.end) for e in on if e.track == "compute"],
+                                      [(e.start, e.end) for e in on if e.kind == "wait"])
+            compute = union_length(computing)
             covered = union_length([(e.start, e.end) for e in mine])
             busy.append(compute)
             comm.append(covered - compute)
@@ -202,6 +225,8 @@ class Timeline:
                               "args": {"name": name}})
         for e in self.events:
             args = {k: getattr(e, k) for k in _OPTIONAL_FIELDS if getattr(e, k) is not None}
+            if e.thread:
+                args["thread"] = e.thread
             args.update(e.args)
             trace.append({"name": e.label or e.kind, "cat": e.kind, "ph": "X",
                           "ts": e.start * 1e6, "dur": e.duration * 1e6,
@@ -224,7 +249,7 @@ class Timeline:
             if item.get("ph") != "X":
                 continue
             args = dict(item.get("args", {}))
-            named = {k: args.pop(k) for k in _OPTIONAL_FIELDS if k in args}
+            named = {k: args.pop(k) for k in (*_OPTIONAL_FIELDS, "thread") if k in args}
             start = item["ts"] / 1e6
             events.append(Event(rank=int(item["pid"]), kind=item.get("cat") or item["name"],
                                 label=item["name"], start=start,
@@ -237,13 +262,14 @@ class Timeline:
 class _Recorder:
     """This process's event buffer: a perf_counter pair and a list append per event."""
 
-    __slots__ = ("enabled", "t0", "rank", "buffer")
+    __slots__ = ("enabled", "t0", "rank", "buffer", "main_thread")
 
     def __init__(self) -> None:
         self.enabled = True
         self.t0 = perf_counter()
         self.rank = 0
         self.buffer: list[tuple] = []
+        self.main_thread = threading.get_ident()
 
 
 _recorder = _Recorder()
@@ -269,14 +295,16 @@ class record:
     def __exit__(self, *exc: object) -> None:
         if _recorder.enabled:
             end = perf_counter()
-            _recorder.buffer.append((self.kind, self.label, self.start, end, self.fields))
+            _recorder.buffer.append((self.kind, self.label, self.start, end, self.fields,
+                                     threading.get_ident()))
 
 
 def add_event(kind: str, label: str, start: float, end: float, **fields: Any) -> None:
     """Record an event whose times (from `now()`) were taken elsewhere."""
     if _recorder.enabled:
         t0 = _recorder.t0
-        _recorder.buffer.append((kind, label, start + t0, end + t0, fields))
+        _recorder.buffer.append((kind, label, start + t0, end + t0, fields,
+                                 threading.get_ident()))
 
 
 def now() -> float:
@@ -290,11 +318,12 @@ def set_recording(enabled: bool) -> bool:
     return previous
 
 
-def _to_event(rank: int, t0: float, item: tuple) -> Event:
-    kind, label, start, end, extra = item
+def _to_event(rank: int, t0: float, item: tuple, threads: dict[int, int]) -> Event:
+    kind, label, start, end, extra, ident = item
     named = {k: v for k, v in extra.items() if k in _EVENT_FIELDS}
     others = {k: v for k, v in extra.items() if k not in _EVENT_FIELDS}
-    return Event(rank, kind, label, start - t0, end - t0, args=others, **named)
+    thread = threads.setdefault(ident, len(threads))
+    return Event(rank, kind, label, start - t0, end - t0, thread=thread, args=others, **named)
 
 
 class capture:
@@ -309,16 +338,18 @@ class capture:
         self.events: list[Event] = []
 
     def __enter__(self) -> capture:
-        self._saved = (_recorder.t0, _recorder.rank, _recorder.buffer)
+        self._saved = (_recorder.t0, _recorder.rank, _recorder.buffer, _recorder.main_thread)
         if self.rank is None:  # the rank that minipar's workers and torchrun both export
             self.rank = int(os.environ.get("RANK", 0))
         _recorder.rank, _recorder.buffer, _recorder.t0 = self.rank, [], perf_counter()
+        _recorder.main_thread = threading.get_ident()
         return self
 
     def __exit__(self, *exc: object) -> None:
         t0, rank = _recorder.t0, _recorder.rank
-        self.events = [_to_event(rank, t0, item) for item in _recorder.buffer]
-        _recorder.t0, _recorder.rank, _recorder.buffer = self._saved
+        threads = {_recorder.main_thread: 0}  # the capturing thread is thread 0
+        self.events = [_to_event(rank, t0, item, threads) for item in _recorder.buffer]
+        _recorder.t0, _recorder.rank, _recorder.buffer, _recorder.main_thread = self._saved
 
     @property
     def timeline(self) -> Timeline:

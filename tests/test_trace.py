@@ -84,3 +84,36 @@ def test_waiting_inside_a_compute_span_is_not_busy():
     assert s.busy == pytest.approx([0.8]) and s.comm == pytest.approx([0.4])
     assert s.idle == pytest.approx([0.0])
     assert trace.overlap_length([(0, 2), (3, 4)], [(1, 3.5)]) == pytest.approx(1.5)
+
+
+def test_a_communication_threads_wait_does_not_stop_the_main_thread_computing():
+    # main thread: backward 0-1.0; comm thread: all-reduce 0.2-0.9, blocked 0.3-0.6
+    overlapped = Timeline([Event(0, "compute", "backward", 0.0, 1.0),
+                           Event(0, "all_reduce", "bucket 0", 0.2, 0.9, thread=1),
+                           Event(0, "wait", "for the peer", 0.3, 0.6, thread=1),
+                           Event(0, "all_reduce", "bucket 1", 1.0, 1.5, thread=1)])
+    s = overlapped.summary()
+    assert s.busy == [pytest.approx(1.0)]  # overlapped communication costs nothing
+    assert s.comm == [pytest.approx(0.5)] and s.idle == [pytest.approx(0.0)]
+    assert s.bubble_fraction == pytest.approx(1 / 3)
+    # the same wait on the main thread means the main thread stopped computing
+    blocked = Timeline([*overlapped.events[:2], Event(0, "wait", "sync", 0.3, 0.6),
+                        overlapped.events[3]])
+    assert blocked.summary().busy == [pytest.approx(0.7)]
+
+
+def test_recorded_events_say_which_thread_recorded_them():
+    import threading
+
+    with trace.capture(rank=0) as captured:
+        with trace.record("compute", "main"), trace.record("compute", "main again"):
+            pass
+        side = trace.record("all_reduce", "side")
+        side.__enter__()
+        thread = threading.Thread(target=side.__exit__)
+        thread.start()
+        thread.join()
+    threads = {e.label: e.thread for e in captured.events}
+    assert threads == {"main again": 0, "main": 0, "side": 1}
+    restored = Timeline.from_chrome(captured.timeline.to_chrome())
+    assert {e.label: e.thread for e in restored} == threads
