@@ -34,10 +34,14 @@ def test_interleaving_divides_the_bubble_by_v(p, m, v):
     assert bubble("interleaved_1f1b", p, m, v) == pytest.approx((p - 1) / (v * m + p - 1))
 
 
-def test_zero_bubble_beats_1f1b_with_the_same_memory():
-    for p, m in [(2, 4), (4, 8), (4, 16)]:
-        assert bubble("zb_h1", p, m) < bubble("1f1b", p, m)
-        assert peak_in_flight(schedule("zb_h1", p, m)) == peak_in_flight(schedule("1f1b", p, m))
+@pytest.mark.parametrize("p, m", [(2, 4), (3, 6), (4, 4), (4, 8), (4, 16)])
+def test_zb_h1_has_the_papers_bubble_with_1f1bs_peak_memory(p, m):
+    # ZB-H1 (Qi et al. 2023): with F = I = W, each rank idles (p-1)(F+I-W) = p-1 units
+    # instead of 1F1B's (p-1)(F+I+W), and no rank holds more micro-batches than 1F1B's rank 0
+    assert bubble("zb_h1", p, m) == pytest.approx((p - 1) / (3 * m + p - 1))
+    assert bubble("zb_h1", p, m) < bubble("1f1b", p, m)
+    assert max(peak_in_flight(schedule("zb_h1", p, m))) == \
+        max(peak_in_flight(schedule("1f1b", p, m))) == min(p, m)
 
 
 def test_naive_split_gives_no_speedup():
