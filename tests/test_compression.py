@@ -9,6 +9,7 @@ import torch
 import minipar
 from minipar import collectives
 from minipar.data_parallel.compression import (
+    Compressor,
     ErrorFeedback,
     Int8,
     PowerSGD,
@@ -92,3 +93,29 @@ def test_compressed_training_converges_with_fewer_bytes(cluster2):
         if method != "dense":
             assert sum(report.payload_bytes) < 0.6 * sum(dense.payload_bytes), method
     assert reports["adaptive"].levels and not math.isnan(reports["adaptive"].losses[-1])
+
+
+def _feedback_ledger(compressor_name):
+    """T steps of error-feedback averaging on this rank; returns the sum of applied updates,
+    the ranks' mean final residual and the sum of the ranks' mean gradients."""
+    import torch.distributed as dist
+
+    comp = {"none": Compressor, "top-k": lambda: TopK(0.2), "int8": Int8,
+            "powersgd": lambda: PowerSGD(1)}[compressor_name]()
+    feedback, k = ErrorFeedback(), dist.get_world_size()
+    applied, mean_gradients = torch.zeros(6, 5, dtype=torch.float64), 0
+    for step in range(5):
+        grads = [torch.randn(6, 5, dtype=torch.float64,
+                             generator=torch.Generator().manual_seed(100 * step + r))
+                 for r in range(k)]
+        applied += feedback.average(comp, grads[minipar.rank()], "w")
+        mean_gradients = mean_gradients + sum(grads) / k
+    residual = collectives.all_reduce(feedback.residuals["w"].clone(), op="avg")
+    return applied, residual, mean_gradients
+
+
+@pytest.mark.parametrize("name", ["none", "top-k", "int8", "powersgd"])
+def test_error_feedback_loses_nothing_applied_plus_residual_is_the_mean_gradient(cluster2, name):
+    for applied, residual, mean_gradients in cluster2.run(_feedback_ledger, name):
+        assert torch.allclose(applied + residual, mean_gradients, rtol=1e-9, atol=1e-9), name
+        assert not torch.allclose(applied, mean_gradients) or name == "none"

@@ -3,7 +3,12 @@
 A compressor turns a gradient into a smaller payload and back. With error feedback
 (Seide et al. 2014; Karimireddy et al. 2019) each rank adds last step's compression
 error to this step's gradient before compressing, so nothing is lost for good: it
-is only delayed.
+is only delayed. The error a rank keeps is its corrected gradient minus what of it
+reached the applied average (`Compressor.delivered`): for top-k and int8 that is its
+own decompressed payload (the average is the mean of those); for PowerSGD it is the
+averaged approximation itself (Vogels et al. 2019, Algorithm 2). Either way, over any
+number of steps, the applied updates plus the ranks' mean residual add up to the sum
+of the mean gradients.
 
 - `TopK(ratio)`: keep the largest ratio x n entries (values + int32 indices); ranks
   all-gather each other's entries and average. 8 bytes per kept entry.
@@ -46,6 +51,12 @@ class Compressor:
         """Average over ranks, exchanging only compressed data."""
         out = tensor.clone()
         return collectives.all_reduce(out, op="avg")
+
+    def delivered(self, tensor: torch.Tensor, averaged: torch.Tensor,
+                  key: str = "") -> torch.Tensor:
+        """The part of this rank's `tensor` that reached `averaged`, the mean that was
+        applied: what error feedback must not carry over to the next step."""
+        return self.round_trip(tensor, key)
 
     def payload_bytes(self, tensor: torch.Tensor) -> int:
         return tensor.numel() * tensor.element_size()
@@ -154,6 +165,12 @@ class PowerSGD(Compressor):
             return super().average(tensor, key)
         return self._approximate(matrix, key, reduce=True).view_as(tensor)
 
+    def delivered(self, tensor: torch.Tensor, averaged: torch.Tensor,
+                  key: str = "") -> torch.Tensor:
+        """P and Q are all-reduced before decompressing, so no rank's own approximation is
+        ever applied: what reached the average is the averaged approximation itself."""
+        return averaged if self._as_matrix(tensor) is not None else tensor
+
     def payload_bytes(self, tensor: torch.Tensor) -> int:
         matrix = self._as_matrix(tensor)
         if matrix is None:
@@ -170,8 +187,9 @@ class ErrorFeedback:
 
     def average(self, compressor: Compressor, tensor: torch.Tensor, key: str) -> torch.Tensor:
         corrected = tensor + self.residuals.get(key, torch.zeros_like(tensor))
-        self.residuals[key] = corrected - compressor.round_trip(corrected, key)
-        return compressor.average(corrected, key)
+        averaged = compressor.average(corrected, key)
+        self.residuals[key] = corrected - compressor.delivered(corrected, averaged, key)
+        return averaged
 
 
 def choose_levels(errors: Sequence[Sequence[float]], sizes: Sequence[Sequence[int]],
