@@ -8,6 +8,7 @@ function on real ranks against a single-process reference and raise
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -19,6 +20,17 @@ class ExerciseError(AssertionError):
     """The learner's function ran but gave a wrong answer; the message says where."""
 
 
+def refuse_library(name: str, fn: object) -> None:
+    """A learner who passes minipar's own implementation (or torch's) has not written the
+    exercise: say so instead of grading it."""
+    inner = fn.func if isinstance(fn, functools.partial) else fn
+    module = getattr(inner, "__module__", "") or ""
+    if module.startswith(("minipar.", "torch.")):
+        raise ExerciseError(f"{name}: that is {module}.{getattr(inner, '__qualname__', inner)}, "
+                            "the library's own implementation; write your own in the cell above "
+                            "(you may call minipar's send/recv and torch.distributed inside it).")
+
+
 def run_on_ranks(name: str, fn: Callable, world_size: int, *args, timeout: float = 30) -> list:
     try:
         return launch(fn, world_size, *args, backend="gloo", timeout=timeout)
@@ -26,6 +38,14 @@ def run_on_ranks(name: str, fn: Callable, world_size: int, *args, timeout: float
         if "NotImplementedError" in str(err):
             raise ExerciseError(f"{name}: not written yet. Replace the `raise "
                                 "NotImplementedError` line with your code.") from None
+        text = str(err).lower()
+        if any(words in text for words in ("size mismatch", "match expected size", "dtype",
+                                           "expected scalar type")):
+            raise ExerciseError(
+                f"{name}: rank {err.rank} sent or received a tensor whose size or dtype does not "
+                "match its peer's. Allocate receive buffers like what is sent "
+                "(torch.empty_like(tensor)), and keep one dtype: the data here is float64, and "
+                f"torch.empty(n) is float32. ({str(err).splitlines()[0]})") from None
         raise
     except RankTimeout as err:
         waits = "; ".join(f"rank {r} {where}" for r, where in sorted(err.waiting.items()))

@@ -1,5 +1,6 @@
 """Exercise checks grade real runs; learners' copies hide every solution."""
 
+import functools
 import inspect
 import json
 import re
@@ -10,12 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from minipar import collectives
 from minipar.__main__ import main as cli
 from minipar.basics.exercises import check_global_mean_loss
 from minipar.collectives.exercises import check_ring_all_reduce, check_tree_broadcast
 from minipar.data_parallel.exercises import check_bucketing, check_gradient_hook
 from minipar.grading import ExerciseError
 from minipar.lessons import BEGIN, END, strip_solutions
+from minipar.moe import route
 from minipar.moe.exercises import check_dispatch, check_topk_routing
 from minipar.pipeline.exercises import check_one_f_one_b, check_stage_forward
 from minipar.tensor_parallel.exercises import check_g_operator, check_row_parallel_linear
@@ -261,3 +264,81 @@ def dispatch_unsorted(x, expert, experts_per_rank):
 def test_checks_reject_the_usual_mistakes_with_a_hint(check, fn, words):
     with pytest.raises(ExerciseError, match=words):
         check(fn)
+
+
+@pytest.mark.parametrize("check, library_fn", [
+    (check_ring_all_reduce, functools.partial(collectives.all_reduce, algorithm="ring")),
+    (check_tree_broadcast, collectives.broadcast),
+    (check_topk_routing, route),
+    (check_dispatch, collectives.all_to_all),
+], ids=["ring", "tree", "routing", "dispatch"])
+def test_checks_say_so_when_given_the_librarys_own_function(check, library_fn):
+    with pytest.raises(ExerciseError, match="the library's own implementation; write your own"):
+        check(library_fn)
+
+
+def float32_mean(local_losses):
+    total = torch.tensor([local_losses.sum().item(), float(local_losses.numel())])  # float32
+    dist.all_reduce(total)
+    return (total[0] / total[1]).item()
+
+
+def test_a_float32_answer_is_right_too():
+    assert "correct on all 4 ranks" in check_global_mean_loss(float32_mean)
+
+
+def ring_with_float32_buffers(tensor):
+    k, me = dist.get_world_size(), dist.get_rank()
+    chunks = torch.tensor_split(tensor, k)
+    for step in range(k - 1):
+        send_i, recv_i = (me - step) % k, (me - step - 1) % k
+        incoming = torch.empty(chunks[recv_i].numel())  # float32, the data is float64
+        for request in dist.batch_isend_irecv([
+                dist.P2POp(dist.isend, chunks[send_i], (me + 1) % k),
+                dist.P2POp(dist.irecv, incoming, (me - 1) % k)]):
+            request.wait()
+        chunks[recv_i].add_(incoming)
+    return tensor
+
+
+class InPlaceG(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        dist.all_reduce(x.data)  # sums the caller's own partial result in place
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+@pytest.mark.parametrize("check, fn, words", [
+    (check_ring_all_reduce, ring_with_float32_buffers, "size or dtype does not match"),
+    (check_g_operator, InPlaceG, "changed its input in place"),
+], ids=["float32-buffer", "in-place"])
+def test_checks_turn_crashes_and_aliasing_into_hints(check, fn, words):
+    with pytest.raises(ExerciseError, match=words):
+        check(fn)
+
+
+def _solutions_and_checks(notebook: Path) -> list[str]:
+    """The import cell, every exercise's solution cell and every check cell, in order."""
+    cells = [c for c in json.loads(notebook.read_text())["cells"] if c["cell_type"] == "code"]
+    sources = ["".join(c["source"]) for c in cells]
+    keep = [sources[0]] + [s for s in sources if "### BEGIN SOLUTION" in s
+                           or re.search(r"print\(check_\w+\(", s)]
+    return [s for s in keep if not s.lstrip().startswith("%")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("notebook", sorted(LESSONS.glob("[0-9][0-9]_*.ipynb")),
+                         ids=lambda p: p.stem)
+def test_every_check_accepts_the_notebooks_own_solution(notebook, capsys):
+    namespace = {"__name__": f"lesson_{notebook.stem}"}  # not minipar's: graded, not refused
+    cells = _solutions_and_checks(notebook)
+    assert len(cells) >= 3, f"{notebook.name}: expected an exercise and its check"
+    for source in cells:
+        exec(compile(source, notebook.name, "exec"), namespace)  # noqa: S102
+    printed = capsys.readouterr().out
+    verdicts = [line for line in printed.splitlines() if ": " in line]
+    assert verdicts and not any("not written" in line for line in verdicts), printed

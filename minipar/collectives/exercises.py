@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from .. import runtime
-from ..grading import ExerciseError, SendLog, run_on_ranks
+from ..grading import ExerciseError, SendLog, refuse_library, run_on_ranks
 from .comm import split_bounds
 
 
@@ -89,6 +89,7 @@ def check_ring_all_reduce(ring_all_reduce: Callable, world_sizes: tuple[int, ...
     ranks added into it: s+1 ranks at reduce-scatter step s, all ranks during the
     all-gather. The first wrong message is reported by rank and step.
     """
+    refuse_library("ring_all_reduce", ring_all_reduce)
     for k in world_sizes:
         numel = 2 * k + 1  # uneven chunks
         results = run_on_ranks("ring_all_reduce", _call_logged, k, ring_all_reduce, numel,
@@ -150,6 +151,7 @@ def check_tree_broadcast(tree_broadcast: Callable,
     Every rank must end with the source's tensor, every message must carry it, each
     rank must receive once, and the last rank must have it after ceil(log2 K) rounds.
     """
+    refuse_library("tree_broadcast", tree_broadcast)
     for k in world_sizes:
         for src in sorted({0, k - 1}):
             results = run_on_ranks("tree_broadcast", _call_logged, k, tree_broadcast, 5, src,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from .. import collectives, runtime
-from ..grading import ExerciseError, run_on_ranks
+from ..grading import ExerciseError, refuse_library, run_on_ranks
 from ..models import mlp
 from .ddp import shard
 
@@ -32,6 +32,7 @@ def _run_hook(hook: Callable) -> list[list[float]]:
 def check_gradient_hook(average_gradient_hook: Callable, world_size: int = 4) -> str:
     """Register `average_gradient_hook(param)` on every parameter of a model on real ranks
     (12 samples, 3 per rank) and compare every gradient with one process's."""
+    refuse_library("average_gradient_hook", average_gradient_hook)
     got = run_on_ranks("average_gradient_hook", _run_hook, world_size, average_gradient_hook)
     model = _hook_model()
     (model(_hook_batch()) ** 2).mean().backward()
@@ -91,6 +92,7 @@ def _reference_buckets(sizes: list[int], bucket_bytes: int) -> list[int]:
 def check_bucketing(bucketed_all_reduce: Callable, world_size: int = 2) -> str:
     """Run `bucketed_all_reduce(grads, bucket_bytes)` on real ranks for several layouts;
     check every averaged value and that each bucket took exactly one all-reduce."""
+    refuse_library("bucketed_all_reduce", bucketed_all_reduce)
     cases = [([4, 4, 4, 4], 32), ([10, 1, 1, 10], 48), ([3, 50, 2], 40), ([5, 5], 1 << 20)]
     for sizes, bucket_bytes in cases:
         results = run_on_ranks("bucketed_all_reduce", _run_bucketed, world_size,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from .. import runtime
-from ..grading import ExerciseError, run_on_ranks
+from ..grading import ExerciseError, refuse_library, run_on_ranks
 from .routing import route
 
 _ROUTING_CASES = [
@@ -22,6 +22,7 @@ def check_topk_routing(top_k_routing: Callable) -> str:
     """`top_k_routing(logits, k, capacity)` -> (expert [T, k], slot [T, k], -1 = dropped),
     with minipar's convention: choices ranked by logit, slots given to every token's first
     choice in token order, then every second choice, ..., full experts drop the choice."""
+    refuse_library("top_k_routing", top_k_routing)
     for logits, k, cap in _ROUTING_CASES:
         tokens, experts = logits.shape
         want = route(logits, k, capacity_factor=cap * experts / (k * tokens))
@@ -63,6 +64,7 @@ def check_dispatch(dispatch_to_owners: Callable, world_sizes: tuple[int, ...] = 
     """`dispatch_to_owners(x, expert, experts_per_rank)` sends row i of x to the rank that
     owns expert[i] (rank = expert // experts_per_rank) with collectives.all_to_all and
     returns the rows this rank received: grouped by source rank, in each source's row order."""
+    refuse_library("dispatch_to_owners", dispatch_to_owners)
     for k in world_sizes:
         results = run_on_ranks("dispatch_to_owners", _call_dispatch, k, dispatch_to_owners, 2)
         for dst, (got, _) in enumerate(results):

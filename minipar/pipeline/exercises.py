@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from .. import runtime
-from ..grading import ExerciseError, run_on_ranks
+from ..grading import ExerciseError, refuse_library, run_on_ranks
 from ..models import linear_stack
 from .plan import Schedule, add_communication, peak_in_flight
 from .simulate import simulate, validate
@@ -19,6 +19,7 @@ def check_one_f_one_b(one_f_one_b: Callable,
     """`one_f_one_b(p, m)` returns each rank's compute order (lists of Action F/B). Wrapped
     with sends and receives, it must validate, have GPipe's bubble (p-1)/(m+p-1) with B=2F,
     and hold at most p - rank micro-batches on rank r (fewer if m < p)."""
+    refuse_library("one_f_one_b", one_f_one_b)
 
     for p, m in cases:
         where = f"one_f_one_b(p={p}, m={m})"
@@ -71,6 +72,7 @@ def check_stage_forward(stage_forward: Callable, world_size: int = 3) -> str:
     """Run `stage_forward(module, x)` on real ranks: rank 0 gets the batch, the others None
     and must receive their input (shape (3, 4), float64) from the rank before; each returns
     its stage's output after sending it on. Every rank's output is checked."""
+    refuse_library("stage_forward", stage_forward)
     got = run_on_ranks("stage_forward", _call_stage, world_size, stage_forward, timeout=15)
     x = _stage_batch()
     with torch.no_grad():

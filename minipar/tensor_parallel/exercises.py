@@ -7,25 +7,31 @@ from collections.abc import Callable
 import torch
 
 from .. import runtime
-from ..grading import ExerciseError, run_on_ranks
+from ..grading import ExerciseError, refuse_library, run_on_ranks
 
 
-def _call_g(g_class: type) -> tuple[list[float], list[float]]:
-    x = (torch.arange(4, dtype=torch.float64) + 1) * (runtime.rank() + 1)
-    x.requires_grad_(True)
+def _call_g(g_class: type) -> tuple[list[float], list[float], bool]:
+    partial = (torch.arange(4, dtype=torch.float64) + 1) * (runtime.rank() + 1)
+    x = partial.clone().requires_grad_(True)
     y = g_class.apply(x)
+    unchanged = torch.equal(x.detach(), partial)  # the caller's tensor must keep its values
     upstream = torch.arange(4, dtype=torch.float64) + 10 * (runtime.rank() + 1)
     y.backward(upstream)
-    return y.detach().tolist(), x.grad.tolist()
+    return y.detach().tolist(), x.grad.tolist(), unchanged
 
 
 def check_g_operator(g_class: type, world_size: int = 2) -> str:
     """`g_class.apply(x)` must all-reduce (sum) x forward and pass the gradient through
     unchanged backward, on every rank."""
+    refuse_library("g_operator", g_class)
     got = run_on_ranks("g_operator", _call_g, world_size, g_class)
     total = sum((torch.arange(4, dtype=torch.float64) + 1) * (r + 1) for r in range(world_size))
-    for r, (out, grad) in enumerate(got):
+    for r, (out, grad, unchanged) in enumerate(got):
         upstream = torch.arange(4, dtype=torch.float64) + 10 * (r + 1)
+        if not unchanged:
+            raise ExerciseError(f"g_operator forward on rank {r} changed its input in place: the "
+                                "caller's partial sum now holds the total, and autograd may reuse "
+                                "it. All-reduce a copy (y = x.clone(), then all-reduce y).")
         if not torch.allclose(torch.tensor(out, dtype=torch.float64), total):
             raise ExerciseError(f"g_operator forward on rank {r} gave {out}, expected "
                                 f"{total.tolist()}: g sums the ranks' partial results "
@@ -59,6 +65,7 @@ def check_row_parallel_linear(row_parallel_linear: Callable,
     """`row_parallel_linear(x_local, weight_local, bias)`: x's columns and the weight's
     columns are this rank's slices; the result must be the full layer's output on every
     rank, and every gradient must match the single-process layer's (sliced)."""
+    refuse_library("row_parallel_linear", row_parallel_linear)
     torch.manual_seed(31)
     twin = torch.nn.Linear(8, 3, dtype=torch.float64)
     x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(32))
