@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -31,29 +32,63 @@ def refuse_library(name: str, fn: object) -> None:
                             "(you may call minipar's send/recv and torch.distributed inside it).")
 
 
-def run_on_ranks(name: str, fn: Callable, world_size: int, *args, timeout: float = 30) -> list:
+_MISMATCH = ("sent or received a tensor whose size or dtype does not match its peer's. "
+             "Allocate receive buffers like what is sent (torch.empty_like(tensor)), and keep "
+             "one dtype: the data here is float64, and torch.empty(n) is float32.")
+CRASH_HINTS = {"size mismatch": _MISMATCH, "match expected size": _MISMATCH,
+               "dtype": _MISMATCH, "expected scalar type": _MISMATCH}
+DEADLOCK_HINT = ("A blocking send can wait for its receiver forever: post each step's send "
+                 "and receive together (dist.batch_isend_irecv, or isend + irecv and wait on "
+                 "both).")
+
+
+def run_on_ranks(name: str, fn: Callable, world_size: int, *args, timeout: float = 30,
+                 crash_hints: dict[str, str] | None = None,
+                 deadlock_hint: str = DEADLOCK_HINT) -> list:
+    """Run `fn(*args)` on `world_size` gloo ranks and return each rank's result. Whatever
+    goes wrong becomes an `ExerciseError` naming the rank: a NotImplementedError, a crash
+    whose message contains a key of `crash_hints` (default: size and dtype mismatches) with
+    that hint, any other crash with the line of the learner's code it came from, and a
+    deadlock with where each rank waited and `deadlock_hint`."""
+    hints = CRASH_HINTS if crash_hints is None else {**CRASH_HINTS, **crash_hints}
     try:
         return launch(fn, world_size, *args, backend="gloo", timeout=timeout)
     except RankError as err:
-        if "NotImplementedError" in str(err):
+        text = str(err)
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        first = lines[0] if not lines[0].endswith(":") or len(lines) < 2 else \
+            f"{lines[0]} {lines[-1]}"  # a crashed rank: its last words say why
+        if "NotImplementedError" in first:
             raise ExerciseError(f"{name}: not written yet. Replace the `raise "
                                 "NotImplementedError` line with your code.") from None
-        text = str(err).lower()
-        if any(words in text for words in ("size mismatch", "match expected size", "dtype",
-                                           "expected scalar type")):
-            raise ExerciseError(
-                f"{name}: rank {err.rank} sent or received a tensor whose size or dtype does not "
-                "match its peer's. Allocate receive buffers like what is sent "
-                "(torch.empty_like(tensor)), and keep one dtype: the data here is float64, and "
-                f"torch.empty(n) is float32. ({str(err).splitlines()[0]})") from None
-        raise
+        where = _learner_line(err.remote_traceback)
+        where = f"\n  in your code: {where}" if where else ""
+        hint = next((h for words, h in hints.items() if words.lower() in text.lower()), None)
+        if hint:
+            raise ExerciseError(f"{name}: rank {err.rank} {hint} ({first}){where}") from None
+        raise ExerciseError(f"{name}: {first}{where}") from None
     except RankTimeout as err:
         waits = "; ".join(f"rank {r} {where}" for r, where in sorted(err.waiting.items()))
         raise ExerciseError(
             f"{name} on {world_size} ranks did not finish in {timeout:g}s: a deadlock? {waits}. "
-            "A blocking send can wait for its receiver forever: post each step's send and "
-            "receive together (dist.batch_isend_irecv, or isend + irecv and wait on both)."
-        ) from None
+            + deadlock_hint) from None
+
+
+_LIBRARY_DIRS = (str(Path(__file__).parent), str(Path(torch.__file__).parent))
+
+
+def _learner_line(remote_traceback: str) -> str:
+    """The last frame of a rank's traceback that is not minipar's or torch's: where the
+    learner's own code was when it failed."""
+    lines = remote_traceback.splitlines()
+    frames = [i for i, line in enumerate(lines) if line.strip().startswith("File ")
+              and not any(d in line for d in _LIBRARY_DIRS)]
+    if not frames:
+        return ""
+    i = frames[-1]
+    code = lines[i + 1].strip() if i + 1 < len(lines) and not lines[i + 1].strip().startswith(
+        ("File ", "Traceback")) else ""
+    return lines[i].strip() + (f": {code}" if code else "")
 
 
 class SendLog:

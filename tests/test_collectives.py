@@ -128,6 +128,13 @@ def _metered(algorithm, n):
     return m.sent_bytes, m.recv_bytes, m.messages, m.steps
 
 
+def _metered_broadcast(algorithm, n):
+    t = torch.full((n,), float(minipar.rank() == 0))
+    with C.meter() as m:
+        C.broadcast(t, src=0, algorithm=algorithm)
+    return m.sent_bytes, m.recv_bytes, m.messages, m.steps
+
+
 @pytest.mark.parametrize("K", [2, 3, 4, 5, 8])
 def test_meter_shows_the_lecture_figures(K, request):
     n = 4000 * K + 3  # not divisible: chunk rounding
@@ -150,6 +157,13 @@ def test_meter_shows_the_lecture_figures(K, request):
         for algorithm in ("tree", "halving_doubling"):
             steps = [r[3] for r in cluster.run(_metered, algorithm, n)]
             assert max(steps) == 2 * rounds, (algorithm, steps)
+        # broadcast: the binomial root sends ceil(log2 K) times, a binary tree's nodes twice
+        tree = cluster.run(_metered_broadcast, "tree", n)
+        binary = cluster.run(_metered_broadcast, "binary", n)
+        assert tree[0][0] == rounds * n * 4
+        assert max(r[0] for r in binary) == min(2, K - 1) * n * 4
+        assert max(r[3] for r in binary) == (1 if K <= 3 else 2)  # from a parent, to children
+        assert sum(r[0] for r in tree) == sum(r[0] for r in binary) == (K - 1) * n * 4
         hd = cluster.run(_metered, "halving_doubling", n)
         if K & (K - 1) == 0:  # power of two: the ring's volume in log steps
             assert all(abs(r[0] - ring[i][0]) <= 4 * K for i, r in enumerate(hd))

@@ -20,7 +20,7 @@ from minipar.grading import ExerciseError
 from minipar.lessons import BEGIN, END, strip_solutions
 from minipar.moe import route
 from minipar.moe.exercises import check_dispatch, check_topk_routing
-from minipar.pipeline.exercises import check_one_f_one_b, check_stage_forward
+from minipar.pipeline.exercises import check_one_f_one_b, check_stage_step
 from minipar.tensor_parallel.exercises import check_g_operator, check_row_parallel_linear
 
 LESSONS = Path(__file__).resolve().parent.parent / "lessons"
@@ -198,10 +198,49 @@ def backward_first(p, m):
             for r in range(p)]
 
 
-def stage_without_receiving(module, x):
+def _stage_step(module, x, loss_fn, *, requires_grad=True, grad_to_send="input",
+                backward_with_grad=True):
+    """Lesson 03's stage step with one mistake switched on by a keyword."""
+    me, k = dist.get_rank(), dist.get_world_size()
+    if me > 0:
+        x = torch.empty(3, 4, dtype=torch.float64)
+        dist.recv(x, me - 1)
+        if requires_grad:
+            x.requires_grad_()
+    out = module(x)
+    grad = None
+    if me < k - 1:
+        dist.send(out.detach(), me + 1)
+        grad = torch.empty_like(out)
+        dist.recv(grad, me + 1)
+        out.backward(grad if backward_with_grad else None)
+    else:
+        loss_fn(out).backward()
+    if me > 0 and grad_to_send:
+        dist.send(x.grad if grad_to_send == "input" or grad is None else grad, me - 1)
+    return out
+
+
+def stage_without_receiving(module, x, loss_fn):
     if dist.get_rank() > 0:
         x = torch.zeros(3, 4, dtype=torch.float64)
     return module(x)
+
+
+def stage_without_requires_grad(module, x, loss_fn):
+    return _stage_step(module, x, loss_fn, requires_grad=False)
+
+
+def stage_never_sending_the_gradient(module, x, loss_fn):
+    return _stage_step(module, x, loss_fn, grad_to_send=None)
+
+
+def stage_forwarding_the_output_gradient(module, x, loss_fn):
+    return _stage_step(module, x, loss_fn, grad_to_send="output")
+
+
+def stage_backward_without_gradient(module, x, loss_fn):
+    return _stage_step(module, x, loss_fn, backward_with_grad=False)
 
 
 class _SumBothWays(torch.autograd.Function):
@@ -220,6 +259,12 @@ class _SumBothWays(torch.autograd.Function):
 
 def bias_on_every_rank(x_local, weight_local, bias):
     return _SumBothWays.apply(x_local @ weight_local.t() + bias)
+
+
+def row_with_untracked_all_reduce(x_local, weight_local, bias):
+    total = (x_local @ weight_local.t()).detach().clone()  # a buffer outside autograd
+    dist.all_reduce(total)
+    return total + bias
 
 
 def routing_token_major(logits, k, capacity):
@@ -241,6 +286,22 @@ def dispatch_unsorted(x, expert, experts_per_rank):
     return collectives.all_to_all(x, counts)
 
 
+def dispatch_with_unstable_sort(x, expert, experts_per_rank):
+    from minipar import collectives
+
+    owner = expert // experts_per_rank
+    counts = torch.bincount(owner, minlength=dist.get_world_size()).tolist()
+    return collectives.all_to_all(x[torch.argsort(owner)], counts)
+
+
+def dispatch_with_short_counts(x, expert, experts_per_rank):
+    from minipar import collectives
+
+    owner = expert // experts_per_rank
+    order = torch.argsort(owner, stable=True)
+    return collectives.all_to_all(x[order], torch.bincount(owner).tolist())
+
+
 @pytest.mark.parametrize("check, fn, words", [
     (check_ring_all_reduce, ring_without_adding,
      "rank 0, step 1: sent chunk .* in the all-gather phase"),
@@ -255,11 +316,22 @@ def dispatch_unsorted(x, expert, experts_per_rank):
     (check_bucketing, forgets_to_copy_back, "Did you copy the bucket back"),
     (check_one_f_one_b, gpipe_order, "rank 0 holds 4 micro-batches' activations"),
     (check_one_f_one_b, backward_first, "expected F then B"),
-    (check_stage_forward, stage_without_receiving, "Rank 1 must receive rank 0"),
+    (check_stage_step, stage_without_receiving, "Rank 1 must receive rank 0"),
+    (check_stage_step, stage_without_requires_grad, "requires_grad_"),
+    pytest.param(check_stage_step, stage_never_sending_the_gradient,
+                 "rank 0 .*A rank that never sends the gradient", marks=pytest.mark.slow),
+    (check_stage_step, stage_forwarding_the_output_gradient,
+     "rank 0's gradients differ.*rank 1's input \\(x.grad\\)"),
+    (check_stage_step, stage_backward_without_gradient, "not a scalar"),
     (check_g_operator, _SumBothWays, "g's backward is the identity"),
     (check_row_parallel_linear, bias_on_every_rank, "add the bias once"),
     (check_topk_routing, routing_token_major, "token 0, choice 2: you gave expert 1"),
     (check_dispatch, dispatch_unsorted, "Sort rows by destination rank"),
+    (check_dispatch, dispatch_with_unstable_sort, "wrong order.*stable=True"),
+    (check_dispatch, dispatch_with_short_counts,
+     "rank 0 raised ValueError: send_counts must be 2 non-negative ints.*\n  in your code: "),
+    (check_row_parallel_linear, row_with_untracked_all_reduce,
+     "no gradient reached x_local.*outside autograd"),
 ], ids=lambda v: getattr(v, "__name__", None))
 def test_checks_reject_the_usual_mistakes_with_a_hint(check, fn, words):
     with pytest.raises(ExerciseError, match=words):

@@ -12,7 +12,12 @@ from .collective_view import (
     render_collective_frame,
     render_collective_strip,
 )
-from .render import render_pipeline, render_speedup
+from .render import (
+    render_all_to_all,
+    render_pipeline,
+    render_schedule_gallery,
+    render_speedup,
+)
 from .split_view import KINDS as SPLIT_KINDS
 from .split_view import render_split, split_frames
 
@@ -45,5 +50,6 @@ __all__ = ["CollectiveAnimator", "CollectiveRecording", "RouterExplorer",
            "ScheduleExplorer", "render_routing",
            "SpeedupLab", "TimelineViewer", "record_all_reduce",
            "render_collective_frame", "render_collective_strip", "render_pipeline",
+           "render_all_to_all", "render_schedule_gallery",
            "render_speedup", "render_split", "show",
            "split_frames", "split_viewer", "SPLIT_KINDS"]

@@ -1,5 +1,5 @@
-"""Pure renderers of the widgets' own pictures: the speedup lab's curves and the pipeline
-explorer's schedule with activations held over time. A Timeline's Gantt chart and
+"""Pure renderers of the widgets' own pictures: the speedup lab's curves, the pipeline
+explorer's schedule with activations held over time, and schedules side by side. A Timeline's Gantt chart and
 summary bars come from `minipar.plots`, which the library itself uses too.
 """
 
@@ -64,4 +64,58 @@ def render_pipeline(ideal: Timeline, measured: Timeline | None = None, upto: flo
     curve_ax.set_ylabel("activations held")
     curve_ax.set_xlabel("time (ms)")
     curve_ax.legend(fontsize=7, ncol=min(ranks, 4))
+    return fig
+
+
+def render_schedule_gallery(timelines: list[tuple[str, Timeline]]) -> Figure:
+    """Several simulated schedules stacked on one time axis, each titled with its bubble:
+    the static picture to compare schedules by eye (same costs, same scale)."""
+    if not timelines:
+        raise ValueError("timelines must name at least one (title, Timeline) pair")
+    rows = [max(len(t.ranks), 1) for _, t in timelines]
+    fig = Figure(figsize=(10, 0.42 * sum(rows) + 0.9 * len(rows)), layout="constrained")
+    axes = fig.subplots(len(timelines), 1, height_ratios=rows, squeeze=False)[:, 0]
+    longest = max(t.makespan for _, t in timelines) * 1e3 * 1.02
+    for ax, (title, timeline) in zip(axes, timelines, strict=True):
+        bubble = timeline.summary(len(timeline.ranks)).bubble_fraction
+        render_timeline(timeline, ax=ax, title=f"{title}: bubble {bubble:.1%}")
+        ax.set_xlim(0, longest)
+        if ax is not axes[-1]:
+            ax.set_xlabel("")
+    return fig
+
+
+def render_all_to_all(send_counts: list[list[int]], title: str = "") -> Figure:
+    """An all-to-all as a K x K grid: cell (i, j) is what rank i sends to rank j (the
+    diagonal stays home), with each rank's total sent and received beside it."""
+    k = len(send_counts)
+    if k == 0 or any(len(row) != k for row in send_counts):
+        raise ValueError(f"send_counts must be a square K x K list; got {send_counts!r}")
+    fig = Figure(figsize=(8.5, 3.4), layout="constrained")
+    grid, bars = fig.subplots(1, 2, width_ratios=[1, 1.3])
+    grid.imshow(send_counts, cmap="Blues", vmin=0)
+    peak = max(max(row) for row in send_counts) or 1
+    for i, row in enumerate(send_counts):
+        for j, n in enumerate(row):
+            grid.text(j, i, str(n), ha="center", va="center", fontsize=9,
+                      color="white" if n > 0.6 * peak else "black",
+                      fontweight="bold" if i != j else "normal")
+    grid.set_xticks(range(k), [f"to {j}" for j in range(k)])
+    grid.set_yticks(range(k), [f"rank {i}" for i in range(k)])
+    grid.set_title("rows rank i sends to rank j", fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    sent = [sum(row) - row[i] for i, row in enumerate(send_counts)]
+    received = [sum(send_counts[i][j] for i in range(k)) - send_counts[j][j] for j in range(k)]
+    stays = [send_counts[i][i] for i in range(k)]
+    width = 0.27
+    for offset, values, label, color in ((-width, stays, "stays on the rank", "#B0B0B0"),
+                                         (0, sent, "sent to others", "#4C72B0"),
+                                         (width, received, "received from others", "#DD8452")):
+        bars.bar([r + offset for r in range(k)], values, width, label=label, color=color)
+    bars.set_xticks(range(k), [f"rank {r}" for r in range(k)])
+    bars.set_ylabel("rows")
+    bars.yaxis.get_major_locator().set_params(integer=True)
+    bars.legend(fontsize=8)
+    bars.set_title("per rank: kept at home, sent, received", fontsize=9)
     return fig

@@ -3,6 +3,8 @@ and a renderer, plus the SplitViewer widget that steps through forward and backw
 
 from __future__ import annotations
 
+import textwrap
+
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
@@ -61,36 +63,40 @@ def split_frames(kind: str) -> list[tuple[str, list[tuple[str, str | None, bool]
 
 
 def render_split(kind: str, tp: int, frame: int) -> Figure:
-    """One step: each matrix as blocks coloured by the rank that holds them (all ranks'
-    colours stacked when every rank holds the whole matrix; hatched = partial sums)."""
+    """One step: each matrix as blocks coloured by the rank that holds them (a stack of
+    full copies, one per rank, when every rank holds the whole matrix; hatched = partial
+    sums)."""
     if not 1 <= tp <= 4:
         raise ValueError(f"tp must be 1 to 4; got {tp}")
     frames = split_frames(kind)
     if not 0 <= frame < len(frames):
         raise ValueError(f"frame must be in 0..{len(frames) - 1}; got {frame}")
     title, matrices, operator = frames[frame]
-    fig = Figure(figsize=(2.4 * len(matrices) + 1, 2.8), layout="constrained")
+    width = max(2.4 * len(matrices) + 1, 5.0)
+    fig = Figure(figsize=(width, 3.0), layout="constrained")
     axes = fig.subplots(1, len(matrices), squeeze=False)[0]
     for ax, (name, split, partial) in zip(axes, matrices, strict=True):
-        for r in range(tp):
-            if split == "cols":
-                box = (r / tp, 0, 1 / tp, 1)
-            elif split == "rows":
-                box = (0, 1 - (r + 1) / tp, 1, 1 / tp)
-            else:  # every rank holds all of it: thin stripes, one per rank
-                box = (0, 1 - (r + 1) / tp, 1, 1 / tp)
+        if split is None:  # every rank holds all of it: one full copy per rank, stacked
+            step = 0.18 / max(tp - 1, 1)
+            for r in reversed(range(tp)):
+                ax.add_patch(Rectangle((r * step, 0.18 - r * step), 0.82, 0.82,
+                                       facecolor=RANK_COLORS[r], linewidth=1.2,
+                                       hatch="//" if partial else None, edgecolor="white"))
+            ax.axis("off")
+        for r in range(tp if split else 0):
+            box = (r / tp, 0, 1 / tp, 1) if split == "cols" else (0, 1 - (r + 1) / tp, 1, 1 / tp)
             ax.add_patch(Rectangle(box[:2], box[2], box[3], facecolor=RANK_COLORS[r],
-                                   alpha=0.35 if split is None else 0.8,
-                                   hatch="//" if partial else None, edgecolor="white"))
+                                   alpha=0.8, hatch="//" if partial else None,
+                                   edgecolor="white"))
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
         ax.set_xticks([])
         ax.set_yticks([])
         held = {"cols": "split by columns", "rows": "split by rows",
-                None: "partial on every rank" if partial else "whole on every rank"}[split]
+                None: f"partial sum, {tp} copies" if partial else f"whole, {tp} copies"}[split]
         ax.set_title(f"{name}\n{held}", fontsize=8)
-    fig.suptitle(f"{kind}, {tp} ranks: {title}" + (f"   [{operator}]" if operator else ""),
-                 fontsize=9)
+    heading = f"{kind}, {tp} ranks: {title}" + (f"   [{operator}]" if operator else "")
+    fig.suptitle("\n".join(textwrap.wrap(heading, width=int(width * 13))), fontsize=9)
     return fig
 
 

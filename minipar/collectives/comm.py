@@ -16,7 +16,7 @@ from .. import trace
 
 OPS = ("sum", "avg", "max")
 ALL_REDUCE_ALGORITHMS = ("naive", "tree", "ring", "halving_doubling")
-ROOTED_ALGORITHMS = ("naive", "tree")
+ROOTED_ALGORITHMS = ("naive", "tree", "binary")
 SEGMENT_BYTES = 1 << 20  # ring segments: small enough to overlap, large enough to stream
 
 _meters: list[Meter] = []
@@ -202,7 +202,8 @@ def _check_tensor(tensor: torch.Tensor) -> None:
         raise ValueError("bool tensors are not supported; convert with .to(torch.uint8)")
 
 
-_CODES = {name: i for i, name in enumerate(OPS + ALL_REDUCE_ALGORITHMS + ("-",))}
+_CODES = {name: i for i, name in enumerate(
+    dict.fromkeys(OPS + ALL_REDUCE_ALGORITHMS + ROOTED_ALGORITHMS + ("-",)))}
 
 
 def _agree(comm: _Comm, tensor: torch.Tensor, op: str = "-", algorithm: str = "-",

@@ -1,5 +1,5 @@
 """Rooted collectives: broadcast and reduce as a star ("naive": the root talks to one
-rank at a time) or a binomial tree; scatter and gather."""
+rank at a time), a binomial tree ("tree") or a binary tree ("binary"); scatter and gather."""
 
 from __future__ import annotations
 
@@ -23,6 +23,19 @@ from .comm import (
 )
 
 
+def _binary_rounds(size: int) -> list[list[tuple[int, int]]]:
+    """A binary tree in heap order (rank r's children are 2r+1 and 2r+2, counted from the
+    root): one round per level, each a list of (parent, child) links."""
+    rounds, first, width = [], 0, 1
+    while True:
+        pairs = [(p, c) for p in range(first, min(first + width, size))
+                 for c in (2 * p + 1, 2 * p + 2) if c < size]
+        if not pairs:
+            return rounds
+        rounds.append(pairs)
+        first, width = first + width, 2 * width
+
+
 def _reduce_into(comm: _Comm, flat: torch.Tensor, dst: int, op: str, algorithm: str) -> None:
     """Reduce every rank's `flat` into `flat` on `dst` (other ranks' `flat` is scratch)."""
     size, me = comm.size, comm.rank
@@ -41,6 +54,16 @@ def _reduce_into(comm: _Comm, flat: torch.Tensor, dst: int, op: str, algorithm: 
                 comm.exchange("reduce")
         return
     relative = (me - dst) % size
+    if algorithm == "binary":  # leaves first: each parent adds its (up to) two children
+        pair = _scratch(flat, 2 * flat.numel()).view(2, -1)
+        for links in reversed(_binary_rounds(size)):
+            children = [c for p, c in links if p == relative]
+            parent = [p for p, c in links if c == relative]
+            comm.exchange("reduce", sends=[(flat, (q + dst) % size, None) for q in parent],
+                          recvs=[(pair[i], (c + dst) % size, None)
+                                 for i, c in enumerate(children)],
+                          on_arrival=_reduce_as_it_lands([flat, flat], list(pair), op))
+        return
     for i in range(math.ceil(math.log2(size))):  # binomial tree: ceil(log2 K) rounds
         m = 1 << i
         if relative % (2 * m) == m:
@@ -67,6 +90,14 @@ def _broadcast_from(comm: _Comm, flat: torch.Tensor, src: int, algorithm: str) -
                 comm.exchange("broadcast")
         return
     relative = (me - src) % size
+    if algorithm == "binary":  # root first: each holder sends to its (up to) two children
+        for links in _binary_rounds(size):
+            comm.exchange("broadcast",
+                          sends=[(flat, (c + src) % size, None) for p, c in links
+                                 if p == relative],
+                          recvs=[(flat, (p + src) % size, None) for p, c in links
+                                 if c == relative])
+        return
     for i in reversed(range(math.ceil(math.log2(size)))):
         m = 1 << i
         if relative % (2 * m) == 0 and relative + m < size:
@@ -81,8 +112,9 @@ def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "tree",
               group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Copy `src`'s tensor into every rank's tensor (in place; returns it).
 
-    "tree": a binomial tree, ceil(log2 K) rounds, each holder sends once per round.
-    "naive": the root sends to every other rank itself, K-1 rounds.
+    "tree": a binomial tree, ceil(log2 K) rounds, each holder sends once per round (the
+    root sends ceil(log2 K) times). "binary": a binary tree, floor(log2 K) rounds, no rank
+    sends more than twice whatever K is. "naive": the root sends to every rank itself.
     """
     _check_tensor(tensor)
     _check_algorithm(algorithm, ROOTED_ALGORITHMS)
@@ -100,7 +132,8 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", algorithm: str =
            group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Combine every rank's tensor into `dst`'s tensor (in place; others are left unchanged).
 
-    "tree": binomial tree, ceil(log2 K) rounds; "naive": `dst` receives from each rank
+    "tree": binomial tree, ceil(log2 K) rounds; "binary": binary tree, floor(log2 K)
+    rounds, no rank receives more than two tensors; "naive": `dst` receives from each rank
     in turn, K-1 rounds and (K-1) x N bytes into one node.
     """
     _check_tensor(tensor)

@@ -51,13 +51,23 @@ def check_topk_routing(top_k_routing: Callable) -> str:
     return f"top_k_routing: every (token, choice) right in {len(_ROUTING_CASES)} cases"
 
 
-def _call_dispatch(fn: Callable, experts_per_rank: int) -> tuple:
+_DISPATCH_ROWS = 24  # enough rows per destination that an unstable sort reorders them
+
+
+def _dispatch_experts(rank: int, world_size: int, experts_per_rank: int) -> torch.Tensor:
+    """Each rank's expert choices; rank 0 never picks the last rank's experts, so one rank
+    sends zero rows to one peer (send_counts must still have an entry for it)."""
+    gen = torch.Generator().manual_seed(50 + rank)
+    owners = world_size - 1 if rank == 0 and world_size > 1 else world_size
+    return torch.randint(0, experts_per_rank * owners, (_DISPATCH_ROWS,), generator=gen)
+
+
+def _call_dispatch(fn: Callable, experts_per_rank: int) -> torch.Tensor:
     me, k = runtime.rank(), runtime.world_size()
-    gen = torch.Generator().manual_seed(50 + me)
-    expert = torch.randint(0, experts_per_rank * k, (7,), generator=gen)
-    x = torch.arange(7, dtype=torch.float64)[:, None] + 100 * me + torch.zeros(7, 3)
-    got = fn(x, expert, experts_per_rank)
-    return got, expert
+    expert = _dispatch_experts(me, k, experts_per_rank)
+    x = torch.arange(_DISPATCH_ROWS, dtype=torch.float64)[:, None] + 100 * me + torch.zeros(
+        _DISPATCH_ROWS, 3)
+    return fn(x, expert, experts_per_rank)
 
 
 def check_dispatch(dispatch_to_owners: Callable, world_sizes: tuple[int, ...] = (2, 4)) -> str:
@@ -67,18 +77,22 @@ def check_dispatch(dispatch_to_owners: Callable, world_sizes: tuple[int, ...] = 
     refuse_library("dispatch_to_owners", dispatch_to_owners)
     for k in world_sizes:
         results = run_on_ranks("dispatch_to_owners", _call_dispatch, k, dispatch_to_owners, 2)
-        for dst, (got, _) in enumerate(results):
-            rows = []
-            for src, (_, expert) in enumerate(results):
-                for i, e in enumerate(expert.tolist()):
-                    if e // 2 == dst:
-                        rows.append(torch.full((3,), float(i + 100 * src), dtype=torch.float64))
-            want = torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64)
-            if got.shape != want.shape or not torch.equal(got, want):
-                ids = [int(v) for v in got[:, 0].tolist()] if got.dim() == 2 else got.tolist()
-                raise ExerciseError(
-                    f"dispatch_to_owners on {k} ranks: rank {dst} received rows "
-                    f"{ids} (value = 100 x source rank + row), expected "
-                    f"{[int(v) for v in want[:, 0].tolist()]}. Sort rows by destination rank "
-                    "(stably), and pass send_counts = rows per destination.")
+        for dst, got in enumerate(results):
+            rows = [i + 100 * src for src in range(k)
+                    for i, e in enumerate(_dispatch_experts(src, k, 2).tolist()) if e // 2 == dst]
+            want = torch.tensor(rows, dtype=torch.float64)[:, None].expand(-1, 3)
+            got = torch.as_tensor(got)
+            if got.shape == want.shape and torch.equal(got, want):
+                continue
+            ids = [int(v) for v in got[:, 0].tolist()] if got.dim() == 2 else got.tolist()
+            if sorted(ids) == rows:
+                why = ("the right rows in the wrong order. Rows with the same destination "
+                       "must keep their order: torch.argsort(owner) is not stable and may "
+                       "shuffle ties; use torch.argsort(owner, stable=True)")
+            else:
+                why = ("Sort rows by destination rank (stably), and pass send_counts = rows "
+                       "per destination")
+            raise ExerciseError(
+                f"dispatch_to_owners on {k} ranks: rank {dst} received rows {ids[:8]}... "
+                f"(value = 100 x source rank + row), expected {rows[:8]}...: {why}.")
     return f"dispatch_to_owners: every rank received exactly its rows on {world_sizes} ranks"

@@ -86,6 +86,7 @@ class ExpertParallelMoE(nn.Module):
         self.shared = copy.deepcopy(twin.shared) if twin.shared is not None else None
         self.last_routing: Routing | None = None
         self.tokens_received = 0
+        self.last_send_counts: list[int] = []  # token choices sent to each rank, last call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = global_routing(self.gate(x), self.k, self.capacity_factor, self.min_capacity,
@@ -101,6 +102,7 @@ class ExpertParallelMoE(nn.Module):
                                                                  owner))
         send_counts = torch.bincount(owner, minlength=world_size()).tolist()
         recv_counts = collectives.swap_counts(send_counts)  # rows arriving from each rank
+        self.last_send_counts = send_counts
         meta = torch.stack([expert % self.per_rank, slot], dim=1)
         recv_meta = collectives.all_to_all(meta, send_counts, recv_counts)
         with record("all_to_all", "dispatch", tokens=int(recv_meta.shape[0])):

@@ -55,34 +55,82 @@ def _stage_layers(k: int) -> list[torch.nn.Module]:
     return list(linear_stack(4, k, seed=21, dtype=torch.float64))
 
 
-def _stage_batch() -> torch.Tensor:
-    return torch.randn(3, 4, generator=torch.Generator().manual_seed(22), dtype=torch.float64)
+def _stage_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(22)
+    return (torch.randn(3, 4, generator=g, dtype=torch.float64),
+            torch.randn(3, 4, generator=g, dtype=torch.float64))
 
 
-def _call_stage(fn: Callable) -> list[float]:
-    me = runtime.rank()
-    module = _stage_layers(runtime.world_size())[me]
-    x = _stage_batch() if me == 0 else None
-    with torch.no_grad():
-        out = fn(module, x)
-    return out.reshape(-1).tolist()
+def _mse_to(target: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda out: torch.nn.functional.mse_loss(out, target)
 
 
-def check_stage_forward(stage_forward: Callable, world_size: int = 3) -> str:
-    """Run `stage_forward(module, x)` on real ranks: rank 0 gets the batch, the others None
-    and must receive their input (shape (3, 4), float64) from the rank before; each returns
-    its stage's output after sending it on. Every rank's output is checked."""
-    refuse_library("stage_forward", stage_forward)
-    got = run_on_ranks("stage_forward", _call_stage, world_size, stage_forward, timeout=15)
-    x = _stage_batch()
-    with torch.no_grad():
-        for r, layer in enumerate(_stage_layers(world_size)):
-            x = layer(x)
-            mine = torch.tensor(got[r], dtype=torch.float64)
-            if mine.shape != x.reshape(-1).shape or not torch.allclose(mine, x.reshape(-1)):
+def _call_stage_step(fn: Callable) -> tuple[list[float], list[list[float] | None]]:
+    me, k = runtime.rank(), runtime.world_size()
+    module = _stage_layers(k)[me]
+    x, target = _stage_batch()
+    out = fn(module, x if me == 0 else None, _mse_to(target) if me == k - 1 else None)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"stage_step returned {type(out).__name__}; return the stage's output")
+    grads = [None if p.grad is None else p.grad.reshape(-1).tolist()
+             for p in module.parameters()]
+    return out.detach().reshape(-1).tolist(), grads
+
+
+_NO_INPUT_GRAD = ("the input a rank receives is a plain tensor with no history, so after "
+                  "backward its .grad is None unless you call x.requires_grad_() before the "
+                  "forward")
+_STAGE_CRASHES = {
+    "NoneType": "used None where a tensor was expected. If it was x.grad: " + _NO_INPUT_GRAD + ".",
+    "implicitly created only for scalar outputs": (
+        "called backward() on its output, which is not a scalar; only the last rank has a "
+        "loss. Other ranks receive the output's gradient from rank + 1 and call "
+        "out.backward(grad)."),
+}
+_DEADLOCK = ("Each rank's step is: receive the input (rank > 0), forward, then the last rank "
+             "calls loss.backward() while every other rank receives the output's gradient "
+             "from rank + 1 and calls out.backward(grad); finally every rank > 0 sends x.grad "
+             "to rank - 1. A rank that never sends the gradient leaves rank - 1 waiting.")
+
+
+def check_stage_step(stage_step: Callable, world_size: int = 3) -> str:
+    """Run `stage_step(module, x, loss_fn)` on real ranks: one micro-batch forward through
+    every stage and its gradient back. Rank 0 gets the batch, the last rank the loss
+    function, the others None. Every rank's output and its module's gradients must equal
+    one process running the whole model."""
+    refuse_library("stage_step", stage_step)
+    got = run_on_ranks("stage_step", _call_stage_step, world_size, stage_step, timeout=15,
+                       crash_hints=_STAGE_CRASHES, deadlock_hint=_DEADLOCK)
+    model = torch.nn.Sequential(*_stage_layers(world_size))
+    x, target = _stage_batch()
+    outs = []
+    for layer in model:
+        x = layer(x)
+        outs.append(x)
+    _mse_to(target)(x).backward()
+    for r, layer in enumerate(model):
+        mine = torch.tensor(got[r][0], dtype=torch.float64)
+        if mine.shape != outs[r].reshape(-1).shape or not torch.allclose(
+                mine, outs[r].detach().reshape(-1)):
+            raise ExerciseError(
+                f"stage_step: rank {r} returned {got[r][0][:3]}..., expected "
+                f"{outs[r].reshape(-1)[:3].tolist()}... (stage {r}'s output). "
+                + ("Rank 0 computes on the batch it is given." if r == 0 else
+                   f"Rank {r} must receive rank {r - 1}'s output, then apply its module."))
+    for r, layer in enumerate(model):
+        for p, grad in zip(layer.parameters(), got[r][1], strict=True):
+            if grad is None:
                 raise ExerciseError(
-                    f"stage_forward: rank {r} returned {got[r][:3]}..., expected "
-                    f"{x.reshape(-1)[:3].tolist()}... (stage {r}'s output). "
-                    + ("Rank 0 computes on the batch it is given." if r == 0 else
-                       f"Rank {r} must receive rank {r - 1}'s output, then apply its module."))
-    return f"stage_forward: every stage's output right on {world_size} ranks"
+                    f"stage_step: rank {r}'s module has no gradient. "
+                    + ("The last rank calls loss_fn(out).backward()." if r == world_size - 1
+                       else f"Rank {r} receives d loss / d output from rank {r + 1} and "
+                            "calls out.backward(grad)."))
+            if not torch.allclose(torch.tensor(grad, dtype=torch.float64), p.grad.reshape(-1)):
+                raise ExerciseError(
+                    f"stage_step: rank {r}'s gradients differ from one process's. "
+                    + ("The last rank calls loss_fn(out).backward() on its own output."
+                       if r == world_size - 1 else
+                       f"Rank {r} backpropagates the gradient rank {r + 1} sent, which must be "
+                       f"the gradient of rank {r + 1}'s input (x.grad), not of its output."))
+    return (f"stage_step: every stage's output and gradients equal one process on "
+            f"{world_size} ranks")

@@ -85,7 +85,13 @@ def check_row_parallel_linear(row_parallel_linear: Callable,
                       ("weight_local", gw, twin.weight.grad.chunk(k, dim=1)[r]),
                       ("bias", gb, twin.bias.grad))
             for name, mine, want in checks:
-                if mine is None or not torch.allclose(mine, want):
+                if mine is None:
+                    raise ExerciseError(
+                        f"{where}: no gradient reached {name}. A collective called outside "
+                        "autograd (dist.all_reduce into a detached buffer, for instance) returns "
+                        "a tensor with no history, so backward stops there: wrap it in an "
+                        "autograd Function (g: all-reduce forward, identity backward).")
+                if not torch.allclose(mine, want):
                     raise ExerciseError(f"{where}: the gradient of {name} is wrong. Use an "
                                         "operator whose backward passes the gradient through "
                                         "unchanged (g), so autograd does the rest.")
