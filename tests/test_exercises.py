@@ -15,7 +15,11 @@ from minipar import collectives
 from minipar.__main__ import main as cli
 from minipar.basics.exercises import check_global_mean_loss
 from minipar.collectives.exercises import check_ring_all_reduce, check_tree_broadcast
-from minipar.data_parallel.exercises import check_bucketing, check_gradient_hook
+from minipar.data_parallel.exercises import (
+    check_bucketing,
+    check_error_feedback,
+    check_gradient_hook,
+)
 from minipar.grading import ExerciseError
 from minipar.lessons import BEGIN, END, strip_solutions
 from minipar.moe import route
@@ -302,6 +306,28 @@ def dispatch_with_short_counts(x, expert, experts_per_rank):
     return collectives.all_to_all(x[order], torch.bincount(owner).tolist())
 
 
+def _topk(corrected, k, by=torch.abs):
+    keep = by(corrected).topk(k).indices
+    sent = torch.zeros_like(corrected)
+    sent[keep] = corrected[keep]
+    return sent
+
+
+def feedback_without_residual(grad, residual, k):
+    sent = _topk(grad, k)
+    return sent, grad + residual - sent
+
+
+def feedback_with_residual_from_grad(grad, residual, k):
+    sent = _topk(grad + residual, k)
+    return sent, grad - sent
+
+
+def feedback_by_value(grad, residual, k):
+    sent = _topk(grad + residual, k, by=lambda t: t)
+    return sent, grad + residual - sent
+
+
 @pytest.mark.parametrize("check, fn, words", [
     (check_ring_all_reduce, ring_without_adding,
      "rank 0, step 1: sent chunk .* in the all-gather phase"),
@@ -330,6 +356,10 @@ def dispatch_with_short_counts(x, expert, experts_per_rank):
     (check_dispatch, dispatch_with_unstable_sort, "wrong order.*stable=True"),
     (check_dispatch, dispatch_with_short_counts,
      "rank 0 raised ValueError: send_counts must be 2 non-negative ints.*\n  in your code: "),
+    (check_error_feedback, feedback_without_residual, "rank 0, step 1: .*add the residual"),
+    (check_error_feedback, feedback_with_residual_from_grad,
+     "rank 0, step 1: the residual is wrong. It is what the corrected"),
+    (check_error_feedback, feedback_by_value, "rank 0, step 0: .*largest magnitudes"),
     (check_row_parallel_linear, row_with_untracked_all_reduce,
      "no gradient reached x_local.*outside autograd"),
 ], ids=lambda v: getattr(v, "__name__", None))

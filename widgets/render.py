@@ -1,5 +1,6 @@
 """Pure renderers of the widgets' own pictures: the speedup lab's curves, the pipeline
-explorer's schedule with activations held over time, and schedules side by side. A Timeline's Gantt chart and
+explorer's schedule with activations held over time, schedules side by side, and an
+all-to-all's traffic matrix. A Timeline's Gantt chart and
 summary bars come from `minipar.plots`, which the library itself uses too.
 """
 

@@ -1,4 +1,5 @@
-"""Lesson 02's exercise checks: a gradient-averaging hook and bucketed all-reduce."""
+"""Exercise checks of lesson 02 (a gradient-averaging hook, bucketed all-reduce) and of
+lesson 10 (top-k compression with error feedback)."""
 
 from __future__ import annotations
 
@@ -122,3 +123,85 @@ def check_bucketing(bucketed_all_reduce: Callable, world_size: int = 2) -> str:
                 + why)
     return (f"bucketed_all_reduce: right values and one all-reduce per bucket in {len(cases)} "
             "layouts")
+
+
+_FEEDBACK_STEPS, _FEEDBACK_SIZE, _FEEDBACK_K = 6, 20, 3
+
+
+def _feedback_gradient(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(_FEEDBACK_SIZE, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(1000 * rank + step))
+
+
+def _topk_reference(grad: torch.Tensor, residual: torch.Tensor, k: int) -> tuple:
+    corrected = grad + residual
+    keep = corrected.abs().topk(k).indices
+    sent = torch.zeros_like(corrected).index_put_((keep,), corrected[keep])
+    return sent, corrected - sent
+
+
+def _run_feedback(fn: Callable) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Each step: compress this rank's gradient, average what was sent over the ranks (the
+    update every rank applies). Returns each step's (sent, residual) and the applied sum."""
+    residual = torch.zeros(_FEEDBACK_SIZE, dtype=torch.float64)
+    applied = torch.zeros(_FEEDBACK_SIZE, dtype=torch.float64)
+    steps = []
+    for step in range(_FEEDBACK_STEPS):
+        grad = _feedback_gradient(runtime.rank(), step)
+        sent, residual = fn(grad.clone(), residual.clone(), _FEEDBACK_K)
+        sent, residual = torch.as_tensor(sent), torch.as_tensor(residual)
+        if sent.shape != grad.shape or residual.shape != grad.shape:
+            raise ValueError(f"step {step}: return two tensors shaped like the gradient "
+                             f"{tuple(grad.shape)}; got {tuple(sent.shape)} and "
+                             f"{tuple(residual.shape)}")
+        applied += collectives.all_reduce(sent.to(torch.float64).clone(), op="avg")
+        steps.append((sent.to(torch.float64), residual.to(torch.float64)))
+    return steps, applied
+
+
+def check_error_feedback(topk_with_error_feedback: Callable, world_size: int = 2) -> str:
+    """Run `topk_with_error_feedback(grad, residual, k) -> (sent, residual)` for a few steps
+    on real ranks. Each step must send the k largest-magnitude entries of grad + residual
+    (zeros elsewhere) and keep the rest as the next residual, so that over the run the
+    applied averages plus the mean residual add up to the mean gradients: nothing is lost."""
+    refuse_library("topk_with_error_feedback", topk_with_error_feedback)
+    got = run_on_ranks("topk_with_error_feedback", _run_feedback, world_size,
+                       topk_with_error_feedback)
+    for r, (steps, _) in enumerate(got):
+        residual = torch.zeros(_FEEDBACK_SIZE, dtype=torch.float64)
+        for step, (sent, their_residual) in enumerate(steps):
+            grad = _feedback_gradient(r, step)
+            want_sent, want_residual = _topk_reference(grad, residual, _FEEDBACK_K)
+            where = f"topk_with_error_feedback: rank {r}, step {step}"
+            if int((sent != 0).sum()) > _FEEDBACK_K:
+                raise ExerciseError(f"{where}: sent {int((sent != 0).sum())} nonzero entries; "
+                                    f"keep only the k = {_FEEDBACK_K} largest, zeros elsewhere")
+            if not torch.allclose(sent, want_sent):
+                alone, _ = _topk_reference(grad, torch.zeros_like(grad), _FEEDBACK_K)
+                by_value = torch.zeros_like(grad)
+                corrected = grad + residual
+                top = corrected.topk(_FEEDBACK_K).indices
+                by_value[top] = corrected[top]
+                why = ("you compressed this step's gradient alone: add the residual first "
+                       "(corrected = grad + residual), or what was dropped is lost for good"
+                       if step > 0 and torch.allclose(sent, alone) else
+                       "that keeps the largest values; keep the largest magnitudes "
+                       "(corrected.abs().topk(k)), negative entries matter as much"
+                       if torch.allclose(sent, by_value) else
+                       "send the k largest-magnitude entries of grad + residual, zeros elsewhere")
+                raise ExerciseError(f"{where}: sent the wrong entries: {why}")
+            if not torch.allclose(their_residual, want_residual):
+                why = (" It is what the corrected gradient lost (grad + residual - sent), "
+                       "not grad - sent." if torch.allclose(their_residual, grad - sent) else
+                       " It is grad + residual - sent.")
+                raise ExerciseError(f"{where}: the residual is wrong.{why}")
+            residual = want_residual
+    gradients = sum(_feedback_gradient(r, s) for r in range(world_size)
+                    for s in range(_FEEDBACK_STEPS)) / world_size
+    mean_residual = sum(steps[-1][1] for steps, _ in got) / world_size
+    for r, (_, applied) in enumerate(got):
+        if not torch.allclose(applied + mean_residual, gradients):
+            raise ExerciseError(f"topk_with_error_feedback: on rank {r} the applied updates plus "
+                                "the mean residual differ from the mean gradients")
+    return (f"topk_with_error_feedback: right on {world_size} ranks for {_FEEDBACK_STEPS} steps; "
+            "applied + mean residual = mean gradients, nothing lost")

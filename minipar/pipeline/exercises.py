@@ -108,7 +108,7 @@ def check_stage_step(stage_step: Callable, world_size: int = 3) -> str:
         x = layer(x)
         outs.append(x)
     _mse_to(target)(x).backward()
-    for r, layer in enumerate(model):
+    for r in range(world_size):
         mine = torch.tensor(got[r][0], dtype=torch.float64)
         if mine.shape != outs[r].reshape(-1).shape or not torch.allclose(
                 mine, outs[r].detach().reshape(-1)):
