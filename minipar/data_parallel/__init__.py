@@ -3,6 +3,10 @@
 - `ddp.py`: all-reduce data parallelism from scratch (`DataParallel`: per parameter or
   in buckets, overlapped with backward), the sharding and loss-scaling convention
   (`shard`, `shard_weight`) and the single-process reference (`single_process_sgd`);
+- `zero.py`: ZeRO stages 1 and 2 (`ZeroDataParallel`: optimizer state, then gradients,
+  sharded over the ranks on a padded flat view, `FlatShard`);
+- `fsdp.py`: ZeRO stage 3 / FSDP (`FullyShardedDataParallel`: parameters sharded too,
+  gathered one unit at a time for forward and again for backward);
 - `parameter_server.py`: server ranks hold the weights, workers push gradients;
 - `relaxed.py`: local SGD, CO2-style overlapped averaging, Hogwild!;
 - `compression.py`: top-k, int8, PowerSGD and per-layer levels, with error feedback;
@@ -12,5 +16,8 @@
 """
 
 from .ddp import FIRST_BUCKET_BYTES, DataParallel, shard, shard_weight, single_process_sgd
+from .fsdp import FullyShardedDataParallel
+from .zero import FlatShard, ZeroDataParallel
 
-__all__ = ["FIRST_BUCKET_BYTES", "DataParallel", "shard", "shard_weight", "single_process_sgd"]
+__all__ = ["FIRST_BUCKET_BYTES", "DataParallel", "FlatShard", "FullyShardedDataParallel",
+           "ZeroDataParallel", "shard", "shard_weight", "single_process_sgd"]

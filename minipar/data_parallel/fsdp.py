@@ -1,0 +1,132 @@
+"""ZeRO stage 3 / FSDP: the parameters are sharded too (Rajbhandari et al. 2020; Zhao et
+al. 2023, PyTorch FSDP).
+
+The model is cut into units (by default its top-level children: the layers or blocks).
+Each unit's parameters live as one flat vector of which rank r keeps slice r; the full
+parameters exist only while the unit computes:
+
+    forward:  all-gather the unit -> compute -> free the full parameters
+    backward: all-gather the unit again -> compute -> reduce-scatter its gradients -> free
+
+so a rank holds its 1/K of everything plus one or two units in full. The price is a
+third collective: two all-gathers and a reduce-scatter of the parameters per step, 1.5x
+what data parallelism or ZeRO-1/2 send. Parameters outside every unit, or shared by two
+units (tied weights), form the root unit, gathered for the whole step. Frozen parameters
+(requires_grad=False) are not sharded: every rank keeps them whole.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from .zero import FlatShard, OptimizerFactory, trainable_parameters
+
+
+def default_units(module: nn.Module) -> list[nn.Module]:
+    """The top-level children that hold parameters: one unit per layer or block."""
+    return [child for child in module.children() if any(True for _ in child.parameters())]
+
+
+class _Unit:
+    """One sharded unit: its FlatShard, whether its parameters are gathered, and how many
+    of its gradients backward has still to produce."""
+
+    def __init__(self, shard: FlatShard) -> None:
+        self.shard = shard
+        self.gathered = False
+        self.waiting = len(shard.params)
+        self.sent = False
+
+    def gather(self) -> None:
+        if not self.gathered:
+            for p, value in zip(self.shard.params, self.shard.pieces(self.shard.gather()),
+                                strict=True):
+                p.data = value  # autograd keeps these Parameter objects; only data moves
+            self.gathered = True
+
+    def free(self) -> None:
+        for p in self.shard.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.gathered = False
+
+    def send_gradients(self) -> None:
+        self.shard.reduce_scatter_gradients(p.grad for p in self.shard.params)  # adds up
+        for p in self.shard.params:
+            p.grad = None
+        self.sent, self.waiting = True, len(self.shard.params)  # ready for another backward
+
+
+class FullyShardedDataParallel:
+    """Train `module` with its parameters, gradients and optimizer state sharded over all
+    ranks (ZeRO-3). Use it like the module: `fsdp(x)`, `loss.backward()`, `fsdp.step()`.
+    `units` are the modules gathered one at a time (default: `default_units(module)`);
+    each must run once per forward. `optimizer` builds the optimizer from this rank's
+    slices. `gather_parameters()` makes every parameter whole again (to read or save)."""
+
+    def __init__(self, module: nn.Module, optimizer: OptimizerFactory,
+                 units: Iterable[nn.Module] | None = None) -> None:
+        if not trainable_parameters(module):
+            raise ValueError("module has no parameter with requires_grad=True to train")
+        units = default_units(module) if units is None else list(units)
+        owners = Counter(id(p) for u in units for p in trainable_parameters(u))
+        assigned: set[int] = set()
+        self.module, self.units = module, []
+        for unit_module in units:
+            own = [p for p in trainable_parameters(unit_module)
+                   if owners[id(p)] == 1 and id(p) not in assigned]
+            assigned |= {id(p) for p in own}
+            if own:
+                unit = _Unit(FlatShard(own))
+                self.units.append(unit)
+                unit_module.register_forward_pre_hook(lambda _m, _a, u=unit: u.gather())
+                unit_module.register_forward_hook(
+                    lambda _m, _a, out, u=unit: self._after_forward(u, out))
+        rest = [p for p in trainable_parameters(module) if id(p) not in assigned]
+        self.root = _Unit(FlatShard(rest)) if rest else None
+        if self.root is not None:
+            module.register_forward_pre_hook(lambda _m, _a: self.root.gather())
+        for unit in self._all_units():
+            unit.free()
+            for p in unit.shard.params:
+                p.register_post_accumulate_grad_hook(lambda _p, u=unit: self._arrived(u))
+        self.optimizer = optimizer([u.shard.master for u in self._all_units()])
+
+    def _all_units(self) -> list[_Unit]:
+        return self.units + ([self.root] if self.root is not None else [])
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _after_forward(self, unit: _Unit, output: object) -> None:
+        """Free the unit; if backward will come through it, gather it again just before."""
+        unit.free()
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        for t in outputs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda _grad, u=unit: u.gather())
+
+    def _arrived(self, unit: _Unit) -> None:
+        unit.waiting -= 1
+        if unit.waiting == 0:
+            unit.send_gradients()
+            unit.free()
+
+    def step(self) -> None:
+        """Finish the gradient exchange (units that got no gradient send zeros) and update
+        this rank's slices; the next forward gathers the new parameters."""
+        for unit in self._all_units():
+            if not unit.sent or any(p.grad is not None for p in unit.shard.params):
+                unit.send_gradients()
+            unit.free()
+            unit.sent, unit.waiting = False, len(unit.shard.params)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def gather_parameters(self) -> None:
+        """Every parameter whole on every rank (a collective: call it on all ranks)."""
+        for unit in self._all_units():
+            unit.gather()

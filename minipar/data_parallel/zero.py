@@ -1,0 +1,164 @@
+"""ZeRO stages 1 and 2: data parallelism that shards what every rank would otherwise keep
+a copy of (Rajbhandari et al. 2020).
+
+Plain data parallelism keeps on every rank the parameters, the gradients and the
+optimizer state (Adam's two moments, and fp32 master weights in mixed precision): 16
+bytes per parameter, K times over. ZeRO splits a flat view of the parameters into K
+slices and gives rank r slice r:
+
+- stage 1 shards the optimizer state: after backward the ranks reduce-scatter the
+  gradients (rank r receives the average of slice r), each rank updates only its slice
+  with its own optimizer, and an all-gather brings every rank the updated parameters;
+- stage 2 also shards the gradients: each bucket of gradients is reduce-scattered as
+  soon as backward has produced it, and the full gradients are freed at once.
+
+A reduce-scatter plus an all-gather move exactly what a ring all-reduce moves, so both
+stages cost data parallelism's 2(K-1)/K x parameters per rank and step. Stage 3 (the
+parameters too) is `fsdp.py`. Loss scaling follows `ddp.py`: gradients are averaged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from .. import collectives
+from ..runtime import rank, world_size
+
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters an optimizer updates: requires_grad, each shared (tied) one once."""
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+class FlatShard:
+    """Some parameters seen as one flat vector, padded with zeros to a multiple of K and cut
+    into K equal slices; this rank keeps slice `rank` as `master`, the tensor its optimizer
+    updates (float32 or better: the master weights of mixed precision)."""
+
+    def __init__(self, params: list[nn.Parameter], master_dtype: torch.dtype | None = None
+                 ) -> None:
+        if not params:
+            raise ValueError("a FlatShard needs at least one parameter")
+        self.params = params
+        self.shapes = [p.shape for p in params]  # kept: stage 3 empties the parameters
+        self.numel = sum(p.numel() for p in params)
+        self.world, self.rank = world_size(), rank()
+        self.slice = math.ceil(self.numel / self.world)  # padded length / K
+        full = self.flatten([p.detach() for p in params])
+        mine = full[self.rank * self.slice:(self.rank + 1) * self.slice]
+        self.master = nn.Parameter(mine.to(master_dtype or mine.dtype).clone())
+
+    def flatten(self, tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
+        """One padded flat vector (None counts as zeros: a parameter that got no gradient)."""
+        like = self.params[0]
+        pieces = [torch.zeros(shape.numel(), dtype=like.dtype, device=like.device)
+                  if t is None else t.reshape(-1).to(like.dtype)
+                  for shape, t in zip(self.shapes, tensors, strict=True)]
+        pad = self.slice * self.world - self.numel
+        if pad:
+            pieces.append(torch.zeros(pad, dtype=like.dtype, device=like.device))
+        return torch.cat(pieces)
+
+    def pieces(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """`flat` (padded) cut back into tensors shaped like the parameters."""
+        out, start = [], 0
+        for shape in self.shapes:
+            out.append(flat[start:start + shape.numel()].view(shape))
+            start += shape.numel()
+        return out
+
+    def reduce_scatter_gradients(self, grads: Iterable[torch.Tensor | None]) -> None:
+        """Average the gradients over ranks; keep only this rank's slice, in master.grad."""
+        mine = collectives.reduce_scatter(self.flatten(grads), op="avg").to(self.master.dtype)
+        self.master.grad = mine if self.master.grad is None else self.master.grad + mine
+
+    def gather(self) -> torch.Tensor:
+        """All ranks' updated slices, concatenated: the full flat parameters (padded)."""
+        return collectives.all_gather(self.master.detach().to(self.params[0].dtype))
+
+
+def bucket_parameters(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Consecutive groups of at most `bucket_bytes` (a larger parameter gets its own)."""
+    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive int; got {bucket_bytes!r}")
+    buckets: list[list[nn.Parameter]] = []
+    used = 0
+    for p in params:
+        size = p.numel() * p.element_size()
+        if not buckets or used + size > bucket_bytes:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(p)
+        used += size
+    return buckets
+
+
+class ZeroDataParallel:
+    """Train `module` with ZeRO stage 1 or 2 over all ranks.
+
+    Call `loss.backward()` as usual, then `step()`: it reduce-scatters what backward has not
+    already sent (stage 1: everything), steps this rank's optimizer on its slices and
+    all-gathers the parameters. `optimizer` builds the optimizer from a list of parameters
+    (e.g. `lambda ps: torch.optim.Adam(ps, lr=1e-3)`); it only ever sees this rank's slices,
+    so its state is 1/K of data parallelism's. Every rank must start from the same weights.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: OptimizerFactory, stage: int = 1,
+                 bucket_bytes: int = 1 << 20) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2 (stage 3 is FullyShardedDataParallel); "
+                             f"got {stage!r}")
+        params = trainable_parameters(module)
+        if not params:
+            raise ValueError("module has no parameter with requires_grad=True to train")
+        self.module, self.stage = module, stage
+        # backward produces gradients from the last layer to the first: bucket in that order
+        self.shards = [FlatShard(b) for b in bucket_parameters(params[::-1], bucket_bytes)]
+        self.optimizer = optimizer([s.master for s in self.shards])
+        self._sent = [False] * len(self.shards)
+        self._waiting = [len(s.params) for s in self.shards]
+        if stage == 2:
+            for i, shard in enumerate(self.shards):
+                for p in shard.params:
+                    p.register_post_accumulate_grad_hook(lambda _p, i=i: self._arrived(i))
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _arrived(self, i: int) -> None:
+        """Stage 2: one more gradient of bucket i is complete; when all are, send it now."""
+        self._waiting[i] -= 1
+        if self._waiting[i] == 0:
+            self._send(i)
+
+    def _send(self, i: int) -> None:
+        shard = self.shards[i]
+        shard.reduce_scatter_gradients(p.grad for p in shard.params)  # adds to master.grad
+        for p in shard.params:
+            p.grad = None  # only this rank's slice of the gradient survives
+        self._sent[i], self._waiting[i] = True, len(shard.params)  # ready for another backward
+
+    def step(self) -> None:
+        """Finish the gradient exchange, update this rank's slices, gather the parameters."""
+        for i, shard in enumerate(self.shards):
+            if not self._sent[i] or any(p.grad is not None for p in shard.params):
+                self._send(i)  # stage 1, or gradients a backward left behind
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for shard in self.shards:
+                for p, value in zip(shard.params, shard.pieces(shard.gather()), strict=True):
+                    p.copy_(value)
+        self._sent = [False] * len(self.shards)
+        self._waiting = [len(s.params) for s in self.shards]  # a partial count starts over
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (moments and the like)."""
+        return sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
+                   for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
