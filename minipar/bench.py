@@ -14,6 +14,7 @@ from pathlib import Path
 BENCHMARKS = {"launch": "minipar.runtime.bench",
               "collectives": "minipar.collectives.bench",
               "data-parallel": "minipar.data_parallel.bench",
+              "zero": "minipar.data_parallel.zero_bench",
               "pipeline": "minipar.pipeline.bench",
               "tensor-parallel": "minipar.tensor_parallel.bench",
               "moe": "minipar.moe.bench"}

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 SECONDS_PER_YEAR = 365.25 * 24 * 3600
 GB = 1e9  # decimal gigabytes, as accelerator data sheets count them
 
-DTYPE_BYTES = {"fp32": 4.0, "tf32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0,
+DTYPE_BYTES = {"fp64": 8.0, "fp32": 4.0, "tf32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0,
                "int4": 0.5}
 # Extra values an optimizer keeps per parameter (momentum, Adam's first and second moment).
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
@@ -115,6 +115,21 @@ def training_memory(params: float, weights: str = "bf16", grads: str = "bf16",
         raise ValueError(f"activations must be >= 0 bytes; got {activations!r}")
     return MemoryBreakdown(params, params * DTYPE_BYTES[weights], params * DTYPE_BYTES[grads],
                            params * optimizer_bytes, activations)
+
+
+def zero_memory(full: MemoryBreakdown, stage: int, world_size: int) -> MemoryBreakdown:
+    """Per-rank memory of data parallelism on `world_size` ranks under ZeRO `stage`
+    (Rajbhandari et al. 2020): stage 1 divides the optimizer state by K, stage 2 the
+    gradients too, stage 3 the weights too; stage 0 is plain data parallelism. Activations
+    are each rank's own and stay as given."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0 (plain data parallelism), 1, 2 or 3; got {stage!r}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int; got {world_size!r}")
+    k = world_size
+    return MemoryBreakdown(full.params, full.weights / (k if stage >= 3 else 1),
+                           full.gradients / (k if stage >= 2 else 1),
+                           full.optimizer / (k if stage >= 1 else 1), full.activations)
 
 
 def largest_model(memory_bytes: float, bytes_per_param: float) -> float:

@@ -192,3 +192,45 @@ def test_matches_torchs_own(stage, kind, cluster2):
     for (_, mine), reference in zip(ours, theirs, strict=True):
         for a, b in zip(mine, reference, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def _measured_after_backward(stage):
+    from minipar.data_parallel import DataParallel
+    from minipar.data_parallel.memory import MemoryTracker
+
+    model = plain_model()
+    if stage == 0:
+        wrapped = DataParallel(model)
+        opt = adam(model.parameters())
+        masters = []
+    else:
+        wrapped = FullyShardedDataParallel(model, adam) if stage == 3 else \
+            ZeroDataParallel(model, adam, stage=stage)
+        opt = wrapped.optimizer
+        shards = [u.shard for u in wrapped.units] if stage == 3 else wrapped.shards
+        masters = [s.master for s in shards]
+    tracker = MemoryTracker(model, opt, masters)
+    x = torch.randn(8, 2, dtype=torch.float64)
+    for _ in range(2):  # the second step finds the optimizer state in place
+        with tracker.watch():
+            wrapped(shard(x)).pow(2).mean().backward()
+        after_backward = tracker.sample("after backward")
+        opt.step() if stage == 0 else wrapped.step()
+        opt.zero_grad(set_to_none=True)
+    forward = [s for s in tracker.samples if s.label.startswith("forward")]
+    return after_backward, max(s.activations for s in forward)
+
+
+def test_memory_measured_is_zero_formula(cluster4):
+    from minipar import cost
+
+    params = sum(p.numel() for p in plain_model().parameters())
+    full = cost.training_memory(params, weights="fp64", grads="fp64", optimizer="adam",
+                                optimizer_dtype="fp64")
+    for stage in (0, 1, 2, 3):
+        got, activations = cluster4.run(_measured_after_backward, stage)[1]
+        want = cost.zero_memory(full, stage, 4)
+        for kind, formula in (("parameters", want.weights), ("gradients", want.gradients),
+                              ("optimizer", want.optimizer)):
+            assert getattr(got, kind) == pytest.approx(formula, rel=0.1), (stage, kind)
+        assert got.activations == 0 and activations > 0  # saved in forward, freed by backward

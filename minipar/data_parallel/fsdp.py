@@ -80,13 +80,13 @@ class FullyShardedDataParallel:
                    if owners[id(p)] == 1 and id(p) not in assigned]
             assigned |= {id(p) for p in own}
             if own:
-                unit = _Unit(FlatShard(own))
+                unit = _Unit(FlatShard(own, keep_full=False))
                 self.units.append(unit)
                 unit_module.register_forward_pre_hook(lambda _m, _a, u=unit: u.gather())
                 unit_module.register_forward_hook(
                     lambda _m, _a, out, u=unit: self._after_forward(u, out))
         rest = [p for p in trainable_parameters(module) if id(p) not in assigned]
-        self.root = _Unit(FlatShard(rest)) if rest else None
+        self.root = _Unit(FlatShard(rest, keep_full=False)) if rest else None
         if self.root is not None:
             module.register_forward_pre_hook(lambda _m, _a: self.root.gather())
         for unit in self._all_units():

@@ -39,12 +39,20 @@ def trainable_parameters(module: nn.Module) -> list[nn.Parameter]:
 class FlatShard:
     """Some parameters seen as one flat vector, padded with zeros to a multiple of K and cut
     into K equal slices; this rank keeps slice `rank` as `master`, the tensor its optimizer
-    updates (float32 or better: the master weights of mixed precision)."""
+    updates.
 
-    def __init__(self, params: list[nn.Parameter], master_dtype: torch.dtype | None = None
-                 ) -> None:
+    With `keep_full` (stages 1 and 2) the parameters become views into one flat buffer
+    (`flat`) and `master` is a view of this rank's slice of it: the optimizer updates the
+    parameters in place and nothing is stored twice. Without it (stage 3) `master` is the
+    only copy this rank keeps, and the full parameters are gathered when needed.
+    """
+
+    def __init__(self, params: list[nn.Parameter], keep_full: bool = True) -> None:
         if not params:
             raise ValueError("a FlatShard needs at least one parameter")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"parameters sharded together must share one dtype; got {dtypes}")
         self.params = params
         self.shapes = [p.shape for p in params]  # kept: stage 3 empties the parameters
         self.numel = sum(p.numel() for p in params)
@@ -52,7 +60,14 @@ class FlatShard:
         self.slice = math.ceil(self.numel / self.world)  # padded length / K
         full = self.flatten([p.detach() for p in params])
         mine = full[self.rank * self.slice:(self.rank + 1) * self.slice]
-        self.master = nn.Parameter(mine.to(master_dtype or mine.dtype).clone())
+        self.flat: torch.Tensor | None = None
+        if keep_full:
+            self.flat = full
+            for p, piece in zip(params, self.pieces(full), strict=True):
+                p.data = piece
+            self.master = nn.Parameter(mine)  # a view: shares the flat buffer's memory
+        else:
+            self.master = nn.Parameter(mine.clone())  # the full buffer can go
 
     def flatten(self, tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
         """One padded flat vector (None counts as zeros: a parameter that got no gradient)."""
@@ -80,7 +95,7 @@ class FlatShard:
 
     def gather(self) -> torch.Tensor:
         """All ranks' updated slices, concatenated: the full flat parameters (padded)."""
-        return collectives.all_gather(self.master.detach().to(self.params[0].dtype))
+        return collectives.all_gather(self.master.detach())
 
 
 def bucket_parameters(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
@@ -153,8 +168,7 @@ class ZeroDataParallel:
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for shard in self.shards:
-                for p, value in zip(shard.params, shard.pieces(shard.gather()), strict=True):
-                    p.copy_(value)
+                shard.flat.copy_(shard.gather())  # the parameters are views of flat
         self._sent = [False] * len(self.shards)
         self._waiting = [len(s.params) for s in self.shards]  # a partial count starts over
 

@@ -1,0 +1,136 @@
+"""What a training step holds in memory on this rank, measured by kind (parameters,
+gradients, optimizer state, activations), to hold beside ZeRO's formula
+(`cost.zero_memory`).
+
+Bytes are counted per storage, each storage once: a parameter that is a view into a flat
+buffer counts the buffer, a master shard that shares it counts nothing more. Activations
+are what autograd saves for backward (inputs of each layer, outputs of its nonlinearity),
+tracked from the moment a tensor is saved until the graph lets it go; parameters saved by
+autograd are counted as parameters, not twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+KINDS = ("parameters", "gradients", "optimizer", "activations")
+
+
+@dataclass
+class MemorySample:
+    """Bytes this rank held, by kind, at one point of a step."""
+
+    label: str
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + self.activations
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    if isinstance(t, DTensor):  # torch's FSDP2 shards: count this rank's local piece
+        t = t.to_local()
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def _count(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        ptr, nbytes = _storage(t)
+        if ptr not in seen and nbytes:
+            seen.add(ptr)
+            total += nbytes
+    return total
+
+
+class MemoryTracker:
+    """Samples what `module` (and its sharded `masters`, and `optimizer`) hold on this rank.
+
+    Inside `watch()` it samples after every top-level child's forward and after every
+    parameter's gradient is accumulated, so `samples` draws the curve of one step; call
+    `sample(label)` for any other point (after `step()`, say)."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 masters: Iterable[nn.Parameter] = ()) -> None:
+        self.module, self.optimizer, self.masters = module, optimizer, list(masters)
+        self.samples: list[MemorySample] = []
+        self._saved: dict[int, list[int]] = {}  # storage -> [bytes, references]
+
+    def sample(self, label: str) -> MemorySample:
+        seen: set[int] = set()
+        params = list(self.module.parameters()) + self.masters
+        parameters = _count(params, seen)
+        gradients = _count((p.grad for p in params), seen)
+        state = [] if self.optimizer is None else [
+            t for s in self.optimizer.state.values() for t in s.values()
+            if isinstance(t, torch.Tensor) and t.dim() > 0]
+        optimizer = _count(state, seen)
+        activations = sum(nbytes for ptr, (nbytes, _) in self._saved.items() if ptr not in seen)
+        result = MemorySample(label, parameters, gradients, optimizer, activations)
+        self.samples.append(result)
+        return result
+
+    def _pack(self, t: torch.Tensor) -> object:
+        if isinstance(t, nn.Parameter):  # counted as a parameter (and its data may move)
+            return _Saved(self, None, t)
+        ptr, nbytes = _storage(t)
+        entry = self._saved.setdefault(ptr, [nbytes, 0])
+        entry[1] += 1
+        return _Saved(self, ptr, t)
+
+    def _release(self, ptr: int | None) -> None:
+        entry = self._saved.get(ptr) if ptr is not None else None
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                del self._saved[ptr]
+
+    @contextmanager
+    def watch(self) -> Iterator[MemoryTracker]:
+        """Track activations and sample through forward and backward inside the block."""
+        def after(label: str):  # a hook that returns None, so the output is left alone
+            return lambda *_: None if self.sample(label) else None
+
+        handles = [child.register_forward_hook(after(f"forward {name}"))
+                   for name, child in self.module.named_children()]
+        handles += [p.register_post_accumulate_grad_hook(after("backward"))
+                    for p in self.module.parameters() if p.requires_grad]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _Saved.unpack):
+                yield self
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def peak(self) -> MemorySample:
+        """The sample with the largest total."""
+        if not self.samples:
+            raise ValueError("no samples yet: call sample() or run a step inside watch()")
+        return max(self.samples, key=lambda s: s.total)
+
+
+class _Saved:
+    """A tensor autograd saved for backward; when autograd drops it, it stops counting."""
+
+    def __init__(self, tracker: MemoryTracker, ptr: int | None, tensor: torch.Tensor) -> None:
+        self.tracker, self.ptr, self.tensor = tracker, ptr, tensor
+
+    @staticmethod
+    def unpack(saved: _Saved) -> torch.Tensor:
+        return saved.tensor
+
+    def __del__(self) -> None:
+        self.tracker._release(self.ptr)

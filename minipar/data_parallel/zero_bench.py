@@ -1,0 +1,147 @@
+"""`minipar bench zero`: per-rank memory and step time of data parallelism and ZeRO
+stages 1, 2 and 3, measured beside ZeRO's formula and beside torch's FSDP2."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .. import cost
+from ..models import mlp
+from ..report import format_table, progress, save_results
+from ..runtime import Cluster, world_size
+from .ddp import DataParallel, shard
+from .fsdp import FullyShardedDataParallel
+from .memory import MemoryTracker
+from .zero import ZeroDataParallel
+
+ZERO_SIZES = [256, 1024, 1024, 1024, 256]  # about 2.4M parameters, float32
+VARIANTS = ("data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3", "torch FSDP2")
+BATCH = 64
+
+
+def _adam(params):
+    return torch.optim.Adam(params, lr=1e-4)
+
+
+def _wrap(variant: str, model: torch.nn.Module):
+    """(callable model, step function, optimizer, master shards) for one variant."""
+    if variant == "data parallel":
+        opt = _adam(model.parameters())
+        return DataParallel(model), opt.step, opt, []
+    if variant == "torch FSDP2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size(),))
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = _adam(model.parameters())
+        return model, opt.step, opt, []
+    stage = int(variant[-1])
+    wrapped = FullyShardedDataParallel(model, _adam) if stage == 3 else \
+        ZeroDataParallel(model, _adam, stage=stage)
+    shards = [u.shard for u in wrapped.units] if stage == 3 else wrapped.shards
+    return wrapped, wrapped.step, wrapped.optimizer, [s.master for s in shards]
+
+
+def _run(variant: str, steps: int) -> dict:
+    model = mlp(ZERO_SIZES, seed=0)
+    run, step, opt, masters = _wrap(variant, model)
+    tracker = MemoryTracker(model, opt, masters)
+    x = torch.randn(BATCH, ZERO_SIZES[0], generator=torch.Generator().manual_seed(1))
+    times, held = [], None
+    for i in range(steps + 2):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        with tracker.watch():
+            ((run(shard(x)) - shard(x)) ** 2).mean().backward()
+        if i == 1:
+            held = tracker.sample("after backward")
+        step()
+        opt.zero_grad(set_to_none=True)
+        if i >= 2:
+            times.append(time.perf_counter() - start)
+    peak = tracker.peak()
+    return {"seconds": statistics.median(times), "parameters": held.parameters,
+            "gradients": held.gradients, "optimizer": held.optimizer,
+            "peak": peak.total, "peak_activations": max(s.activations for s in tracker.samples)}
+
+
+def measure(world_sizes: tuple[int, ...] = (2, 4), steps: int = 5) -> list[dict]:
+    """Each variant on K ranks: median step time (slowest rank), and rank 0's bytes by kind
+    after backward (when parameters, gradients and optimizer state are all present)."""
+    params = sum(a * b + b for a, b in zip(ZERO_SIZES[:-1], ZERO_SIZES[1:], strict=True))
+    full = cost.training_memory(params, weights="fp32", grads="fp32", optimizer="adam",
+                                optimizer_dtype="fp32")
+    rows = []
+    for k in world_sizes:
+        with Cluster(k, backend="gloo") as cluster:
+            for variant in VARIANTS:
+                progress(f"K={k}: {variant}")
+                results = cluster.run(_run, variant, steps)
+                row = {"world_size": k, "variant": variant, "params": params,
+                       **results[0], "seconds": max(r["seconds"] for r in results)}
+                if variant != "torch FSDP2":
+                    stage = 0 if variant == "data parallel" else int(variant[-1])
+                    formula = cost.zero_memory(full, stage, k)
+                    row.update(formula_parameters=formula.weights,
+                               formula_gradients=formula.gradients,
+                               formula_optimizer=formula.optimizer)
+                rows.append(row)
+    for row in rows:
+        same_k = [r for r in rows if r["world_size"] == row["world_size"]]
+        dp = next(r for r in same_k if r["variant"] == "data parallel")
+        fsdp2 = next(r for r in same_k if r["variant"] == "torch FSDP2")
+        row["vs_dp"] = row["seconds"] / dp["seconds"]
+        row["vs_fsdp2"] = row["seconds"] / fsdp2["seconds"]
+    return rows
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f}"
+
+
+def report(rows: list[dict], out_dir: Path) -> str:
+    """Measured MiB per kind beside the formula's, peak, step time vs DP and vs FSDP2."""
+    from matplotlib.figure import Figure
+
+    shown = []
+    for r in rows:
+        line = {"K": str(r["world_size"]), "variant": r["variant"],
+                "step": f"{r['seconds'] * 1e3:.1f} ms", "vs DP": f"{r['vs_dp']:.2f}x",
+                "vs FSDP2": f"{r['vs_fsdp2']:.2f}x"}
+        for kind in ("parameters", "gradients", "optimizer"):
+            want = r.get(f"formula_{kind}")
+            line[kind] = "-" if want is None else f"{_mb(r[kind])} / {_mb(want)}"
+        line["peak"] = "-" if r["variant"] == "torch FSDP2" else _mb(r["peak"])
+        shown.append(line)
+    fig = Figure(figsize=(9, 3.4), layout="constrained")
+    axes = fig.subplots(1, len({r["world_size"] for r in rows}), squeeze=False)[0]
+    for ax, k in zip(axes, sorted({r["world_size"] for r in rows}), strict=True):
+        mine = [r for r in rows if r["world_size"] == k and r["variant"] != "torch FSDP2"]
+        bottom = [0.0] * len(mine)
+        for kind, color in (("parameters", "#4C72B0"), ("gradients", "#DD8452"),
+                            ("optimizer", "#55A868")):
+            values = [r[kind] / 2**20 for r in mine]
+            ax.bar([r["variant"] for r in mine], values, bottom=bottom, color=color, label=kind)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        ax.scatter([r["variant"] for r in mine],
+                   [sum(r[f"formula_{kind}"] for kind in ("parameters", "gradients",
+                                                          "optimizer")) / 2**20 for r in mine],
+                   marker="_", s=400, color="black", label="formula", zorder=3)
+        ax.set_title(f"{k} ranks: MiB per rank after backward", fontsize=9)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.legend(fontsize=7)
+    save_results(rows, fig, out_dir, "zero")
+    header = ("measured / formula MiB per rank after backward (rank 0); peak = largest "
+              "sample over the step, activations included; step = median, slowest rank")
+    return header + "\n" + format_table(shown, [
+        ("K", "K"), ("variant", "trainer"), ("parameters", "parameters"),
+        ("gradients", "gradients"), ("optimizer", "optimizer"), ("peak", "peak MiB"),
+        ("step", "step"), ("vs DP", "vs DP"), ("vs FSDP2", "vs FSDP2")])
