@@ -11,8 +11,8 @@ from dataclasses import dataclass
 SECONDS_PER_YEAR = 365.25 * 24 * 3600
 GB = 1e9  # decimal gigabytes, as accelerator data sheets count them
 
-DTYPE_BYTES = {"fp64": 8.0, "fp32": 4.0, "tf32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0,
-               "int4": 0.5}
+DTYPE_BYTES = {"fp64": 8.0, "fp32": 4.0, "tf32": 4.0, "fp16": 2.0, "bf16": 2.0, "fp8": 1.0,
+               "int8": 1.0, "int4": 0.5}
 # Extra values an optimizer keeps per parameter (momentum, Adam's first and second moment).
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adam": 2, "adamw": 2}
 RECOMPUTE = ("none", "selective", "full")

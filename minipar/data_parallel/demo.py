@@ -1,5 +1,5 @@
-"""The data-parallel demo: each trainer on real ranks against single-process SGD on the
-same batches (computed on every rank), and the relaxed and compressed trainers, which
+"""The data-parallel demo: each trainer on real ranks against single-process SGD (Adam for
+the ZeRO stages) on the same batches (computed on every rank), and the relaxed and compressed trainers, which
 are not exact by design, with their loss going down. `python -m minipar.data_parallel`,
 `minipar tour` and the tests run `demo`."""
 
@@ -20,10 +20,13 @@ from ..models import mlp, regression_data
 from ..runtime import rank, world_size
 from .compression import TopK, train_compressed
 from .ddp import DataParallel, shard, shard_weight, single_process_sgd
+from .fsdp import FullyShardedDataParallel
 from .parameter_server import train_parameter_server
 from .relaxed import train_relaxed
+from .zero import ZeroDataParallel
 
-CASES = ("all_reduce", "parameter_server", "local_sgd", "co2", "hogwild", "top_k")
+CASES = ("all_reduce", "zero1", "zero2", "zero3", "parameter_server", "local_sgd", "co2",
+         "hogwild", "top_k")
 STEPS, BATCH, LR = 4, 64, 0.05
 
 
@@ -66,6 +69,38 @@ def _all_reduce_trainer() -> Check:
         math.isclose(a, b, rel_tol=1e-9) for a, b in zip(losses, ref_losses, strict=True))
     return Check("data parallel: bucketed all-reduce, overlapped", same, seconds, m.sent_bytes,
                  note="every step, float64; speedups: minipar bench data-parallel")
+
+
+def _adam(params) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def _zero(stage: int) -> Check:
+    """ZeRO stage 1, 2 or 3 with Adam against one process with Adam on whole batches."""
+    reference = _model()
+    opt = _adam(reference.parameters())
+    for x, y in _batches():
+        opt.zero_grad()
+        _mse(reference(x), y).backward()
+        opt.step()
+    model = _model()
+    wrapped = FullyShardedDataParallel(model, _adam) if stage == 3 else \
+        ZeroDataParallel(model, _adam, stage=stage, bucket_bytes=64 << 10)
+    start = time.perf_counter()
+    with collectives.meter() as m:
+        for x, y in _batches():
+            lx, ly = shard(x), shard(y)
+            (_mse(wrapped(lx), ly) * shard_weight(len(lx), len(x))).backward()
+            wrapped.step()
+    seconds = time.perf_counter() - start
+    if stage == 3:
+        wrapped.gather_parameters()
+    same = _same(parameters_to_vector(model.parameters()).detach(),
+                 parameters_to_vector(reference.parameters()).detach())
+    label = {1: "ZeRO-1: optimizer state sharded", 2: "ZeRO-2: + gradients sharded",
+             3: "ZeRO-3 / FSDP: + parameters sharded"}[stage]
+    return Check(label, same, seconds, m.sent_bytes,
+                 note="Adam, float64; memory per rank: minipar bench zero")
 
 
 def _parameter_server() -> Check:
@@ -122,7 +157,9 @@ def _top_k() -> Check:
                       f"{report.losses[-1]:.3f}")
 
 
-RUNS = {"all_reduce": _all_reduce_trainer, "parameter_server": _parameter_server,
+RUNS = {"all_reduce": _all_reduce_trainer, "zero1": lambda: _zero(1),
+        "zero2": lambda: _zero(2), "zero3": lambda: _zero(3),
+        "parameter_server": _parameter_server,
         "local_sgd": _local_sgd, "co2": lambda: _relaxed("co2"),
         "hogwild": lambda: _relaxed("hogwild"), "top_k": _top_k}
 
@@ -136,5 +173,6 @@ def demo(cases: tuple[str, ...] = CASES) -> list[Check]:
 
 
 def tour(ctx: Context) -> list[Row]:
-    return (ctx.checks(2, demo, ("all_reduce",)) + ctx.checks(4, demo, ("parameter_server",))
+    return (ctx.checks(2, demo, ("all_reduce", "zero1", "zero2", "zero3"))
+            + ctx.checks(4, demo, ("parameter_server",))
             + ctx.checks(2, demo, ("local_sgd", "co2", "hogwild", "top_k")))
