@@ -1,7 +1,7 @@
-"""The data-parallel demo: each trainer on real ranks against single-process SGD (Adam for
-the ZeRO stages) on the same batches (computed on every rank), and the relaxed and compressed trainers, which
-are not exact by design, with their loss going down. `python -m minipar.data_parallel`,
-`minipar tour` and the tests run `demo`."""
+"""The data-parallel demo: each trainer on real ranks against one process (SGD; Adam for
+the ZeRO stages) on the same batches (computed on every rank), and the relaxed and
+compressed trainers, which are not exact by design, with their loss going down. `python
+-m minipar.data_parallel`, `minipar tour` and the tests run `demo`."""
 
 from __future__ import annotations
 
