@@ -122,7 +122,9 @@ def _what_stays(stage):
     wrapped.step()
     state = sum(t.numel() for s in wrapped.optimizer.state.values() for t in s.values()
                 if t.dim() > 0)
-    return grads_after_backward, state, sum(p.numel() for p in model.parameters())
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in model.parameters()}
+    return grads_after_backward, state, sum(storages.values()) // 8
 
 
 def test_each_stage_keeps_only_its_shard(cluster4):
@@ -132,7 +134,7 @@ def test_each_stage_keeps_only_its_shard(cluster4):
         grads, state, params = cluster4.run(_what_stays, stage)[0]
         assert state == 2 * padded  # Adam's two moments, for this rank's slice only
         assert grads == (total if stage == 1 else 0)  # stage 2 frees gradients in backward
-        assert params == (0 if stage == 3 else total)  # stage 3 frees parameters after use
+        assert params == (0 if stage == 3 else 4 * padded)  # one flat buffer; stage 3 frees it
 
 
 def test_flat_shard_pads_and_cuts_back(cluster2):

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ..trace import record
 from .zero import FlatShard, OptimizerFactory, trainable_parameters
 
 
@@ -32,29 +33,41 @@ def default_units(module: nn.Module) -> list[nn.Module]:
 
 
 class _Unit:
-    """One sharded unit: its FlatShard, whether its parameters are gathered, and how many
-    of its gradients backward has still to produce."""
+    """One sharded unit: its FlatShard, one flat buffer its parameters are views of, and how
+    many of its gradients backward has still to produce.
 
-    def __init__(self, shard: FlatShard) -> None:
-        self.shard = shard
-        self.gathered = False
+    Freeing shrinks the buffer's storage to nothing instead of pointing the parameters
+    elsewhere: autograd may have saved views of the weights for backward (a linear layer
+    saves its weight transposed), and those views must lose their memory too, then see the
+    values again when backward gathers the unit."""
+
+    def __init__(self, shard: FlatShard, index: int) -> None:
+        self.shard, self.index = shard, index
+        like = shard.master
+        self.full = torch.empty(shard.slice * shard.world, dtype=like.dtype, device=like.device)
+        for p, piece in zip(shard.params, shard.pieces(self.full), strict=True):
+            p.data = piece  # set once: the parameters stay views of `full`
+        self.nbytes = self.full.untyped_storage().nbytes()
+        self.gathered = True
         self.waiting = len(shard.params)
         self.sent = False
 
     def gather(self) -> None:
         if not self.gathered:
-            for p, value in zip(self.shard.params, self.shard.pieces(self.shard.gather()),
-                                strict=True):
-                p.data = value  # autograd keeps these Parameter objects; only data moves
+            with record("all_gather", f"gather unit {self.index}", stage=self.index):
+                gathered = self.shard.gather()
+            self.full.untyped_storage().resize_(self.nbytes)
+            # .data: a refill that autograd's saved views must not count as a modification
+            self.full.data.copy_(gathered)
             self.gathered = True
 
     def free(self) -> None:
-        for p in self.shard.params:
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.full.untyped_storage().resize_(0)
         self.gathered = False
 
     def send_gradients(self) -> None:
-        self.shard.reduce_scatter_gradients(p.grad for p in self.shard.params)  # adds up
+        with record("reduce_scatter", f"reduce-scatter unit {self.index}", stage=self.index):
+            self.shard.reduce_scatter_gradients(p.grad for p in self.shard.params)  # adds up
         for p in self.shard.params:
             p.grad = None
         self.sent, self.waiting = True, len(self.shard.params)  # ready for another backward
@@ -80,13 +93,13 @@ class FullyShardedDataParallel:
                    if owners[id(p)] == 1 and id(p) not in assigned]
             assigned |= {id(p) for p in own}
             if own:
-                unit = _Unit(FlatShard(own, keep_full=False))
+                unit = _Unit(FlatShard(own, keep_full=False), len(self.units))
                 self.units.append(unit)
                 unit_module.register_forward_pre_hook(lambda _m, _a, u=unit: u.gather())
                 unit_module.register_forward_hook(
                     lambda _m, _a, out, u=unit: self._after_forward(u, out))
         rest = [p for p in trainable_parameters(module) if id(p) not in assigned]
-        self.root = _Unit(FlatShard(rest, keep_full=False)) if rest else None
+        self.root = _Unit(FlatShard(rest, keep_full=False), len(self.units)) if rest else None
         if self.root is not None:
             module.register_forward_pre_hook(lambda _m, _a: self.root.gather())
         for unit in self._all_units():

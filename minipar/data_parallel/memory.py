@@ -67,7 +67,7 @@ class MemoryTracker:
                  masters: Iterable[nn.Parameter] = ()) -> None:
         self.module, self.optimizer, self.masters = module, optimizer, list(masters)
         self.samples: list[MemorySample] = []
-        self._saved: dict[int, list[int]] = {}  # storage -> [bytes, references]
+        self._saved: dict[int, list] = {}  # storage pointer -> [a tensor on it, references]
 
     def sample(self, label: str) -> MemorySample:
         seen: set[int] = set()
@@ -78,7 +78,8 @@ class MemoryTracker:
             t for s in self.optimizer.state.values() for t in s.values()
             if isinstance(t, torch.Tensor) and t.dim() > 0]
         optimizer = _count(state, seen)
-        activations = sum(nbytes for ptr, (nbytes, _) in self._saved.items() if ptr not in seen)
+        activations = sum(_storage(t)[1] for ptr, (t, _) in self._saved.items()
+                          if ptr not in seen)  # now: FSDP may have shrunk a saved storage
         result = MemorySample(label, parameters, gradients, optimizer, activations)
         self.samples.append(result)
         return result
@@ -86,8 +87,8 @@ class MemoryTracker:
     def _pack(self, t: torch.Tensor) -> object:
         if isinstance(t, nn.Parameter):  # counted as a parameter (and its data may move)
             return _Saved(self, None, t)
-        ptr, nbytes = _storage(t)
-        entry = self._saved.setdefault(ptr, [nbytes, 0])
+        ptr, _ = _storage(t)
+        entry = self._saved.setdefault(ptr, [t, 0])
         entry[1] += 1
         return _Saved(self, ptr, t)
 
