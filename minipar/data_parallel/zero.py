@@ -171,8 +171,3 @@ class ZeroDataParallel:
                 shard.flat.copy_(shard.gather())  # the parameters are views of flat
         self._sent = [False] * len(self.shards)
         self._waiting = [len(s.params) for s in self.shards]  # a partial count starts over
-
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds (moments and the like)."""
-        return sum(t.numel() * t.element_size() for state in self.optimizer.state.values()
-                   for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
