@@ -204,14 +204,12 @@ def _measured_after_backward(stage):
     if stage == 0:
         wrapped = DataParallel(model)
         opt = adam(model.parameters())
-        masters = []
+        shards = []
     else:
         wrapped = FullyShardedDataParallel(model, adam) if stage == 3 else \
             ZeroDataParallel(model, adam, stage=stage)
-        opt = wrapped.optimizer
-        shards = [u.shard for u in wrapped.units] if stage == 3 else wrapped.shards
-        masters = [s.master for s in shards]
-    tracker = MemoryTracker(model, opt, masters)
+        opt, shards = wrapped.optimizer, wrapped.shards
+    tracker = MemoryTracker(model, opt, shards)
     x = torch.randn(8, 2, dtype=torch.float64)
     for _ in range(2):  # the second step finds the optimizer state in place
         with tracker.watch():
@@ -236,3 +234,50 @@ def test_memory_measured_is_zero_formula(cluster4):
                               ("optimizer", want.optimizer)):
             assert getattr(got, kind) == pytest.approx(formula, rel=0.1), (stage, kind)
         assert got.activations == 0 and activations > 0  # saved in forward, freed by backward
+
+
+def _mixed(stage):
+    """Mixed precision: bf16 model and gradients, float32 master slices and Adam."""
+    model = plain_model_float32()
+    wrapped = FullyShardedDataParallel(model, adam, param_dtype=torch.bfloat16) if stage == 3 \
+        else ZeroDataParallel(model, adam, stage=stage, param_dtype=torch.bfloat16)
+    from minipar.data_parallel.memory import MemoryTracker
+
+    tracker = MemoryTracker(model, wrapped.optimizer, wrapped.shards)
+    losses, held = [], None
+    for x, y in _batches(inputs=2, outputs=3):
+        loss = ((wrapped(shard(x)).float() - shard(y)) ** 2).mean()
+        loss.backward()
+        held = tracker.sample("after backward")
+        wrapped.step()
+        losses.append(collectives.all_reduce(loss.detach(), op="avg").item())
+    if stage == 3:
+        wrapped.gather_parameters()
+    return losses, [p.detach().float().clone() for p in model.parameters()], held
+
+
+def plain_model_float32():
+    return plain_model().float()
+
+
+def test_mixed_precision_keeps_16_bytes_per_parameter_sharded(cluster2):
+    from minipar import cost
+
+    params = sum(p.numel() for p in plain_model().parameters())
+    mixed = cost.training_memory(params, weights="bf16", grads="bf16", optimizer="adam",
+                                 optimizer_dtype="fp32", master_weights="fp32")
+    assert mixed.bytes_per_param == 16
+    runs = {stage: cluster2.run(_mixed, stage) for stage in (1, 2, 3)}
+    for stage, per_rank in runs.items():
+        want = cost.zero_memory(mixed, stage, 2)
+        got = per_rank[0][2]
+        assert got.gradients == pytest.approx(want.gradients, rel=0.1), stage
+        assert got.optimizer == pytest.approx(want.optimizer, rel=0.1), stage
+        # stage 3 keeps no 16-bit shard at rest: it casts the master when it gathers
+        assert got.parameters == (0 if stage == 3 else pytest.approx(want.weights, rel=0.1))
+    # the three stages do the same arithmetic: the same numbers, bit for bit
+    for stage in (2, 3):
+        for a, b in zip(runs[1][0][1], runs[stage][0][1], strict=True):
+            assert torch.equal(a, b), stage
+    reference_losses, _ = one_process(plain_model)
+    assert runs[1][0][0] == pytest.approx(reference_losses, rel=2e-2)  # bf16 is close, not equal

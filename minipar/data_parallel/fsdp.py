@@ -24,7 +24,13 @@ import torch
 from torch import nn
 
 from ..trace import record
-from .zero import FlatShard, OptimizerFactory, trainable_parameters
+from .zero import (
+    FlatShard,
+    OptimizerFactory,
+    _check_param_dtype,
+    cast_inputs,
+    trainable_parameters,
+)
 
 
 def default_units(module: nn.Module) -> list[nn.Module]:
@@ -43,8 +49,8 @@ class _Unit:
 
     def __init__(self, shard: FlatShard, index: int) -> None:
         self.shard, self.index = shard, index
-        like = shard.master
-        self.full = torch.empty(shard.slice * shard.world, dtype=like.dtype, device=like.device)
+        self.full = torch.empty(shard.slice * shard.world, dtype=shard.dtype,
+                                device=shard.master.device)
         for p, piece in zip(shard.params, shard.pieces(self.full), strict=True):
             p.data = piece  # set once: the parameters stay views of `full`
         self.nbytes = self.full.untyped_storage().nbytes()
@@ -78,12 +84,16 @@ class FullyShardedDataParallel:
     ranks (ZeRO-3). Use it like the module: `fsdp(x)`, `loss.backward()`, `fsdp.step()`.
     `units` are the modules gathered one at a time (default: `default_units(module)`);
     each must run once per forward. `optimizer` builds the optimizer from this rank's
-    slices. `gather_parameters()` makes every parameter whole again (to read or save)."""
+    slices. `gather_parameters()` makes every parameter whole again (to read or save).
+    `param_dtype=torch.bfloat16`: mixed precision as in ZeroDataParallel; no 16-bit shard is
+    kept at rest, the float32 master slice is cast when gathered (as FSDP2 does)."""
 
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory,
-                 units: Iterable[nn.Module] | None = None) -> None:
+                 units: Iterable[nn.Module] | None = None,
+                 param_dtype: torch.dtype | None = None) -> None:
         if not trainable_parameters(module):
             raise ValueError("module has no parameter with requires_grad=True to train")
+        self.param_dtype = _check_param_dtype(param_dtype)
         units = default_units(module) if units is None else list(units)
         owners = Counter(id(p) for u in units for p in trainable_parameters(u))
         assigned: set[int] = set()
@@ -93,13 +103,13 @@ class FullyShardedDataParallel:
                    if owners[id(p)] == 1 and id(p) not in assigned]
             assigned |= {id(p) for p in own}
             if own:
-                unit = _Unit(FlatShard(own, keep_full=False), len(self.units))
+                unit = _Unit(FlatShard(own, False, param_dtype), len(self.units))
                 self.units.append(unit)
                 unit_module.register_forward_pre_hook(lambda _m, _a, u=unit: u.gather())
                 unit_module.register_forward_hook(
                     lambda _m, _a, out, u=unit: self._after_forward(u, out))
         rest = [p for p in trainable_parameters(module) if id(p) not in assigned]
-        self.root = _Unit(FlatShard(rest, keep_full=False), len(self.units)) if rest else None
+        self.root = _Unit(FlatShard(rest, False, param_dtype), len(self.units)) if rest else None
         if self.root is not None:
             module.register_forward_pre_hook(lambda _m, _a: self.root.gather())
         for unit in self._all_units():
@@ -111,8 +121,13 @@ class FullyShardedDataParallel:
     def _all_units(self) -> list[_Unit]:
         return self.units + ([self.root] if self.root is not None else [])
 
+    @property
+    def shards(self) -> list[FlatShard]:
+        """Every unit's FlatShard (the root's last): what this rank keeps."""
+        return [u.shard for u in self._all_units()]
+
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        return self.module(*cast_inputs(args, self.param_dtype), **kwargs)
 
     def _after_forward(self, unit: _Unit, output: object) -> None:
         """Free the unit; if backward will come through it, gather it again just before."""
@@ -134,6 +149,7 @@ class FullyShardedDataParallel:
         for unit in self._all_units():
             if not unit.sent or any(p.grad is not None for p in unit.shard.params):
                 unit.send_gradients()
+            unit.shard.hand_gradient_to_optimizer()
             unit.free()
             unit.sent, unit.waiting = False, len(unit.shard.params)
         self.optimizer.step()

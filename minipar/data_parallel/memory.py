@@ -57,27 +57,33 @@ def _count(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
 
 
 class MemoryTracker:
-    """Samples what `module` (and its sharded `masters`, and `optimizer`) hold on this rank.
+    """Samples what `module`, its ZeRO `shards` (FlatShards) and `optimizer` hold on this
+    rank. A shard's master slice counts as parameters when it is in the parameters' dtype
+    (it is this rank's copy of them) and as optimizer state when it is a float32 master of
+    16-bit parameters (mixed precision, as ZeRO's 12 bytes per parameter count it).
 
     Inside `watch()` it samples after every top-level child's forward and after every
     parameter's gradient is accumulated, so `samples` draws the curve of one step; call
     `sample(label)` for any other point (after `step()`, say)."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 masters: Iterable[nn.Parameter] = ()) -> None:
-        self.module, self.optimizer, self.masters = module, optimizer, list(masters)
+                 shards: Iterable = ()) -> None:
+        self.module, self.optimizer, self.shards = module, optimizer, list(shards)
         self.samples: list[MemorySample] = []
         self._saved: dict[int, list] = {}  # storage pointer -> [a tensor on it, references]
 
     def sample(self, label: str) -> MemorySample:
         seen: set[int] = set()
-        params = list(self.module.parameters()) + self.masters
-        parameters = _count(params, seen)
-        gradients = _count((p.grad for p in params), seen)
+        params = list(self.module.parameters())
+        masters = [s.master for s in self.shards if s.master.dtype == s.dtype]
+        mixed = [s.master for s in self.shards if s.master.dtype != s.dtype]
+        parameters = _count(params + masters, seen)
+        gradients = _count([p.grad for p in params + masters + mixed]
+                           + [s.grad for s in self.shards], seen)
         state = [] if self.optimizer is None else [
             t for s in self.optimizer.state.values() for t in s.values()
             if isinstance(t, torch.Tensor) and t.dim() > 0]
-        optimizer = _count(state, seen)
+        optimizer = _count(mixed + state, seen)
         activations = sum(_storage(t)[1] for ptr, (t, _) in self._saved.items()
                           if ptr not in seen)  # now: FSDP may have shrunk a saved storage
         result = MemorySample(label, parameters, gradients, optimizer, activations)

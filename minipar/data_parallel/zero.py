@@ -42,12 +42,16 @@ class FlatShard:
     updates.
 
     With `keep_full` (stages 1 and 2) the parameters become views into one flat buffer
-    (`flat`) and `master` is a view of this rank's slice of it: the optimizer updates the
-    parameters in place and nothing is stored twice. Without it (stage 3) `master` is the
-    only copy this rank keeps, and the full parameters are gathered when needed.
+    (`flat`) and, in one precision, `master` is a view of this rank's slice of it: the
+    optimizer updates the parameters in place and nothing is stored twice. Without it
+    (stage 3) `master` is the only copy this rank keeps, and the full parameters are
+    gathered when needed. With `param_dtype` (mixed precision, e.g. torch.bfloat16) the
+    parameters, their gradients and what travels are in that dtype, while `master` keeps
+    the parameters' original (float32) precision for the optimizer.
     """
 
-    def __init__(self, params: list[nn.Parameter], keep_full: bool = True) -> None:
+    def __init__(self, params: list[nn.Parameter], keep_full: bool = True,
+                 param_dtype: torch.dtype | None = None) -> None:
         if not params:
             raise ValueError("a FlatShard needs at least one parameter")
         dtypes = {p.dtype for p in params}
@@ -59,15 +63,16 @@ class FlatShard:
         self.world, self.rank = world_size(), rank()
         self.slice = math.ceil(self.numel / self.world)  # padded length / K
         full = self.flatten([p.detach() for p in params])
+        self.dtype = param_dtype or full.dtype  # what the model computes and sends in
         mine = full[self.rank * self.slice:(self.rank + 1) * self.slice]
+        same = self.dtype == full.dtype
+        self.master = nn.Parameter(mine if same and keep_full else mine.clone())
+        self.grad: torch.Tensor | None = None  # this rank's averaged gradient slice
         self.flat: torch.Tensor | None = None
         if keep_full:
-            self.flat = full
-            for p, piece in zip(params, self.pieces(full), strict=True):
+            self.flat = full if same else full.to(self.dtype)
+            for p, piece in zip(params, self.pieces(self.flat), strict=True):
                 p.data = piece
-            self.master = nn.Parameter(mine)  # a view: shares the flat buffer's memory
-        else:
-            self.master = nn.Parameter(mine.clone())  # the full buffer can go
 
     def flatten(self, tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
         """One padded flat vector (None counts as zeros: a parameter that got no gradient)."""
@@ -89,13 +94,35 @@ class FlatShard:
         return out
 
     def reduce_scatter_gradients(self, grads: Iterable[torch.Tensor | None]) -> None:
-        """Average the gradients over ranks; keep only this rank's slice, in master.grad."""
-        mine = collectives.reduce_scatter(self.flatten(grads), op="avg").to(self.master.dtype)
-        self.master.grad = mine if self.master.grad is None else self.master.grad + mine
+        """Average the gradients over ranks; keep only this rank's slice (in `grad`, in the
+        parameters' dtype, added to what an earlier backward left)."""
+        mine = collectives.reduce_scatter(self.flatten(grads), op="avg")
+        self.grad = mine if self.grad is None else self.grad + mine
+
+    def hand_gradient_to_optimizer(self) -> None:
+        """Move the reduced slice into master.grad, in the master's precision."""
+        self.master.grad, self.grad = self.grad.to(self.master.dtype), None
 
     def gather(self) -> torch.Tensor:
-        """All ranks' updated slices, concatenated: the full flat parameters (padded)."""
-        return collectives.all_gather(self.master.detach())
+        """All ranks' updated slices, concatenated: the full flat parameters (padded), in
+        the parameters' dtype (mixed precision sends 16-bit values)."""
+        return collectives.all_gather(self.master.detach().to(self.dtype))
+
+
+def _check_param_dtype(param_dtype: torch.dtype | None) -> torch.dtype | None:
+    if param_dtype not in (None, torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        raise ValueError("param_dtype must be None (train in the parameters' dtype) or one of "
+                         f"torch.bfloat16, torch.float16, torch.float32, torch.float64; got "
+                         f"{param_dtype!r}")
+    return param_dtype
+
+
+def cast_inputs(args: tuple, dtype: torch.dtype | None) -> tuple:
+    """Floating-point tensor arguments in the dtype the model computes in (mixed precision)."""
+    if dtype is None:
+        return args
+    return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in args)
 
 
 def bucket_parameters(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
@@ -122,10 +149,12 @@ class ZeroDataParallel:
     all-gathers the parameters. `optimizer` builds the optimizer from a list of parameters
     (e.g. `lambda ps: torch.optim.Adam(ps, lr=1e-3)`); it only ever sees this rank's slices,
     so its state is 1/K of data parallelism's. Every rank must start from the same weights.
+    `param_dtype=torch.bfloat16` trains in mixed precision: the model computes, and the
+    gradients travel, in bf16, while the optimizer updates float32 master slices.
     """
 
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory, stage: int = 1,
-                 bucket_bytes: int = 1 << 20) -> None:
+                 bucket_bytes: int = 1 << 20, param_dtype: torch.dtype | None = None) -> None:
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (stage 3 is FullyShardedDataParallel); "
                              f"got {stage!r}")
@@ -134,7 +163,9 @@ class ZeroDataParallel:
             raise ValueError("module has no parameter with requires_grad=True to train")
         self.module, self.stage = module, stage
         # backward produces gradients from the last layer to the first: bucket in that order
-        self.shards = [FlatShard(b) for b in bucket_parameters(params[::-1], bucket_bytes)]
+        self.param_dtype = _check_param_dtype(param_dtype)
+        self.shards = [FlatShard(b, param_dtype=param_dtype)
+                       for b in bucket_parameters(params[::-1], bucket_bytes)]
         self.optimizer = optimizer([s.master for s in self.shards])
         self._sent = [False] * len(self.shards)
         self._waiting = [len(s.params) for s in self.shards]
@@ -144,7 +175,7 @@ class ZeroDataParallel:
                     p.register_post_accumulate_grad_hook(lambda _p, i=i: self._arrived(i))
 
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        return self.module(*cast_inputs(args, self.param_dtype), **kwargs)
 
     def _arrived(self, i: int) -> None:
         """Stage 2: one more gradient of bucket i is complete; when all are, send it now."""
@@ -164,6 +195,7 @@ class ZeroDataParallel:
         for i, shard in enumerate(self.shards):
             if not self._sent[i] or any(p.grad is not None for p in shard.params):
                 self._send(i)  # stage 1, or gradients a backward left behind
+            shard.hand_gradient_to_optimizer()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():

@@ -28,7 +28,7 @@ def _adam(params):
 
 
 def _wrap(variant: str, model: torch.nn.Module):
-    """(callable model, step function, optimizer, master shards) for one variant."""
+    """(callable model, step function, optimizer, ZeRO shards) for one variant."""
     if variant == "data parallel":
         opt = _adam(model.parameters())
         return DataParallel(model), opt.step, opt, []
@@ -46,14 +46,13 @@ def _wrap(variant: str, model: torch.nn.Module):
     stage = int(variant[-1])
     wrapped = FullyShardedDataParallel(model, _adam) if stage == 3 else \
         ZeroDataParallel(model, _adam, stage=stage)
-    shards = [u.shard for u in wrapped.units] if stage == 3 else wrapped.shards
-    return wrapped, wrapped.step, wrapped.optimizer, [s.master for s in shards]
+    return wrapped, wrapped.step, wrapped.optimizer, wrapped.shards
 
 
 def _run(variant: str, steps: int) -> dict:
     model = mlp(ZERO_SIZES, seed=0)
-    run, step, opt, masters = _wrap(variant, model)
-    tracker = MemoryTracker(model, opt, masters)
+    run, step, opt, shards = _wrap(variant, model)
+    tracker = MemoryTracker(model, opt, shards)
     x = torch.randn(BATCH, ZERO_SIZES[0], generator=torch.Generator().manual_seed(1))
     times, held = [], None
     for i in range(steps + 2):
