@@ -130,3 +130,30 @@ def test_router_explorer_draws_routing_and_trains():
     box.children[0].children[0].value = 4  # k = 4 with 8 experts is fine
     box.children[1].children[0].value = 2  # 2 experts with k = 4 is not
     assert "k must be at most" in box.children[2].value
+
+
+def test_memory_explorer_follows_its_inputs_and_says_what_fits():
+    from minipar.widgets import MemoryExplorer
+
+    explorer = MemoryExplorer(params=65e9, ranks=64, mixed=True, device_gb=80)
+    assert explorer.status.value == "fits in 80 GB: ZeRO-3"
+    first = bytes(explorer.image.value)
+    explorer.ranks.value = 1024  # ZeRO-2's gradients and optimizer state shrink below 80 GB?
+    rows = explorer.rows()
+    assert rows[2]["gradients"] == pytest.approx(2 * 65e9 / 1024)
+    assert bytes(explorer.image.value) != first  # the picture is the current input
+    explorer.params.value = 1e8
+    assert explorer.status.value.endswith("data parallel, ZeRO-1, ZeRO-2, ZeRO-3")
+
+
+@pytest.mark.slow
+def test_memory_explorer_measures_each_stage_beside_the_formula():
+    from minipar.widgets import MemoryExplorer
+
+    explorer = MemoryExplorer(mixed=False)
+    rows = explorer.measure()
+    assert [r["stage"] for r in rows] == [0, 1, 2, 3]
+    for row in rows:
+        for kind in ("parameters", "gradients", "optimizer"):
+            assert row[kind] == pytest.approx(row[f"formula_{kind}"], rel=0.1)
+    assert bytes(explorer.image.value).startswith(b"\x89PNG")

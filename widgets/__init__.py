@@ -14,6 +14,7 @@ from .collective_view import (
 )
 from .render import (
     render_all_to_all,
+    render_memory,
     render_pipeline,
     render_schedule_gallery,
     render_speedup,
@@ -35,7 +36,7 @@ def show(fig) -> None:
 _LAZY = {"TimelineViewer": "timeline_viewer", "RouterExplorer": "router_explorer",
          "render_routing": "router_explorer", "split_viewer": "split_view",
          "ScheduleExplorer": "schedule_explorer", "SpeedupLab": "speedup_lab",
-         "CollectiveAnimator": "collective_animator"}
+         "CollectiveAnimator": "collective_animator", "MemoryExplorer": "memory_explorer"}
 
 
 def __getattr__(name: str):
@@ -46,10 +47,10 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
 
 
-__all__ = ["CollectiveAnimator", "CollectiveRecording", "RouterExplorer",
+__all__ = ["CollectiveAnimator", "CollectiveRecording", "MemoryExplorer", "RouterExplorer",
            "ScheduleExplorer", "render_routing",
            "SpeedupLab", "TimelineViewer", "record_all_reduce",
            "render_collective_frame", "render_collective_strip", "render_pipeline",
-           "render_all_to_all", "render_schedule_gallery",
+           "render_all_to_all", "render_memory", "render_schedule_gallery",
            "render_speedup", "render_split", "show",
            "split_frames", "split_viewer", "SPLIT_KINDS"]

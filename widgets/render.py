@@ -120,3 +120,51 @@ def render_all_to_all(send_counts: list[list[int]], title: str = "") -> Figure:
     bars.legend(fontsize=8)
     bars.set_title("per rank: kept at home, sent, received", fontsize=9)
     return fig
+
+
+MEMORY_KINDS = (("parameters", "#4C72B0"), ("gradients", "#DD8452"),
+                ("optimizer", "#55A868"), ("activations", "#C44E52"))
+STAGE_NAMES = ("data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+
+
+def render_memory(formula: list[dict], measured: list[dict] | None = None,
+                  device_bytes: float | None = None, title: str = "") -> Figure:
+    """Bytes per rank by kind for each ZeRO stage (rows with "stage" and a key per kind),
+    stacked; `measured` rows (with `formula_*` keys) get a second panel, measured bars
+    beside the formula's outlines; `device_bytes` draws the device's memory as a line."""
+    panels = 2 if measured else 1
+    fig = Figure(figsize=(10 if measured else 6.5, 3.4), layout="constrained")
+    axes = fig.subplots(1, panels, squeeze=False)[0]
+    scale, unit = (1e9, "GB") if max(_total(r) for r in formula) > 1e9 else (2**20, "MiB")
+    _stack(axes[0], formula, scale, [STAGE_NAMES[r["stage"]] for r in formula])
+    axes[0].set_ylabel(f"{unit} per rank")
+    axes[0].set_title(title or "ZeRO's formula", fontsize=9)
+    if device_bytes:
+        axes[0].axhline(device_bytes / scale, color="black", linestyle="--", linewidth=1)
+        axes[0].text(len(formula) - 0.5, device_bytes / scale, " device memory", fontsize=7,
+                     va="bottom", ha="right")
+    axes[0].legend(fontsize=7, loc="upper right")
+    if measured:
+        names = [STAGE_NAMES[r["stage"]] for r in measured]
+        _stack(axes[1], measured, 2**20, names)
+        for i, r in enumerate(measured):
+            want = sum(r[f"formula_{kind}"] for kind, _ in MEMORY_KINDS[:3]) / 2**20
+            axes[1].hlines(want, i - 0.4, i + 0.4, color="black", linewidth=2)
+        axes[1].set_ylabel("MiB on rank 0")
+        axes[1].set_title("measured on CPU ranks (black line: formula)", fontsize=9)
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=8)
+    return fig
+
+
+def _total(row: dict) -> float:
+    return sum(row.get(kind, 0.0) for kind, _ in MEMORY_KINDS)
+
+
+def _stack(ax, rows: list[dict], scale: float, names: list[str]) -> None:
+    bottom = [0.0] * len(rows)
+    for kind, color in MEMORY_KINDS:
+        values = [r.get(kind, 0.0) / scale for r in rows]
+        if any(values):
+            ax.bar(names, values, bottom=bottom, color=color, label=kind)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]

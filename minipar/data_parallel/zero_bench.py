@@ -27,7 +27,7 @@ def _adam(params):
     return torch.optim.Adam(params, lr=1e-4)
 
 
-def _wrap(variant: str, model: torch.nn.Module):
+def _wrap(variant: str, model: torch.nn.Module, param_dtype: torch.dtype | None = None):
     """(callable model, step function, optimizer, ZeRO shards) for one variant."""
     if variant == "data parallel":
         opt = _adam(model.parameters())
@@ -44,22 +44,23 @@ def _wrap(variant: str, model: torch.nn.Module):
         opt = _adam(model.parameters())
         return model, opt.step, opt, []
     stage = int(variant[-1])
-    wrapped = FullyShardedDataParallel(model, _adam) if stage == 3 else \
-        ZeroDataParallel(model, _adam, stage=stage)
+    wrapped = FullyShardedDataParallel(model, _adam, param_dtype=param_dtype) if stage == 3 \
+        else ZeroDataParallel(model, _adam, stage=stage, param_dtype=param_dtype)
     return wrapped, wrapped.step, wrapped.optimizer, wrapped.shards
 
 
-def _run(variant: str, steps: int) -> dict:
-    model = mlp(ZERO_SIZES, seed=0)
-    run, step, opt, shards = _wrap(variant, model)
+def _run(variant: str, steps: int, sizes: list[int] = ZERO_SIZES,
+         param_dtype: torch.dtype | None = None) -> dict:
+    model = mlp(sizes, seed=0)
+    run, step, opt, shards = _wrap(variant, model, param_dtype)
     tracker = MemoryTracker(model, opt, shards)
-    x = torch.randn(BATCH, ZERO_SIZES[0], generator=torch.Generator().manual_seed(1))
+    x = torch.randn(BATCH, sizes[0], generator=torch.Generator().manual_seed(1))
     times, held = [], None
     for i in range(steps + 2):
         torch.distributed.barrier()
         start = time.perf_counter()
         with tracker.watch():
-            ((run(shard(x)) - shard(x)) ** 2).mean().backward()
+            ((run(shard(x)).float() - shard(x)) ** 2).mean().backward()
         if i == 1:
             held = tracker.sample("after backward")
         step()
@@ -75,7 +76,7 @@ def _run(variant: str, steps: int) -> dict:
 def measure(world_sizes: tuple[int, ...] = (2, 4), steps: int = 5) -> list[dict]:
     """Each variant on K ranks: median step time (slowest rank), and rank 0's bytes by kind
     after backward (when parameters, gradients and optimizer state are all present)."""
-    params = sum(a * b + b for a, b in zip(ZERO_SIZES[:-1], ZERO_SIZES[1:], strict=True))
+    params = _params(ZERO_SIZES)
     full = cost.training_memory(params, weights="fp32", grads="fp32", optimizer="adam",
                                 optimizer_dtype="fp32")
     rows = []
@@ -99,6 +100,44 @@ def measure(world_sizes: tuple[int, ...] = (2, 4), steps: int = 5) -> list[dict]
         fsdp2 = next(r for r in same_k if r["variant"] == "torch FSDP2")
         row["vs_dp"] = row["seconds"] / dp["seconds"]
         row["vs_fsdp2"] = row["seconds"] / fsdp2["seconds"]
+    return rows
+
+
+def _params(sizes: list[int]) -> int:
+    return sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:], strict=True))
+
+
+def formula_memory(params: float, world_size: int, mixed: bool) -> list[dict]:
+    """ZeRO's formula per stage (0 = data parallelism): bytes per rank by kind, for float32
+    training or mixed precision (bf16 weights and gradients, float32 master and Adam)."""
+    full = cost.training_memory(params, weights="bf16" if mixed else "fp32",
+                                grads="bf16" if mixed else "fp32", optimizer="adam",
+                                optimizer_dtype="fp32", master_weights="fp32" if mixed else None)
+    rows = []
+    for stage in range(4):
+        m = cost.zero_memory(full, stage, world_size)
+        rows.append({"stage": stage, "parameters": m.weights, "gradients": m.gradients,
+                     "optimizer": m.optimizer})
+    return rows
+
+
+def measure_memory(world_size: int = 4, mixed: bool = False,
+                   sizes: list[int] | None = None) -> list[dict]:
+    """Rank 0's bytes by kind after backward for ZeRO stages 1-3 (and data parallelism in
+    float32) on `world_size` CPU ranks, each row beside the formula's (`formula_*` keys)."""
+    sizes = sizes or [64, 256, 256, 64]
+    formula = formula_memory(_params(sizes), world_size, mixed)
+    variants = (["data parallel"] if not mixed else []) + ["ZeRO-1", "ZeRO-2", "ZeRO-3"]
+    rows = []
+    with Cluster(world_size, backend="gloo") as cluster:
+        for variant in variants:
+            stage = 0 if variant == "data parallel" else int(variant[-1])
+            got = cluster.run(_run, variant, 1, sizes,
+                              torch.bfloat16 if mixed else None)[0]
+            rows.append({"stage": stage, **{k: got[k] for k in ("parameters", "gradients",
+                                                                 "optimizer")},
+                         **{f"formula_{k}": formula[stage][k]
+                            for k in ("parameters", "gradients", "optimizer")}})
     return rows
 
 

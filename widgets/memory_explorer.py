@@ -1,0 +1,75 @@
+"""MemoryExplorer: what each ZeRO stage keeps per rank, from the formula for any model
+size, and measured on CPU ranks at a small size."""
+
+from __future__ import annotations
+
+import ipywidgets as w
+
+from minipar.data_parallel.zero_bench import formula_memory, measure_memory
+from minipar.plots import to_png
+
+from .render import render_memory
+
+PRECISIONS = {"float32": False, "bf16 + fp32 master": True}
+
+
+class MemoryExplorer(w.VBox):
+    """Parameters, ranks, precision, activations and device memory -> bytes per rank for
+    data parallelism and ZeRO-1, 2, 3 (ZeRO's formula); "measure" trains a small MLP on 4
+    CPU ranks with each stage and draws what rank 0 really held beside the formula."""
+
+    def __init__(self, params: float = 65e9, ranks: int = 64, mixed: bool = True,
+                 activations_gb: float = 0.0, device_gb: float = 80.0) -> None:
+        self.params = w.FloatLogSlider(value=params, base=10, min=8, max=12, step=0.1,
+                                       description="parameters", readout_format=".2e",
+                                       continuous_update=False)
+        self.ranks = w.Dropdown(options=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024],
+                                value=ranks, description="ranks")
+        self.precision = w.Dropdown(options=list(PRECISIONS),
+                                    value="bf16 + fp32 master" if mixed else "float32",
+                                    description="precision")
+        self.activations = w.FloatSlider(value=activations_gb, min=0, max=200, step=1,
+                                         description="activ. GB", continuous_update=False)
+        self.device = w.FloatSlider(value=device_gb, min=8, max=192, step=8,
+                                    description="device GB", continuous_update=False)
+        self.button = w.Button(description="measure", button_style="primary")
+        self.status = w.HTML()
+        self.image = w.Image(format="png")
+        self.measured: list[dict] | None = None
+        for control in (self.params, self.ranks, self.precision, self.activations, self.device):
+            control.observe(lambda _: self.draw(), names="value")
+        self.button.on_click(lambda _: self.measure())
+        super().__init__([w.HBox([self.params, self.ranks, self.precision]),
+                          w.HBox([self.activations, self.device, self.button]),
+                          self.status, self.image])
+        self.draw()
+
+    def rows(self) -> list[dict]:
+        """The formula's bytes per rank for each stage at the current settings."""
+        rows = formula_memory(self.params.value, self.ranks.value,
+                              PRECISIONS[self.precision.value])
+        for row in rows:
+            row["activations"] = self.activations.value * 1e9
+        return rows
+
+    def draw(self) -> None:
+        rows = self.rows()
+        device = self.device.value * 1e9
+        fits = [r for r in rows if sum(r[k] for k in ("parameters", "gradients", "optimizer",
+                                                       "activations")) <= device]
+        names = ("data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+        self.status.value = (f"fits in {self.device.value:.0f} GB: "
+                             + (", ".join(names[r["stage"]] for r in fits) or "none"))
+        title = (f"{self.params.value:.2e} parameters on {self.ranks.value} ranks, "
+                 f"{self.precision.value}")
+        mixed = PRECISIONS[self.precision.value]
+        measured = [r for r in (self.measured or []) if r.get("mixed") == mixed] or None
+        self.image.value = to_png(render_memory(rows, measured, device, title))
+
+    def measure(self) -> list[dict]:
+        """Run each stage on 4 CPU ranks now (a few seconds) and redraw."""
+        mixed = PRECISIONS[self.precision.value]
+        self.status.value = "measuring on 4 CPU ranks..."
+        self.measured = [{**r, "mixed": mixed} for r in measure_memory(4, mixed)]
+        self.draw()
+        return self.measured
