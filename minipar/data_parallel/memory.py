@@ -1,6 +1,7 @@
 """What a training step holds in memory on this rank, measured by kind (parameters,
 gradients, optimizer state, activations), to hold beside ZeRO's formula
-(`cost.zero_memory`).
+(`cost.zero_memory`); and activation recomputation (`recompute`), which trades that
+memory for compute.
 
 Bytes are counted per storage, each storage once: a parameter that is a view into a flat
 buffer counts the buffer, a master shard that shares it counts nothing more. Activations
@@ -11,6 +12,7 @@ autograd are counted as parameters, not twice.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
 
@@ -70,7 +73,7 @@ class MemoryTracker:
                  shards: Iterable = ()) -> None:
         self.module, self.optimizer, self.shards = module, optimizer, list(shards)
         self.samples: list[MemorySample] = []
-        self._saved: dict[int, list] = {}  # storage pointer -> [a tensor on it, references]
+        self._saved: dict[int, list] = {}  # storage pointer -> [weakref to a tensor, references]
 
     def sample(self, label: str) -> MemorySample:
         seen: set[int] = set()
@@ -84,8 +87,9 @@ class MemoryTracker:
             t for s in self.optimizer.state.values() for t in s.values()
             if isinstance(t, torch.Tensor) and t.dim() > 0]
         optimizer = _count(mixed + state, seen)
-        activations = sum(_storage(t)[1] for ptr, (t, _) in self._saved.items()
-                          if ptr not in seen)  # now: FSDP may have shrunk a saved storage
+        alive = [(ptr, ref()) for ptr, (ref, _) in self._saved.items()]
+        activations = sum(_storage(t)[1] for ptr, t in alive  # FSDP may have shrunk one
+                          if t is not None and ptr not in seen)
         result = MemorySample(label, parameters, gradients, optimizer, activations)
         self.samples.append(result)
         return result
@@ -93,10 +97,17 @@ class MemoryTracker:
     def _pack(self, t: torch.Tensor) -> object:
         if isinstance(t, nn.Parameter):  # counted as a parameter (and its data may move)
             return _Saved(self, None, t)
+        return _Saved(self, self._hold(t), t)
+
+    def _hold(self, t: torch.Tensor) -> int:
         ptr, _ = _storage(t)
-        entry = self._saved.setdefault(ptr, [t, 0])
+        entry = self._saved.setdefault(ptr, [weakref.ref(t), 0])
         entry[1] += 1
-        return _Saved(self, ptr, t)
+        return ptr
+
+    def keep(self, t: torch.Tensor) -> None:
+        """Count `t` as an activation for as long as it lives (what recomputation keeps)."""
+        weakref.finalize(t, self._release, self._hold(t))
 
     def _release(self, ptr: int | None) -> None:
         entry = self._saved.get(ptr) if ptr is not None else None
@@ -115,10 +126,12 @@ class MemoryTracker:
                    for name, child in self.module.named_children()]
         handles += [p.register_post_accumulate_grad_hook(after("backward"))
                     for p in self.module.parameters() if p.requires_grad]
+        _watching.append(self)
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, _Saved.unpack):
                 yield self
         finally:
+            _watching.remove(self)
             for handle in handles:
                 handle.remove()
 
@@ -127,6 +140,25 @@ class MemoryTracker:
         if not self.samples:
             raise ValueError("no samples yet: call sample() or run a step inside watch()")
         return max(self.samples, key=lambda s: s.total)
+
+
+_watching: list[MemoryTracker] = []  # trackers inside watch(): recompute() reports to them
+
+
+def recompute(units: Iterable[nn.Module]) -> None:
+    """Activation recomputation (gradient checkpointing) per unit: in forward a unit keeps
+    only its input; in backward it runs its forward again to rebuild what its backward
+    needs (torch.utils.checkpoint, non-reentrant). Activation memory falls from every
+    layer's saved tensors to one input per unit, for about one extra forward of compute."""
+    for unit in units:
+        def checkpointed(*args, _forward=unit.forward, **kwargs):
+            for tracker in _watching:  # the input stays alive until backward: count it
+                for a in args:
+                    if isinstance(a, torch.Tensor):
+                        tracker.keep(a)
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        unit.forward = checkpointed
 
 
 class _Saved:
