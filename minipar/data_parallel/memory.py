@@ -87,9 +87,8 @@ class MemoryTracker:
             t for s in self.optimizer.state.values() for t in s.values()
             if isinstance(t, torch.Tensor) and t.dim() > 0]
         optimizer = _count(mixed + state, seen)
-        alive = [(ptr, ref()) for ptr, (ref, _) in self._saved.items()]
-        activations = sum(_storage(t)[1] for ptr, t in alive  # FSDP may have shrunk one
-                          if t is not None and ptr not in seen)
+        # where each saved tensor's storage is *now*: FSDP may have shrunk or refilled it
+        activations = _count((ref() for ref, _ in self._saved.values()), seen)
         result = MemorySample(label, parameters, gradients, optimizer, activations)
         self.samples.append(result)
         return result
