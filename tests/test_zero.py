@@ -313,4 +313,4 @@ def test_recomputation_keeps_one_input_per_unit_and_changes_nothing_else(stage, 
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
     # without: each block saves its input, two tanh outputs and the hidden layer's input;
     # with: only each block's 16-wide input survives until backward
-    assert 0 < recomputed < plain / 4, (recomputed, plain)
+    assert 0 < recomputed < plain / 2, (recomputed, plain)
