@@ -58,7 +58,8 @@ def one_process(make):
 
 def sharded_training(stage, make):
     model = make()
-    wrapped = FullyShardedDataParallel(model, adam) if stage == 3 else \
+    wrapped = FullyShardedDataParallel(model, adam, prefetch=stage == "3+prefetch") \
+        if str(stage).startswith("3") else \
         ZeroDataParallel(model, adam, stage=stage, bucket_bytes=256)
     losses = []
     for x, y in _batches():
@@ -68,12 +69,12 @@ def sharded_training(stage, make):
         wrapped.step()
         total = collectives.all_reduce(loss.detach() * lx.shape[0]) / x.shape[0]
         losses.append(total.item())
-    if stage == 3:
+    if str(stage).startswith("3"):
         wrapped.gather_parameters()
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3, "3+prefetch"])
 @pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow), 4])
 def test_every_stage_trains_like_one_process(stage, world_size, request):
     want_losses, want_params = one_process(tricky_model)
@@ -314,3 +315,20 @@ def test_recomputation_keeps_one_input_per_unit_and_changes_nothing_else(stage, 
     # without: each block saves its input, two tanh outputs and the hidden layer's input;
     # with: only each block's 16-wide input survives until backward
     assert 0 < recomputed < plain / 2, (recomputed, plain)
+
+
+def _prefetch_timeline():
+    model = plain_model()
+    fsdp = FullyShardedDataParallel(model, adam, prefetch=True)
+    x = torch.randn(8, 2, dtype=torch.float64)
+    with minipar.record("compute", "step"):
+        fsdp(shard(x)).pow(2).mean().backward()
+        fsdp.step()
+
+
+def test_prefetch_runs_every_collective_on_one_background_thread(cluster2):
+    timeline = cluster2.run(_prefetch_timeline).timeline
+    gathers = [e for e in timeline if e.kind in ("all_gather", "reduce_scatter")]
+    assert len([e for e in gathers if e.kind == "all_gather"]) == 2 * 3 * 2  # 3 units, twice
+    assert {e.thread for e in gathers} != {0}  # not the main thread
+    assert len({(e.rank, e.thread) for e in gathers}) == 2  # one thread per rank

@@ -18,9 +18,8 @@ mean loss over the whole batch.
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 
 import torch
@@ -28,6 +27,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from .. import collectives
+from ..collectives.background import CommThread
 from ..runtime import rank, world_size
 from ..trace import record
 
@@ -131,9 +131,8 @@ class DataParallel(nn.Module):
         self._started = False
         self._next = 0
         self._ready: set[int] = set()
-        self._queue: queue.Queue = queue.Queue()
-        self._errors: list[BaseException] = []
-        self._thread: threading.Thread | None = None
+        self._comm = CommThread("minipar-dp-comm")
+        self._pending: list[Future] = []
         for p in trainable:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -188,11 +187,7 @@ class DataParallel(nn.Module):
     def _launch(self, bucket: _Bucket) -> None:
         bucket.pack()
         if self.overlap:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._communicate, daemon=True,
-                                                name="minipar-dp-comm")
-                self._thread.start()
-            self._queue.put(bucket)
+            self._pending.append(self._comm.submit(self._all_reduce, bucket))
         else:
             self._all_reduce(bucket)
 
@@ -201,26 +196,18 @@ class DataParallel(nn.Module):
                     * bucket.flat.element_size()):
             collectives.all_reduce(bucket.flat, op="avg", algorithm=self.algorithm)
 
-    def _communicate(self) -> None:
-        while True:
-            bucket = self._queue.get()
-            try:
-                self._all_reduce(bucket)
-            except BaseException as err:  # surfaced on the main thread in _finish
-                self._errors.append(err)
-            finally:
-                self._queue.task_done()
-
     def _finish(self) -> None:
         """End of backward: launch what is left (unused parameters count as zero
         gradients), wait for every bucket, and write the averages into .grad."""
         with record("wait", "gradient sync"):
             for bucket in self.buckets[self._next:]:
                 self._launch(bucket)
-            self._queue.join()
-        if self._errors:
-            error, self._errors = self._errors[0], []
-            raise RuntimeError(f"gradient all-reduce failed on rank {rank()}: {error}") from error
+            self._comm.join()
+        errors = [f.exception() for f in self._pending if f.exception() is not None]
+        self._pending = []
+        if errors:
+            raise RuntimeError(f"gradient all-reduce failed on rank {rank()}: {errors[0]}"
+                               ) from errors[0]
         for bucket in self.buckets:
             bucket.unpack()
             bucket.waiting = len(bucket.params)

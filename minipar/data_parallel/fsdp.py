@@ -19,10 +19,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
+from concurrent.futures import Future
 
 import torch
 from torch import nn
 
+from ..collectives.background import CommThread
 from ..trace import record
 from .zero import (
     FlatShard,
@@ -55,28 +57,54 @@ class _Unit:
             p.data = piece  # set once: the parameters stay views of `full`
         self.nbytes = self.full.untyped_storage().nbytes()
         self.gathered = True
+        self.pending: Future | None = None  # a prefetched all-gather not yet installed
         self.waiting = len(shard.params)
         self.sent = False
 
-    def gather(self) -> None:
-        if not self.gathered:
-            with record("all_gather", f"gather unit {self.index}", stage=self.index):
-                gathered = self.shard.gather()
-            self.full.untyped_storage().resize_(self.nbytes)
-            # .data: a refill that autograd's saved views must not count as a modification
-            self.full.data.copy_(gathered)
-            self.gathered = True
+    def fetch(self) -> torch.Tensor:
+        """The all-gather itself (on the main thread, or the prefetching CommThread)."""
+        with record("all_gather", f"gather unit {self.index}", stage=self.index):
+            return self.shard.gather()
+
+    def gather(self, comm: CommThread | None = None) -> None:
+        """Make the parameters whole: wait for a prefetched gather, or gather now."""
+        if self.gathered:
+            return
+        if self.pending is not None:
+            gathered, self.pending = self.pending.result(), None
+        elif comm is not None:  # keep the collective order: through the thread
+            gathered = comm.submit(self.fetch).result()
+        else:
+            gathered = self.fetch()
+        self.full.untyped_storage().resize_(self.nbytes)
+        # .data: a refill that autograd's saved views must not count as a modification
+        self.full.data.copy_(gathered)
+        self.gathered = True
+
+    def prefetch(self, comm: CommThread) -> None:
+        """Start this unit's all-gather in the background, if it is not whole or coming."""
+        if not self.gathered and self.pending is None:
+            self.pending = comm.submit(self.fetch)
 
     def free(self) -> None:
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 
-    def send_gradients(self) -> None:
-        with record("reduce_scatter", f"reduce-scatter unit {self.index}", stage=self.index):
-            self.shard.reduce_scatter_gradients(p.grad for p in self.shard.params)  # adds up
+    def send_gradients(self, comm: CommThread | None = None) -> None:
+        """Reduce-scatter the unit's gradients (in the background with `comm`) and drop the
+        full ones; the slice adds up in shard.grad."""
+        flat = self.shard.flatten(p.grad for p in self.shard.params)
         for p in self.shard.params:
             p.grad = None
+        if comm is None:
+            self._reduce(flat)
+        else:
+            comm.submit(self._reduce, flat)
         self.sent, self.waiting = True, len(self.shard.params)  # ready for another backward
+
+    def _reduce(self, flat: torch.Tensor) -> None:
+        with record("reduce_scatter", f"reduce-scatter unit {self.index}", stage=self.index):
+            self.shard.reduce_scatter_flat(flat)
 
 
 class FullyShardedDataParallel:
@@ -86,14 +114,17 @@ class FullyShardedDataParallel:
     each must run once per forward. `optimizer` builds the optimizer from this rank's
     slices. `gather_parameters()` makes every parameter whole again (to read or save).
     `param_dtype=torch.bfloat16`: mixed precision as in ZeroDataParallel; no 16-bit shard is
-    kept at rest, the float32 master slice is cast when gathered (as FSDP2 does)."""
+    kept at rest, the float32 master slice is cast when gathered (as FSDP2 does).
+    `prefetch=True` runs every collective on a background thread and starts gathering the
+    next unit (forward: the one after, backward: the one before) while this one computes."""
 
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory,
                  units: Iterable[nn.Module] | None = None,
-                 param_dtype: torch.dtype | None = None) -> None:
+                 param_dtype: torch.dtype | None = None, prefetch: bool = False) -> None:
         if not trainable_parameters(module):
             raise ValueError("module has no parameter with requires_grad=True to train")
         self.param_dtype = _check_param_dtype(param_dtype)
+        self.comm = CommThread("minipar-fsdp-comm") if prefetch else None
         units = default_units(module) if units is None else list(units)
         owners = Counter(id(p) for u in units for p in trainable_parameters(u))
         assigned: set[int] = set()
@@ -105,13 +136,14 @@ class FullyShardedDataParallel:
             if own:
                 unit = _Unit(FlatShard(own, False, param_dtype), len(self.units))
                 self.units.append(unit)
-                unit_module.register_forward_pre_hook(lambda _m, _a, u=unit: u.gather())
+                unit_module.register_forward_pre_hook(
+                    lambda _m, _a, i=unit.index: self._before(i, +1))
                 unit_module.register_forward_hook(
                     lambda _m, _a, out, u=unit: self._after_forward(u, out))
         rest = [p for p in trainable_parameters(module) if id(p) not in assigned]
         self.root = _Unit(FlatShard(rest, False, param_dtype), len(self.units)) if rest else None
         if self.root is not None:
-            module.register_forward_pre_hook(lambda _m, _a: self.root.gather())
+            module.register_forward_pre_hook(lambda _m, _a: self.root.gather(self.comm))
         for unit in self._all_units():
             unit.free()
             for p in unit.shard.params:
@@ -135,17 +167,27 @@ class FullyShardedDataParallel:
         outputs = output if isinstance(output, (tuple, list)) else (output,)
         for t in outputs:
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(lambda _grad, u=unit: u.gather())
+                t.register_hook(lambda _grad, i=unit.index: self._before(i, -1))
+
+    def _before(self, i: int, direction: int) -> None:
+        """Unit i is about to compute (direction +1: forward, -1: backward): make it whole,
+        and with prefetch start gathering the unit that computes after it."""
+        self.units[i].gather(self.comm)
+        following = i + direction
+        if self.comm is not None and 0 <= following < len(self.units):
+            self.units[following].prefetch(self.comm)
 
     def _arrived(self, unit: _Unit) -> None:
         unit.waiting -= 1
         if unit.waiting == 0:
-            unit.send_gradients()
+            unit.send_gradients(self.comm)
             unit.free()
 
     def step(self) -> None:
         """Finish the gradient exchange (units that got no gradient send zeros) and update
         this rank's slices; the next forward gathers the new parameters."""
+        if self.comm is not None:
+            self.comm.join()  # every background gather and reduce-scatter has landed
         for unit in self._all_units():
             if not unit.sent or any(p.grad is not None for p in unit.shard.params):
                 unit.send_gradients()
@@ -158,4 +200,4 @@ class FullyShardedDataParallel:
     def gather_parameters(self) -> None:
         """Every parameter whole on every rank (a collective: call it on all ranks)."""
         for unit in self._all_units():
-            unit.gather()
+            unit.gather(self.comm)

@@ -96,7 +96,11 @@ class FlatShard:
     def reduce_scatter_gradients(self, grads: Iterable[torch.Tensor | None]) -> None:
         """Average the gradients over ranks; keep only this rank's slice (in `grad`, in the
         parameters' dtype, added to what an earlier backward left)."""
-        mine = collectives.reduce_scatter(self.flatten(grads), op="avg")
+        self.reduce_scatter_flat(self.flatten(grads))
+
+    def reduce_scatter_flat(self, flat: torch.Tensor) -> None:
+        """`reduce_scatter_gradients` for gradients already flattened (and padded)."""
+        mine = collectives.reduce_scatter(flat, op="avg")
         self.grad = mine if self.grad is None else self.grad + mine
 
     def hand_gradient_to_optimizer(self) -> None:

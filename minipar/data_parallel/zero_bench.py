@@ -1,5 +1,6 @@
 """`minipar bench zero`: per-rank memory and step time of data parallelism and ZeRO
-stages 1, 2 and 3, measured beside ZeRO's formula and beside torch's FSDP2."""
+stages 1, 2 and 3 (and 3 with prefetch), measured beside ZeRO's formula and beside
+torch's FSDP2."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ from .memory import MemoryTracker
 from .zero import ZeroDataParallel
 
 ZERO_SIZES = [256, 1024, 1024, 1024, 256]  # about 2.4M parameters, float32
-VARIANTS = ("data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3", "torch FSDP2")
+VARIANTS = ("data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 prefetch", "torch FSDP2")
+
+
+def _stage(variant: str) -> int:
+    return 0 if variant == "data parallel" else int(variant.split()[0][-1])
 BATCH = 64
 
 
@@ -43,8 +48,9 @@ def _wrap(variant: str, model: torch.nn.Module, param_dtype: torch.dtype | None 
         fully_shard(model, mesh=mesh)
         opt = _adam(model.parameters())
         return model, opt.step, opt, []
-    stage = int(variant[-1])
-    wrapped = FullyShardedDataParallel(model, _adam, param_dtype=param_dtype) if stage == 3 \
+    stage = _stage(variant)
+    wrapped = FullyShardedDataParallel(model, _adam, param_dtype=param_dtype,
+                                       prefetch=variant.endswith("prefetch")) if stage == 3 \
         else ZeroDataParallel(model, _adam, stage=stage, param_dtype=param_dtype)
     return wrapped, wrapped.step, wrapped.optimizer, wrapped.shards
 
@@ -62,6 +68,8 @@ def _run(variant: str, steps: int, sizes: list[int] = ZERO_SIZES,
         with tracker.watch():
             ((run(shard(x)).float() - shard(x)) ** 2).mean().backward()
         if i == 1:
+            if getattr(run, "comm", None) is not None:
+                run.comm.join()  # prefetch: let the background reduce-scatters land first
             held = tracker.sample("after backward")
         step()
         opt.zero_grad(set_to_none=True)
@@ -88,7 +96,7 @@ def measure(world_sizes: tuple[int, ...] = (2, 4), steps: int = 5) -> list[dict]
                 row = {"world_size": k, "variant": variant, "params": params,
                        **results[0], "seconds": max(r["seconds"] for r in results)}
                 if variant != "torch FSDP2":
-                    stage = 0 if variant == "data parallel" else int(variant[-1])
+                    stage = _stage(variant)
                     formula = cost.zero_memory(full, stage, k)
                     row.update(formula_parameters=formula.weights,
                                formula_gradients=formula.gradients,
@@ -131,7 +139,7 @@ def measure_memory(world_size: int = 4, mixed: bool = False,
     rows = []
     with Cluster(world_size, backend="gloo") as cluster:
         for variant in variants:
-            stage = 0 if variant == "data parallel" else int(variant[-1])
+            stage = _stage(variant)
             got = cluster.run(_run, variant, 1, sizes,
                               torch.bfloat16 if mixed else None)[0]
             rows.append({"stage": stage, **{k: got[k] for k in ("parameters", "gradients",

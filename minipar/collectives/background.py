@@ -1,0 +1,48 @@
+"""Communication in the background: one thread per trainer that runs collectives in the
+order they were submitted, while the main thread computes.
+
+Collectives match across ranks only if every rank issues them in the same order, so a
+trainer never calls them from two threads at once: while a CommThread is busy, all of
+that trainer's communication goes through it, and `join()` waits for it before the main
+thread talks again. A job's exception is kept in its Future and raised where its result
+is asked for.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+
+class CommThread:
+    """A FIFO of communication jobs run by one daemon thread, started on first use."""
+
+    def __init__(self, name: str = "minipar-comm") -> None:
+        self.name = name
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable, *args) -> Future:
+        """Run `fn(*args)` after every job submitted before it; its Future holds the result."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True, name=self.name)
+            self._thread.start()
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def join(self) -> None:
+        """Wait until every submitted job has finished (results or errors in their Futures)."""
+        self._queue.join()
+
+    def _run(self) -> None:
+        while True:
+            future, fn, args = self._queue.get()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as err:  # raised on the main thread by future.result()
+                future.set_exception(err)
+            finally:
+                self._queue.task_done()
