@@ -262,14 +262,13 @@ class Timeline:
 class _Recorder:
     """This process's event buffer: a perf_counter pair and a list append per event."""
 
-    __slots__ = ("enabled", "t0", "rank", "buffer", "main_thread")
+    __slots__ = ("enabled", "t0", "rank", "buffer")
 
     def __init__(self) -> None:
         self.enabled = True
         self.t0 = perf_counter()
         self.rank = 0
         self.buffer: list[tuple] = []
-        self.main_thread = threading.get_ident()
 
 
 _recorder = _Recorder()
@@ -338,18 +337,17 @@ class capture:
         self.events: list[Event] = []
 
     def __enter__(self) -> capture:
-        self._saved = (_recorder.t0, _recorder.rank, _recorder.buffer, _recorder.main_thread)
+        self._saved = (_recorder.t0, _recorder.rank, _recorder.buffer)
         if self.rank is None:  # the rank that minipar's workers and torchrun both export
             self.rank = int(os.environ.get("RANK", 0))
         _recorder.rank, _recorder.buffer, _recorder.t0 = self.rank, [], perf_counter()
-        _recorder.main_thread = threading.get_ident()
         return self
 
     def __exit__(self, *exc: object) -> None:
         t0, rank = _recorder.t0, _recorder.rank
-        threads = {_recorder.main_thread: 0}  # the capturing thread is thread 0
+        threads = {threading.get_ident(): 0}  # the capturing thread (it enters and exits)
         self.events = [_to_event(rank, t0, item, threads) for item in _recorder.buffer]
-        _recorder.t0, _recorder.rank, _recorder.buffer, _recorder.main_thread = self._saved
+        _recorder.t0, _recorder.rank, _recorder.buffer = self._saved
 
     @property
     def timeline(self) -> Timeline:
