@@ -294,3 +294,16 @@ def test_all_to_all_with_known_counts_skips_the_count_exchange_and_checks_them(c
     assert got1.tolist() == [[2.0, 3.0], [4.0, 5.0], [14.0, 15.0]]
     assert phases == {"exchange"}  # no "counts" phase: both sizes were known
     assert "rank 0 expects [2, 1] rows from ranks 0..1 but they send [1, 2]" in wrong
+
+
+def test_comm_thread_runs_jobs_in_order_and_join_raises_a_failure():
+    from minipar.collectives.background import CommThread
+
+    comm, seen = CommThread(), []
+    for i in range(5):
+        comm.submit(seen.append, i)
+    failed = comm.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        comm.join()
+    assert seen == [0, 1, 2, 3, 4] and isinstance(failed.exception(), ZeroDivisionError)
+    comm.join()  # reported once

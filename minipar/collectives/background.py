@@ -4,8 +4,8 @@ order they were submitted, while the main thread computes.
 Collectives match across ranks only if every rank issues them in the same order, so a
 trainer never calls them from two threads at once: while a CommThread is busy, all of
 that trainer's communication goes through it, and `join()` waits for it before the main
-thread talks again. A job's exception is kept in its Future and raised where its result
-is asked for.
+thread talks again. A job's exception is kept in its Future (raised where its result is
+asked for) and raised again by the next `join()`, so no failure goes unnoticed.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ class CommThread:
         self.name = name
         self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._failures: list[BaseException] = []
 
     def submit(self, fn: Callable, *args) -> Future:
         """Run `fn(*args)` after every job submitted before it; its Future holds the result."""
@@ -34,15 +35,20 @@ class CommThread:
         return future
 
     def join(self) -> None:
-        """Wait until every submitted job has finished (results or errors in their Futures)."""
+        """Wait until every submitted job has finished; raise the first failure since the
+        last join."""
         self._queue.join()
+        if self._failures:
+            failure, self._failures = self._failures[0], []
+            raise failure
 
     def _run(self) -> None:
         while True:
             future, fn, args = self._queue.get()
             try:
                 future.set_result(fn(*args))
-            except BaseException as err:  # raised on the main thread by future.result()
+            except BaseException as err:  # raised on the main thread: result() or join()
                 future.set_exception(err)
+                self._failures.append(err)
             finally:
                 self._queue.task_done()

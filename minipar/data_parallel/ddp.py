@@ -19,7 +19,6 @@ mean loss over the whole batch.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import Future
 from contextlib import contextmanager
 
 import torch
@@ -132,7 +131,6 @@ class DataParallel(nn.Module):
         self._next = 0
         self._ready: set[int] = set()
         self._comm = CommThread("minipar-dp-comm")
-        self._pending: list[Future] = []
         for p in trainable:
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
@@ -187,7 +185,7 @@ class DataParallel(nn.Module):
     def _launch(self, bucket: _Bucket) -> None:
         bucket.pack()
         if self.overlap:
-            self._pending.append(self._comm.submit(self._all_reduce, bucket))
+            self._comm.submit(self._all_reduce, bucket)
         else:
             self._all_reduce(bucket)
 
@@ -202,12 +200,11 @@ class DataParallel(nn.Module):
         with record("wait", "gradient sync"):
             for bucket in self.buckets[self._next:]:
                 self._launch(bucket)
-            self._comm.join()
-        errors = [f.exception() for f in self._pending if f.exception() is not None]
-        self._pending = []
-        if errors:
-            raise RuntimeError(f"gradient all-reduce failed on rank {rank()}: {errors[0]}"
-                               ) from errors[0]
+            try:
+                self._comm.join()
+            except Exception as error:
+                raise RuntimeError(f"gradient all-reduce failed on rank {rank()}: {error}"
+                                   ) from error
         for bucket in self.buckets:
             bucket.unpack()
             bucket.waiting = len(bucket.params)
