@@ -41,8 +41,8 @@ def default_units(module: nn.Module) -> list[nn.Module]:
 
 
 class _Unit:
-    """One sharded unit: its FlatShard, one flat buffer its parameters are views of, and how
-    many of its gradients backward has still to produce.
+    """One sharded unit: its FlatShard (whose flat buffer the parameters are views of),
+    whether that buffer is full now, and a prefetched gather on its way.
 
     Freeing shrinks the buffer's storage to nothing instead of pointing the parameters
     elsewhere: autograd may have saved views of the weights for backward (a linear layer
@@ -51,15 +51,9 @@ class _Unit:
 
     def __init__(self, shard: FlatShard, index: int) -> None:
         self.shard, self.index = shard, index
-        self.full = torch.empty(shard.slice * shard.world, dtype=shard.dtype,
-                                device=shard.master.device)
-        for p, piece in zip(shard.params, shard.pieces(self.full), strict=True):
-            p.data = piece  # set once: the parameters stay views of `full`
-        self.nbytes = self.full.untyped_storage().nbytes()
+        self.nbytes = shard.flat.untyped_storage().nbytes()
         self.gathered = True
         self.pending: Future | None = None  # a prefetched all-gather not yet installed
-        self.waiting = len(shard.params)
-        self.sent = False
 
     def fetch(self) -> torch.Tensor:
         """The all-gather itself (on the main thread, or the prefetching CommThread)."""
@@ -76,9 +70,9 @@ class _Unit:
             gathered = comm.submit(self.fetch).result()
         else:
             gathered = self.fetch()
-        self.full.untyped_storage().resize_(self.nbytes)
+        self.shard.flat.untyped_storage().resize_(self.nbytes)
         # .data: a refill that autograd's saved views must not count as a modification
-        self.full.data.copy_(gathered)
+        self.shard.flat.data.copy_(gathered)
         self.gathered = True
 
     def prefetch(self, comm: CommThread) -> None:
@@ -87,24 +81,21 @@ class _Unit:
             self.pending = comm.submit(self.fetch)
 
     def free(self) -> None:
-        self.full.untyped_storage().resize_(0)
+        self.shard.flat.untyped_storage().resize_(0)
         self.gathered = False
 
     def send_gradients(self, comm: CommThread | None = None) -> None:
         """Reduce-scatter the unit's gradients (in the background with `comm`) and drop the
         full ones; the slice adds up in shard.grad."""
-        flat = self.shard.flatten(p.grad for p in self.shard.params)
-        for p in self.shard.params:
-            p.grad = None
+        flat = self.shard.take_gradients()
         if comm is None:
             self._reduce(flat)
         else:
             comm.submit(self._reduce, flat)
-        self.sent, self.waiting = True, len(self.shard.params)  # ready for another backward
 
     def _reduce(self, flat: torch.Tensor) -> None:
         with record("reduce_scatter", f"reduce-scatter unit {self.index}", stage=self.index):
-            self.shard.reduce_scatter_flat(flat)
+            self.shard.reduce_scatter_gradients(flat)
 
 
 class FullyShardedDataParallel:
@@ -178,8 +169,7 @@ class FullyShardedDataParallel:
             self.units[following].prefetch(self.comm)
 
     def _arrived(self, unit: _Unit) -> None:
-        unit.waiting -= 1
-        if unit.waiting == 0:
+        if unit.shard.arrived():
             unit.send_gradients(self.comm)
             unit.free()
 
@@ -189,11 +179,10 @@ class FullyShardedDataParallel:
         if self.comm is not None:
             self.comm.join()  # every background gather and reduce-scatter has landed
         for unit in self._all_units():
-            if not unit.sent or any(p.grad is not None for p in unit.shard.params):
+            if unit.shard.unsent():
                 unit.send_gradients()
             unit.shard.hand_gradient_to_optimizer()
             unit.free()
-            unit.sent, unit.waiting = False, len(unit.shard.params)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -41,13 +41,16 @@ class FlatShard:
     into K equal slices; this rank keeps slice `rank` as `master`, the tensor its optimizer
     updates.
 
-    With `keep_full` (stages 1 and 2) the parameters become views into one flat buffer
-    (`flat`) and, in one precision, `master` is a view of this rank's slice of it: the
-    optimizer updates the parameters in place and nothing is stored twice. Without it
-    (stage 3) `master` is the only copy this rank keeps, and the full parameters are
-    gathered when needed. With `param_dtype` (mixed precision, e.g. torch.bfloat16) the
+    The parameters become views into one flat buffer (`flat`). With `keep_full` (stages 1
+    and 2), in one precision, `master` is a view of this rank's slice of it: the optimizer
+    updates the parameters in place and nothing is stored twice. Without it (stage 3)
+    `master` is a copy, the only one this rank keeps, so that `flat` can be emptied between
+    uses and gathered again. With `param_dtype` (mixed precision, e.g. torch.bfloat16) the
     parameters, their gradients and what travels are in that dtype, while `master` keeps
     the parameters' original (float32) precision for the optimizer.
+
+    It also counts the gradients backward still owes (`arrived`), so that a trainer can
+    reduce-scatter the shard as soon as they are all there.
     """
 
     def __init__(self, params: list[nn.Parameter], keep_full: bool = True,
@@ -68,11 +71,10 @@ class FlatShard:
         same = self.dtype == full.dtype
         self.master = nn.Parameter(mine if same and keep_full else mine.clone())
         self.grad: torch.Tensor | None = None  # this rank's averaged gradient slice
-        self.flat: torch.Tensor | None = None
-        if keep_full:
-            self.flat = full if same else full.to(self.dtype)
-            for p, piece in zip(params, self.pieces(self.flat), strict=True):
-                p.data = piece
+        self.waiting = len(params)  # gradients backward has still to produce
+        self.flat = full if same else full.to(self.dtype)
+        for p, piece in zip(params, self.pieces(self.flat), strict=True):
+            p.data = piece
 
     def flatten(self, tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
         """One padded flat vector (None counts as zeros: a parameter that got no gradient)."""
@@ -93,19 +95,37 @@ class FlatShard:
             start += shape.numel()
         return out
 
-    def reduce_scatter_gradients(self, grads: Iterable[torch.Tensor | None]) -> None:
-        """Average the gradients over ranks; keep only this rank's slice (in `grad`, in the
-        parameters' dtype, added to what an earlier backward left)."""
-        self.reduce_scatter_flat(self.flatten(grads))
+    def arrived(self) -> bool:
+        """One more parameter's gradient is complete; True if it was the last one owed."""
+        self.waiting -= 1
+        return self.waiting == 0
 
-    def reduce_scatter_flat(self, flat: torch.Tensor) -> None:
-        """`reduce_scatter_gradients` for gradients already flattened (and padded)."""
+    def take_gradients(self) -> torch.Tensor:
+        """The parameters' gradients as one padded flat vector, dropped from the parameters
+        (only this rank's slice will survive); the count of gradients owed starts over."""
+        flat = self.flatten(p.grad for p in self.params)
+        for p in self.params:
+            p.grad = None
+        self.waiting = len(self.params)
+        return flat
+
+    def unsent(self) -> bool:
+        """Does the step still have to reduce-scatter this shard? Yes if nothing was sent
+        (parameters with no gradient send zeros, so every rank joins in) or a later
+        backward left gradients behind."""
+        return self.grad is None or any(p.grad is not None for p in self.params)
+
+    def reduce_scatter_gradients(self, flat: torch.Tensor) -> None:
+        """Average `flat` (from take_gradients) over ranks; keep only this rank's slice (in
+        `grad`, in the parameters' dtype, added to what an earlier backward left)."""
         mine = collectives.reduce_scatter(flat, op="avg")
         self.grad = mine if self.grad is None else self.grad + mine
 
     def hand_gradient_to_optimizer(self) -> None:
-        """Move the reduced slice into master.grad, in the master's precision."""
+        """Move the reduced slice into master.grad, in the master's precision; a partial
+        count of gradients owed starts over."""
         self.master.grad, self.grad = self.grad.to(self.master.dtype), None
+        self.waiting = len(self.params)
 
     def gather(self) -> torch.Tensor:
         """All ranks' updated slices, concatenated: the full flat parameters (padded), in
@@ -171,39 +191,28 @@ class ZeroDataParallel:
         self.shards = [FlatShard(b, param_dtype=param_dtype)
                        for b in bucket_parameters(params[::-1], bucket_bytes)]
         self.optimizer = optimizer([s.master for s in self.shards])
-        self._sent = [False] * len(self.shards)
-        self._waiting = [len(s.params) for s in self.shards]
         if stage == 2:
-            for i, shard in enumerate(self.shards):
+            for shard in self.shards:
                 for p in shard.params:
-                    p.register_post_accumulate_grad_hook(lambda _p, i=i: self._arrived(i))
+                    p.register_post_accumulate_grad_hook(lambda _p, s=shard: self._arrived(s))
 
     def __call__(self, *args, **kwargs):
         return self.module(*cast_inputs(args, self.param_dtype), **kwargs)
 
-    def _arrived(self, i: int) -> None:
-        """Stage 2: one more gradient of bucket i is complete; when all are, send it now."""
-        self._waiting[i] -= 1
-        if self._waiting[i] == 0:
-            self._send(i)
-
-    def _send(self, i: int) -> None:
-        shard = self.shards[i]
-        shard.reduce_scatter_gradients(p.grad for p in shard.params)  # adds to master.grad
-        for p in shard.params:
-            p.grad = None  # only this rank's slice of the gradient survives
-        self._sent[i], self._waiting[i] = True, len(shard.params)  # ready for another backward
+    @staticmethod
+    def _arrived(shard: FlatShard) -> None:
+        """Stage 2: when a bucket's last gradient is complete, send it at once."""
+        if shard.arrived():
+            shard.reduce_scatter_gradients(shard.take_gradients())
 
     def step(self) -> None:
         """Finish the gradient exchange, update this rank's slices, gather the parameters."""
-        for i, shard in enumerate(self.shards):
-            if not self._sent[i] or any(p.grad is not None for p in shard.params):
-                self._send(i)  # stage 1, or gradients a backward left behind
+        for shard in self.shards:
+            if shard.unsent():  # stage 1, or gradients a backward left behind
+                shard.reduce_scatter_gradients(shard.take_gradients())
             shard.hand_gradient_to_optimizer()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
             for shard in self.shards:
                 shard.flat.copy_(shard.gather())  # the parameters are views of flat
-        self._sent = [False] * len(self.shards)
-        self._waiting = [len(s.params) for s in self.shards]  # a partial count starts over
