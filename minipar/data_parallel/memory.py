@@ -73,7 +73,8 @@ class MemoryTracker:
                  shards: Iterable = ()) -> None:
         self.module, self.optimizer, self.shards = module, optimizer, list(shards)
         self.samples: list[MemorySample] = []
-        self._saved: dict[int, list] = {}  # storage pointer -> [weakref to a tensor, references]
+        self._saved: weakref.WeakSet[_Saved] = weakref.WeakSet()  # alive while autograd holds
+        self._kept: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()  # alive while they live
 
     def sample(self, label: str) -> MemorySample:
         seen: set[int] = set()
@@ -88,32 +89,20 @@ class MemoryTracker:
             if isinstance(t, torch.Tensor) and t.dim() > 0]
         optimizer = _count(mixed + state, seen)
         # where each saved tensor's storage is *now*: FSDP may have shrunk or refilled it
-        activations = _count((ref() for ref, _ in self._saved.values()), seen)
+        activations = _count([s.tensor for s in self._saved] + list(self._kept), seen)
         result = MemorySample(label, parameters, gradients, optimizer, activations)
         self.samples.append(result)
         return result
 
-    def _pack(self, t: torch.Tensor) -> object:
-        if isinstance(t, nn.Parameter):  # counted as a parameter (and its data may move)
-            return _Saved(self, None, t)
-        return _Saved(self, self._hold(t), t)
-
-    def _hold(self, t: torch.Tensor) -> int:
-        ptr, _ = _storage(t)
-        entry = self._saved.setdefault(ptr, [weakref.ref(t), 0])
-        entry[1] += 1
-        return ptr
+    def _pack(self, t: torch.Tensor) -> _Saved:
+        saved = _Saved(t)
+        if not isinstance(t, nn.Parameter):  # a parameter counts as one, not as activation
+            self._saved.add(saved)
+        return saved
 
     def keep(self, t: torch.Tensor) -> None:
         """Count `t` as an activation for as long as it lives (what recomputation keeps)."""
-        weakref.finalize(t, self._release, self._hold(t))
-
-    def _release(self, ptr: int | None) -> None:
-        entry = self._saved.get(ptr) if ptr is not None else None
-        if entry is not None:
-            entry[1] -= 1
-            if entry[1] == 0:
-                del self._saved[ptr]
+        self._kept.add(t)
 
     @contextmanager
     def watch(self) -> Iterator[MemoryTracker]:
@@ -161,14 +150,14 @@ def recompute(units: Iterable[nn.Module]) -> None:
 
 
 class _Saved:
-    """A tensor autograd saved for backward; when autograd drops it, it stops counting."""
+    """A tensor autograd saved for backward. Autograd holds this box until it no longer
+    needs the tensor; the tracker only holds it weakly, so it stops counting then."""
 
-    def __init__(self, tracker: MemoryTracker, ptr: int | None, tensor: torch.Tensor) -> None:
-        self.tracker, self.ptr, self.tensor = tracker, ptr, tensor
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
 
     @staticmethod
     def unpack(saved: _Saved) -> torch.Tensor:
         return saved.tensor
-
-    def __del__(self) -> None:
-        self.tracker._release(self.ptr)
