@@ -24,6 +24,11 @@ def mlp(sizes: list[int], seed: int = 0, dtype: torch.dtype = torch.float32) -> 
     return nn.Sequential(*layers)
 
 
+def mlp_parameters(sizes: list[int]) -> int:
+    """How many parameters `mlp(sizes)` has (weights and biases), without building it."""
+    return sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:], strict=True))
+
+
 def linear_stack(width: int, blocks: int, seed: int = 0,
                  dtype: torch.dtype = torch.float32) -> nn.Sequential:
     """`blocks` blocks of Linear(width, width) then tanh, initialized from `seed`: the

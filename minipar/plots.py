@@ -1,4 +1,5 @@
-"""Static pictures of a Timeline: a Gantt chart per rank and where the time went.
+"""Static pictures of a Timeline (a Gantt chart per rank and where the time went) and of
+memory by kind (stacked bars).
 
 Pure functions (a Timeline in, a matplotlib Figure or PNG bytes out; no pyplot
 state, no ipywidgets), so the tour and the benchmarks save them as files, tests
@@ -22,6 +23,25 @@ KIND_COLORS = {
     "extra": "#DA8BC3",
     "all_reduce": "#8172B3", "comm": "#8172B3", "collective": "#8172B3",
 }
+
+
+MEMORY_KINDS = {"parameters": "#4C72B0", "gradients": "#DD8452", "optimizer": "#55A868",
+                "activations": "#C44E52"}
+
+
+def memory_total(row: dict) -> float:
+    """Bytes over every kind of MEMORY_KINDS a row holds (missing kinds count 0)."""
+    return sum(row.get(kind, 0.0) for kind in MEMORY_KINDS)
+
+
+def stack_memory(ax, rows: list[dict], names: list[str], scale: float = 2**20) -> None:
+    """One stacked bar per row: its bytes by kind (divided by `scale`), bottom to top."""
+    bottom = [0.0] * len(rows)
+    for kind, color in MEMORY_KINDS.items():
+        values = [r.get(kind, 0.0) / scale for r in rows]
+        if any(values):
+            ax.bar(names, values, bottom=bottom, color=color, label=kind)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
 
 
 _SPARE = ["#937860", "#DA8BC3", "#8C8C8C", "#CCB974", "#64B5CD", "#1B9E77", "#D95F02"]

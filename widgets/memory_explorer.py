@@ -6,9 +6,9 @@ from __future__ import annotations
 import ipywidgets as w
 
 from minipar.data_parallel.zero_bench import formula_memory, measure_memory
-from minipar.plots import to_png
+from minipar.plots import memory_total, to_png
 
-from .render import render_memory
+from .render import STAGE_NAMES, render_memory
 
 PRECISIONS = {"float32": False, "bf16 + fp32 master": True}
 
@@ -55,11 +55,8 @@ class MemoryExplorer(w.VBox):
     def draw(self) -> None:
         rows = self.rows()
         device = self.device.value * 1e9
-        fits = [r for r in rows if sum(r[k] for k in ("parameters", "gradients", "optimizer",
-                                                       "activations")) <= device]
-        names = ("data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3")
-        self.status.value = (f"fits in {self.device.value:.0f} GB: "
-                             + (", ".join(names[r["stage"]] for r in fits) or "none"))
+        fits = [STAGE_NAMES[r["stage"]] for r in rows if memory_total(r) <= device]
+        self.status.value = f"fits in {self.device.value:.0f} GB: {', '.join(fits) or 'none'}"
         title = (f"{self.params.value:.2e} parameters on {self.ranks.value} ranks, "
                  f"{self.precision.value}")
         mixed = PRECISIONS[self.precision.value]

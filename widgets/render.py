@@ -9,7 +9,7 @@ from __future__ import annotations
 from matplotlib.figure import Figure
 
 from minipar.pipeline import in_flight_over_time
-from minipar.plots import render_timeline
+from minipar.plots import memory_total, render_timeline, stack_memory
 from minipar.trace import Timeline
 
 
@@ -122,8 +122,6 @@ def render_all_to_all(send_counts: list[list[int]], title: str = "") -> Figure:
     return fig
 
 
-MEMORY_KINDS = (("parameters", "#4C72B0"), ("gradients", "#DD8452"),
-                ("optimizer", "#55A868"), ("activations", "#C44E52"))
 STAGE_NAMES = ("data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 
 
@@ -135,8 +133,8 @@ def render_memory(formula: list[dict], measured: list[dict] | None = None,
     panels = 2 if measured else 1
     fig = Figure(figsize=(10 if measured else 6.5, 3.4), layout="constrained")
     axes = fig.subplots(1, panels, squeeze=False)[0]
-    scale, unit = (1e9, "GB") if max(_total(r) for r in formula) > 1e9 else (2**20, "MiB")
-    _stack(axes[0], formula, scale, [STAGE_NAMES[r["stage"]] for r in formula])
+    scale, unit = (1e9, "GB") if max(map(memory_total, formula)) > 1e9 else (2**20, "MiB")
+    stack_memory(axes[0], formula, [STAGE_NAMES[r["stage"]] for r in formula], scale)
     axes[0].set_ylabel(f"{unit} per rank")
     axes[0].set_title(title or "ZeRO's formula", fontsize=9)
     if device_bytes:
@@ -145,26 +143,13 @@ def render_memory(formula: list[dict], measured: list[dict] | None = None,
                      va="bottom", ha="right")
     axes[0].legend(fontsize=7, loc="upper right")
     if measured:
-        names = [STAGE_NAMES[r["stage"]] for r in measured]
-        _stack(axes[1], measured, 2**20, names)
+        stack_memory(axes[1], measured, [STAGE_NAMES[r["stage"]] for r in measured])
         for i, r in enumerate(measured):
-            want = sum(r[f"formula_{kind}"] for kind, _ in MEMORY_KINDS[:3]) / 2**20
-            axes[1].hlines(want, i - 0.4, i + 0.4, color="black", linewidth=2)
+            want = memory_total({k[len("formula_"):]: v for k, v in r.items()
+                                 if k.startswith("formula_")})
+            axes[1].hlines(want / 2**20, i - 0.4, i + 0.4, color="black", linewidth=2)
         axes[1].set_ylabel("MiB on rank 0")
         axes[1].set_title("measured on CPU ranks (black line: formula)", fontsize=9)
     for ax in axes:
         ax.tick_params(axis="x", labelsize=8)
     return fig
-
-
-def _total(row: dict) -> float:
-    return sum(row.get(kind, 0.0) for kind, _ in MEMORY_KINDS)
-
-
-def _stack(ax, rows: list[dict], scale: float, names: list[str]) -> None:
-    bottom = [0.0] * len(rows)
-    for kind, color in MEMORY_KINDS:
-        values = [r.get(kind, 0.0) / scale for r in rows]
-        if any(values):
-            ax.bar(names, values, bottom=bottom, color=color, label=kind)
-            bottom = [b + v for b, v in zip(bottom, values, strict=True)]

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .. import trace
-from ..models import mlp
+from ..models import mlp, mlp_parameters
 from ..report import format_table, progress, save_results
 from ..runtime import Cluster, world_size
 from .ddp import DataParallel
@@ -75,7 +75,7 @@ def measure(world_size: int = 2, steps: int = 8, rounds: int = 3) -> list[dict]:
     rows = []
     with Cluster(world_size, backend="gloo") as cluster:
         for name, (sizes, per_rank) in DP_SIZES.items():
-            params = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:], strict=True))
+            params = mlp_parameters(sizes)
             best: dict[str, dict] = {}
             for round_index in range(rounds):
                 for variant in DP_VARIANTS:

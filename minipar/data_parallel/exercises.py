@@ -133,9 +133,11 @@ def _feedback_gradient(rank: int, step: int) -> torch.Tensor:
                        generator=torch.Generator().manual_seed(1000 * rank + step))
 
 
-def _topk_reference(grad: torch.Tensor, residual: torch.Tensor, k: int) -> tuple:
+def _topk_reference(grad: torch.Tensor, residual: torch.Tensor, k: int,
+                    by: Callable = torch.abs) -> tuple:
+    """(sent, new residual) when keeping the k entries of grad + residual largest by `by`."""
     corrected = grad + residual
-    keep = corrected.abs().topk(k).indices
+    keep = by(corrected).topk(k).indices
     sent = torch.zeros_like(corrected).index_put_((keep,), corrected[keep])
     return sent, corrected - sent
 
@@ -178,10 +180,7 @@ def check_error_feedback(topk_with_error_feedback: Callable, world_size: int = 2
                                     f"keep only the k = {_FEEDBACK_K} largest, zeros elsewhere")
             if not torch.allclose(sent, want_sent):
                 alone, _ = _topk_reference(grad, torch.zeros_like(grad), _FEEDBACK_K)
-                by_value = torch.zeros_like(grad)
-                corrected = grad + residual
-                top = corrected.topk(_FEEDBACK_K).indices
-                by_value[top] = corrected[top]
+                by_value, _ = _topk_reference(grad, residual, _FEEDBACK_K, by=lambda t: t)
                 why = ("you compressed this step's gradient alone: add the residual first "
                        "(corrected = grad + residual), or what was dropped is lost for good"
                        if step > 0 and torch.allclose(sent, alone) else

@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 from .. import cost
-from ..models import mlp
+from ..models import mlp, mlp_parameters
+from ..plots import stack_memory
 from ..report import format_table, progress, save_results
 from ..runtime import Cluster, world_size
 from .ddp import DataParallel, shard
@@ -21,11 +22,12 @@ from .zero import ZeroDataParallel
 
 ZERO_SIZES = [256, 1024, 1024, 1024, 256]  # about 2.4M parameters, float32
 VARIANTS = ("data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 prefetch", "torch FSDP2")
+BATCH = 64
+KINDS = ("parameters", "gradients", "optimizer")
 
 
 def _stage(variant: str) -> int:
     return 0 if variant == "data parallel" else int(variant.split()[0][-1])
-BATCH = 64
 
 
 def _adam(params):
@@ -76,19 +78,17 @@ def _run(variant: str, steps: int, sizes: list[int] = ZERO_SIZES,
         if i >= 2:
             times.append(time.perf_counter() - start)
     peak = tracker.peak()
-    return {"seconds": statistics.median(times), "parameters": held.parameters,
-            "gradients": held.gradients, "optimizer": held.optimizer,
+    return {"seconds": statistics.median(times), **{k: getattr(held, k) for k in KINDS},
             "peak": peak.total, "peak_activations": max(s.activations for s in tracker.samples)}
 
 
 def measure(world_sizes: tuple[int, ...] = (2, 4), steps: int = 5) -> list[dict]:
     """Each variant on K ranks: median step time (slowest rank), and rank 0's bytes by kind
     after backward (when parameters, gradients and optimizer state are all present)."""
-    params = _params(ZERO_SIZES)
-    full = cost.training_memory(params, weights="fp32", grads="fp32", optimizer="adam",
-                                optimizer_dtype="fp32")
+    params = mlp_parameters(ZERO_SIZES)
     rows = []
     for k in world_sizes:
+        formula = formula_memory(params, k, mixed=False)
         with Cluster(k, backend="gloo") as cluster:
             for variant in VARIANTS:
                 progress(f"K={k}: {variant}")
@@ -96,11 +96,7 @@ def measure(world_sizes: tuple[int, ...] = (2, 4), steps: int = 5) -> list[dict]
                 row = {"world_size": k, "variant": variant, "params": params,
                        **results[0], "seconds": max(r["seconds"] for r in results)}
                 if variant != "torch FSDP2":
-                    stage = _stage(variant)
-                    formula = cost.zero_memory(full, stage, k)
-                    row.update(formula_parameters=formula.weights,
-                               formula_gradients=formula.gradients,
-                               formula_optimizer=formula.optimizer)
+                    row.update(_beside(formula[_stage(variant)]))
                 rows.append(row)
     for row in rows:
         same_k = [r for r in rows if r["world_size"] == row["world_size"]]
@@ -111,8 +107,9 @@ def measure(world_sizes: tuple[int, ...] = (2, 4), steps: int = 5) -> list[dict]
     return rows
 
 
-def _params(sizes: list[int]) -> int:
-    return sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:], strict=True))
+def _beside(formula_row: dict) -> dict:
+    """A formula row's bytes by kind as `formula_<kind>` keys, to sit beside measured ones."""
+    return {f"formula_{k}": formula_row[k] for k in KINDS}
 
 
 def formula_memory(params: float, world_size: int, mixed: bool) -> list[dict]:
@@ -125,7 +122,7 @@ def formula_memory(params: float, world_size: int, mixed: bool) -> list[dict]:
     for stage in range(4):
         m = cost.zero_memory(full, stage, world_size)
         rows.append({"stage": stage, "parameters": m.weights, "gradients": m.gradients,
-                     "optimizer": m.optimizer})
+                     "optimizer": m.optimizer})  # the kinds MemoryTracker measures
     return rows
 
 
@@ -134,7 +131,7 @@ def measure_memory(world_size: int = 4, mixed: bool = False,
     """Rank 0's bytes by kind after backward for ZeRO stages 1-3 (and data parallelism in
     float32) on `world_size` CPU ranks, each row beside the formula's (`formula_*` keys)."""
     sizes = sizes or [64, 256, 256, 64]
-    formula = formula_memory(_params(sizes), world_size, mixed)
+    formula = formula_memory(mlp_parameters(sizes), world_size, mixed)
     variants = (["data parallel"] if not mixed else []) + ["ZeRO-1", "ZeRO-2", "ZeRO-3"]
     rows = []
     with Cluster(world_size, backend="gloo") as cluster:
@@ -142,10 +139,8 @@ def measure_memory(world_size: int = 4, mixed: bool = False,
             stage = _stage(variant)
             got = cluster.run(_run, variant, 1, sizes,
                               torch.bfloat16 if mixed else None)[0]
-            rows.append({"stage": stage, **{k: got[k] for k in ("parameters", "gradients",
-                                                                 "optimizer")},
-                         **{f"formula_{k}": formula[stage][k]
-                            for k in ("parameters", "gradients", "optimizer")}})
+            rows.append({"stage": stage, **{k: got[k] for k in KINDS},
+                         **_beside(formula[stage])})
     return rows
 
 
@@ -162,7 +157,7 @@ def report(rows: list[dict], out_dir: Path) -> str:
         line = {"K": str(r["world_size"]), "variant": r["variant"],
                 "step": f"{r['seconds'] * 1e3:.1f} ms", "vs DP": f"{r['vs_dp']:.2f}x",
                 "vs FSDP2": f"{r['vs_fsdp2']:.2f}x"}
-        for kind in ("parameters", "gradients", "optimizer"):
+        for kind in KINDS:
             want = r.get(f"formula_{kind}")
             line[kind] = "-" if want is None else f"{_mb(r[kind])} / {_mb(want)}"
         line["peak"] = "-" if r["variant"] == "torch FSDP2" else _mb(r["peak"])
@@ -171,15 +166,9 @@ def report(rows: list[dict], out_dir: Path) -> str:
     axes = fig.subplots(1, len({r["world_size"] for r in rows}), squeeze=False)[0]
     for ax, k in zip(axes, sorted({r["world_size"] for r in rows}), strict=True):
         mine = [r for r in rows if r["world_size"] == k and r["variant"] != "torch FSDP2"]
-        bottom = [0.0] * len(mine)
-        for kind, color in (("parameters", "#4C72B0"), ("gradients", "#DD8452"),
-                            ("optimizer", "#55A868")):
-            values = [r[kind] / 2**20 for r in mine]
-            ax.bar([r["variant"] for r in mine], values, bottom=bottom, color=color, label=kind)
-            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-        ax.scatter([r["variant"] for r in mine],
-                   [sum(r[f"formula_{kind}"] for kind in ("parameters", "gradients",
-                                                          "optimizer")) / 2**20 for r in mine],
+        names = [r["variant"] for r in mine]
+        stack_memory(ax, mine, names)
+        ax.scatter(names, [sum(r[f"formula_{kind}"] for kind in KINDS) / 2**20 for r in mine],
                    marker="_", s=400, color="black", label="formula", zorder=3)
         ax.set_title(f"{k} ranks: MiB per rank after backward", fontsize=9)
         ax.tick_params(axis="x", labelsize=7)
