@@ -117,7 +117,8 @@ def render_all_to_all(send_counts: list[list[int]], title: str = "") -> Figure:
     bars.set_xticks(range(k), [f"rank {r}" for r in range(k)])
     bars.set_ylabel("rows")
     bars.yaxis.get_major_locator().set_params(integer=True)
-    bars.legend(fontsize=8)
+    bars.set_ylim(0, max(sent + received + stays) * 1.4)  # headroom: the legend sits above
+    bars.legend(fontsize=7, ncol=3, loc="upper center", frameon=False)
     bars.set_title("per rank: kept at home, sent, received", fontsize=9)
     return fig
 
