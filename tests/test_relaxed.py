@@ -61,8 +61,14 @@ def test_hogwild_ranks_share_parameters_and_converge(tmp_path, cluster2):
     results = cluster2.run(train_relaxed, "hogwild", _model32, _batches(40, torch.float32),
                            mse, 0.1, shared_file=shared)
     assert torch.equal(results[0][1], results[1][1])  # one tensor in shared memory
-    for report, _ in results:
-        assert sum(report.losses[-5:]) < 0.5 * sum(report.losses[:5])
+    # how the ranks interleave is up to the OS (one may finish before the other starts),
+    # so judge the shared result: it fits the data far better than the starting weights
+    batches = _batches(40, torch.float32)
+    model = _model32()
+    before = sum(mse(model(x), y).item() for x, y in batches)
+    torch.nn.utils.vector_to_parameters(results[0][1], model.parameters())
+    after = sum(mse(model(x), y).item() for x, y in batches)
+    assert after < 0.5 * before
 
 
 def test_bad_local_steps_is_refused(cluster2):
