@@ -19,8 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     tour.add_argument("--out", default="minipar-out", help="folder for pictures and traces")
 
     bench = commands.add_parser("bench", help="run a benchmark: table, JSON and plot")
-    bench.add_argument("name", help="which benchmark (launch, collectives, data-parallel, "
-                                       "pipeline, tensor-parallel, moe)")
+    from .bench import BENCHMARKS
+
+    bench.add_argument("name", choices=list(BENCHMARKS), metavar="name",
+                       help=f"which benchmark ({', '.join(BENCHMARKS)})")
     bench.add_argument("--out", default="bench-out", help="folder for JSON and plot")
 
     lessons = commands.add_parser("lessons", help="write learners' copies of the lessons")

@@ -68,6 +68,21 @@ def activation_bytes(layers: int, hidden: int, seq_len: int, batch: int, heads: 
     return layers * batch * s * h * per_token
 
 
+def transformer_shape(params: float, hidden_per_layer: int = 128,
+                      head_dim: int = 128) -> tuple[int, int, int]:
+    """(layers, hidden, heads) of a GPT-style model with about `params` parameters.
+
+    A transformer layer holds about 12*h^2 parameters (4h^2 in attention, 8h^2 in the
+    MLP), and published models keep hidden/layers near 128 (GPT-3 175B: 96 layers of
+    12288; LLaMA-7B: 32 of 4096), so params = 12 * 128^2 * L^3 gives L, then h = 128*L
+    rounded to whole heads.
+    """
+    _positive("params", params)
+    layers = max(1, round((params / (12 * hidden_per_layer**2)) ** (1 / 3)))
+    heads = max(1, round(hidden_per_layer * layers / head_dim))
+    return layers, heads * head_dim, heads
+
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Training memory by component, in bytes."""

@@ -57,10 +57,18 @@ def test_mixed_precision_adam_is_16_bytes_per_param():
     (lambda: cost.training_memory(-1), "params must be > 0"),
     (lambda: cost.training_time(1e20, utilization=1.5), r"utilization must be in \(0, 1\]"),
     (lambda: cost.activation_bytes(1, 8, 8, 1, 1, recompute="some"), "recompute must be one of"),
+    (lambda: cost.transformer_shape(0), "params must be > 0"),
 ])
 def test_bad_input_names_the_parameter(call, words):
     with pytest.raises(ValueError, match=words):
         call()
+
+
+def test_transformer_shape_recovers_published_models():
+    assert cost.transformer_shape(175e9) == (96, 12288, 96)  # GPT-3
+    layers, hidden, heads = cost.transformer_shape(7e9)
+    assert (layers, hidden, heads) == (33, 4224, 33)  # LLaMA-7B has 32 layers of 4096
+    assert 12 * hidden**2 * layers == pytest.approx(7e9, rel=0.05)
 
 
 def test_resnet50_parameter_server_adds_about_50_percent():

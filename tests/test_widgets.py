@@ -136,14 +136,34 @@ def test_memory_explorer_follows_its_inputs_and_says_what_fits():
     from minipar.widgets import MemoryExplorer
 
     explorer = MemoryExplorer(params=65e9, ranks=64, mixed=True, device_gb=80)
-    assert explorer.status.value == "fits in 80 GB: ZeRO-3"
+    assert explorer.status.value.startswith("fits in 80 GB: ZeRO-3 &middot;")
     first = bytes(explorer.image.value)
     explorer.ranks.value = 1024  # ZeRO-2's gradients and optimizer state shrink below 80 GB?
     rows = explorer.rows()
     assert rows[2]["gradients"] == pytest.approx(2 * 65e9 / 1024)
     assert bytes(explorer.image.value) != first  # the picture is the current input
     explorer.params.value = 1e8
-    assert explorer.status.value.endswith("data parallel, ZeRO-1, ZeRO-2, ZeRO-3")
+    assert "data parallel, ZeRO-1, ZeRO-2, ZeRO-3 &middot;" in explorer.status.value
+
+
+def test_memory_explorer_activations_follow_recomputation_and_micro_batch():
+    from minipar import cost
+    from minipar.widgets import MemoryExplorer
+
+    explorer = MemoryExplorer(params=175e9, ranks=8, recompute="none", micro_batch=1,
+                              seq_len=2048)
+    assert explorer.shape() == (96, 12288, 96)  # GPT-3's shape from its parameter count
+    none = explorer.rows()[3]["activations"]
+    assert none == cost.activation_bytes(96, 12288, 2048, 1, 96, "none")
+    explorer.recompute.value = "selective"
+    selective = explorer.rows()[3]["activations"]
+    explorer.recompute.value = "full"
+    full = explorer.rows()[3]["activations"]
+    assert none > selective > full
+    explorer.micro_batch.value = 4
+    assert explorer.rows()[0]["activations"] == pytest.approx(4 * full)
+    explorer.precision.value = "float32"
+    assert explorer.rows()[0]["activations"] == pytest.approx(8 * full)
 
 
 @pytest.mark.slow

@@ -17,12 +17,13 @@ from ..plots import stack_memory
 from ..report import format_table, progress, save_results
 from ..runtime import Cluster, world_size
 from .ddp import DataParallel, shard
-from .fsdp import FullyShardedDataParallel
-from .memory import MemoryTracker
+from .fsdp import FullyShardedDataParallel, default_units
+from .memory import MemoryTracker, recompute
 from .zero import ZeroDataParallel
 
 ZERO_SIZES = [256, 1024, 1024, 1024, 256]  # about 2.4M parameters, float32
-VARIANTS = ("data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 prefetch", "torch FSDP2")
+VARIANTS = ("data parallel", "ZeRO-1", "ZeRO-2", "ZeRO-3", "ZeRO-3 prefetch", "ZeRO-3 recompute",
+            "torch FSDP2")
 BATCH = 64
 KINDS = ("parameters", "gradients", "optimizer")
 
@@ -52,6 +53,13 @@ def _wrap(variant: str, model: torch.nn.Module, param_dtype: torch.dtype | None 
         opt = _adam(model.parameters())
         return model, opt.step, opt, []
     stage = _stage(variant)
+    if variant.endswith("recompute"):
+        # a unit of one linear layer already keeps only its input: recomputation pays off
+        # for units with activations inside, so pair the layers into two-layer blocks
+        layers = list(model)
+        model = torch.nn.Sequential(*(torch.nn.Sequential(*layers[i:i + 4])
+                                      for i in range(0, len(layers), 4)))
+        recompute(default_units(model))
     wrapped = FullyShardedDataParallel(model, _adam, param_dtype=param_dtype,
                                        prefetch=variant.endswith("prefetch")) if stage == 3 \
         else ZeroDataParallel(model, _adam, stage=stage, param_dtype=param_dtype)
@@ -60,9 +68,8 @@ def _wrap(variant: str, model: torch.nn.Module, param_dtype: torch.dtype | None 
 
 def _run(variant: str, steps: int, sizes: list[int] = ZERO_SIZES,
          param_dtype: torch.dtype | None = None) -> dict:
-    model = mlp(sizes, seed=0)
-    run, step, opt, shards = _wrap(variant, model, param_dtype)
-    tracker = MemoryTracker(model, opt, shards)
+    run, step, opt, shards = _wrap(variant, mlp(sizes, seed=0), param_dtype)
+    tracker = MemoryTracker(getattr(run, "module", run), opt, shards)
     x = torch.randn(BATCH, sizes[0], generator=torch.Generator().manual_seed(1))
     times, held = [], None
     for i in range(steps + 2):  # step 0 warms up, step 1 is measured for memory, the rest timed
@@ -162,6 +169,7 @@ def report(rows: list[dict], out_dir: Path) -> str:
             want = r.get(f"formula_{kind}")
             line[kind] = "-" if want is None else f"{_mb(r[kind])} / {_mb(want)}"
         line["peak"] = "-" if r["variant"] == "torch FSDP2" else _mb(r["peak"])
+        line["activations"] = "-" if r["variant"] == "torch FSDP2" else _mb(r["peak_activations"])
         shown.append(line)
     fig = Figure(figsize=(9, 3.4), layout="constrained")
     axes = fig.subplots(1, len({r["world_size"] for r in rows}), squeeze=False)[0]
@@ -175,9 +183,11 @@ def report(rows: list[dict], out_dir: Path) -> str:
         ax.tick_params(axis="x", labelsize=7)
         ax.legend(fontsize=7)
     save_results(rows, fig, out_dir, "zero")
-    header = ("measured / formula MiB per rank after backward (rank 0); peak = largest "
-              "sample over the step, activations included; step = median, slowest rank")
+    header = ("measured / formula MiB per rank after backward (rank 0); activ. peak and peak = "
+              "largest activations and largest total sampled over the step; step = median, "
+              "slowest rank")
     return header + "\n" + format_table(shown, [
         ("K", "K"), ("variant", "trainer"), ("parameters", "parameters"),
-        ("gradients", "gradients"), ("optimizer", "optimizer"), ("peak", "peak MiB"),
+        ("gradients", "gradients"), ("optimizer", "optimizer"), ("activations", "activ. peak"),
+        ("peak", "peak MiB"),
         ("step", "step"), ("vs DP", "vs DP"), ("vs FSDP2", "vs FSDP2")])
