@@ -15,9 +15,16 @@
   minipar.data_parallel`).
 """
 
-from .ddp import FIRST_BUCKET_BYTES, DataParallel, shard, shard_weight, single_process_sgd
+from .ddp import (
+    FIRST_BUCKET_BYTES,
+    DataParallel,
+    average_gradients,
+    shard,
+    shard_weight,
+    single_process_sgd,
+)
 from .fsdp import FullyShardedDataParallel
 from .zero import FlatShard, ZeroDataParallel
 
-__all__ = ["FIRST_BUCKET_BYTES", "DataParallel", "FlatShard", "FullyShardedDataParallel",
+__all__ = ["FIRST_BUCKET_BYTES", "DataParallel", "FlatShard", "average_gradients", "FullyShardedDataParallel",
            "ZeroDataParallel", "shard", "shard_weight", "single_process_sgd"]

@@ -54,7 +54,7 @@ class FlatShard:
     """
 
     def __init__(self, params: list[nn.Parameter], keep_full: bool = True,
-                 param_dtype: torch.dtype | None = None) -> None:
+                 param_dtype: torch.dtype | None = None, group=None) -> None:
         if not params:
             raise ValueError("a FlatShard needs at least one parameter")
         dtypes = {p.dtype for p in params}
@@ -63,7 +63,7 @@ class FlatShard:
         self.params = params
         self.shapes = [p.shape for p in params]  # kept: stage 3 empties the parameters
         self.numel = sum(p.numel() for p in params)
-        self.world, self.rank = world_size(), rank()
+        self.group, self.world, self.rank = group, world_size(group), rank(group)
         self.slice = math.ceil(self.numel / self.world)  # padded length / K
         full = self.flatten([p.detach() for p in params])
         self.dtype = param_dtype or full.dtype  # what the model computes and sends in
@@ -118,7 +118,7 @@ class FlatShard:
     def reduce_scatter_gradients(self, flat: torch.Tensor) -> None:
         """Average `flat` (from take_gradients) over ranks; keep only this rank's slice (in
         `grad`, in the parameters' dtype, added to what an earlier backward left)."""
-        mine = collectives.reduce_scatter(flat, op="avg")
+        mine = collectives.reduce_scatter(flat, op="avg", group=self.group)
         self.grad = mine if self.grad is None else self.grad + mine
 
     def hand_gradient_to_optimizer(self) -> None:
@@ -130,7 +130,7 @@ class FlatShard:
     def gather(self) -> torch.Tensor:
         """All ranks' updated slices, concatenated: the full flat parameters (padded), in
         the parameters' dtype (mixed precision sends 16-bit values)."""
-        return collectives.all_gather(self.master.detach().to(self.dtype))
+        return collectives.all_gather(self.master.detach().to(self.dtype), group=self.group)
 
 
 def _check_param_dtype(param_dtype: torch.dtype | None) -> torch.dtype | None:
@@ -166,7 +166,8 @@ def bucket_parameters(params: list[nn.Parameter], bucket_bytes: int) -> list[lis
 
 
 class ZeroDataParallel:
-    """Train `module` with ZeRO stage 1 or 2 over all ranks.
+    """Train `module` with ZeRO stage 1 or 2 over all ranks (or the ranks of `group`: the
+    data-parallel dimension of a mesh).
 
     Call `loss.backward()` as usual, then `step()`: it reduce-scatters what backward has not
     already sent (stage 1: everything), steps this rank's optimizer on its slices and
@@ -178,7 +179,8 @@ class ZeroDataParallel:
     """
 
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory, stage: int = 1,
-                 bucket_bytes: int = 1 << 20, param_dtype: torch.dtype | None = None) -> None:
+                 bucket_bytes: int = 1 << 20, param_dtype: torch.dtype | None = None,
+                 group=None) -> None:
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (stage 3 is FullyShardedDataParallel); "
                              f"got {stage!r}")
@@ -188,7 +190,7 @@ class ZeroDataParallel:
         self.module, self.stage = module, stage
         # backward produces gradients from the last layer to the first: bucket in that order
         self.param_dtype = _check_param_dtype(param_dtype)
-        self.shards = [FlatShard(b, param_dtype=param_dtype)
+        self.shards = [FlatShard(b, param_dtype=param_dtype, group=group)
                        for b in bucket_parameters(params[::-1], bucket_bytes)]
         self.optimizer = optimizer([s.master for s in self.shards])
         if stage == 2:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .. import collectives
-from ..runtime import rank
+from ..runtime import rank, world_size
 from ..trace import record
 from .plan import Action, Schedule
 
@@ -119,17 +119,22 @@ class SavedActivationMeter:
 
 
 class Pipeline:
-    """This rank's stages of a model and the schedule that drives them."""
+    """This rank's stages of a model and the schedule that drives them. With `group` (a
+    mesh's pipeline dimension) the schedule's ranks are the ranks of that group."""
 
     def __init__(self, stage_modules: Sequence[nn.Module], plan: Schedule,
-                 lr: float | None = None) -> None:
+                 lr: float | None = None, group=None) -> None:
         if len(stage_modules) != plan.stages:
             raise ValueError(f"the schedule has {plan.stages} stages but {len(stage_modules)} "
                              "stage modules were given; split the model into that many")
         if plan.weight_stashing and (lr is None or lr <= 0):
             raise ValueError("'pipedream' updates the weights after every micro-batch's "
                              "backward: pass lr > 0 (the SGD learning rate)")
-        self.plan, self.rank, self.lr = plan, rank(), lr
+        self.plan, self.rank, self.lr, self.group = plan, rank(group), lr, group
+        if world_size(group) != plan.ranks:
+            raise ValueError(f"the schedule places its stages on {plan.ranks} ranks but the "
+                             f"pipeline group has {world_size(group)}; build the schedule for "
+                             f"{world_size(group)} ranks")
         self.version: dict[int, int] = {s: 0 for s in range(plan.stages)}
         self.versions_used: dict[tuple[int, int], tuple[int, int]] = {}
         self.modules = {s: m for s, m in enumerate(stage_modules) if plan.rank_of(s) == self.rank}
@@ -168,22 +173,26 @@ class Pipeline:
             tag = {"label": str(a), "stage": a.stage, "microbatch": a.microbatch}
         if a.kind == "RECV_F":
             src = self.plan.rank_of(a.stage - 1)
-            header = collectives.recv(torch.zeros(_HEADER, dtype=torch.int64), src, **tag)
+            header = collectives.recv(torch.zeros(_HEADER, dtype=torch.int64), src, self.group,
+                                      **tag)
             shape = header[1:1 + int(header[0])].tolist()
-            st.incoming[key] = collectives.recv(torch.empty(shape, dtype=self.dtype), src, **tag)
+            st.incoming[key] = collectives.recv(torch.empty(shape, dtype=self.dtype), src,
+                                                self.group, **tag)
         elif a.kind == "SEND_F":
             out = st.outputs[key].detach()
             header = torch.zeros(_HEADER, dtype=torch.int64)
             header[0] = out.dim()
             header[1:1 + out.dim()] = torch.tensor(out.shape)
             dst = self.plan.rank_of(a.stage + 1)
-            st.sends += [collectives.isend(header, dst, **tag), collectives.isend(out, dst, **tag)]
+            st.sends += [collectives.isend(header, dst, self.group, **tag),
+                         collectives.isend(out, dst, self.group, **tag)]
         elif a.kind == "RECV_B":
             grad = torch.empty_like(st.outputs[key])
-            st.grads[key] = collectives.recv(grad, self.plan.rank_of(a.stage + 1), **tag)
+            st.grads[key] = collectives.recv(grad, self.plan.rank_of(a.stage + 1), self.group,
+                                             **tag)
         elif a.kind == "SEND_B":
             st.sends.append(collectives.isend(st.input_grads.pop(key),
-                                              self.plan.rank_of(a.stage - 1), **tag))
+                                              self.plan.rank_of(a.stage - 1), self.group, **tag))
         elif a.kind == "F":
             with record("F", str(a), stage=a.stage, microbatch=a.microbatch):
                 if a.stage == 0:

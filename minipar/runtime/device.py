@@ -52,11 +52,11 @@ def synchronize() -> None:
         torch.cuda.synchronize(_device)
 
 
-def rank() -> int:
-    """This process's rank (0 outside any launch)."""
-    return dist.get_rank() if dist.is_initialized() else 0
+def rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank in the run, or inside `group` (0 outside any launch)."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-def world_size() -> int:
-    """Number of ranks in the run (1 outside any launch)."""
-    return dist.get_world_size() if dist.is_initialized() else 1
+def world_size(group: dist.ProcessGroup | None = None) -> int:
+    """Number of ranks in the run, or in `group` (1 outside any launch)."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1

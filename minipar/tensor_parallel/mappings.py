@@ -18,8 +18,7 @@ from ..runtime import rank, world_size
 
 def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
     """(rank, size) inside the tensor-parallel group."""
-    return (dist.get_rank(group), dist.get_world_size(group)) if group is not None else \
-        (rank(), world_size())
+    return rank(group), world_size(group)
 
 
 def _last_dim_gather(x: torch.Tensor, group) -> torch.Tensor:

@@ -1,0 +1,214 @@
+"""The tiny GPT trained on a mesh: data x pipeline x tensor parallelism composed.
+
+Each technique is the one its own package teaches, given its mesh dimension's group:
+
+- **tp**: every transformer block is a `ParallelTransformerBlock` over `groups.tp`
+  (Megatron's column/row split; embeddings, norms and the head replicated);
+- **pp**: the layers [embedding, blocks..., head] are cut into `pp` stages and run by
+  `Pipeline(..., group=groups.pp)` under a schedule (1F1B by default);
+- **dp**: each data-parallel replica takes its rows of the batch (`shard`), and after
+  backward the gradients are averaged over `groups.dp` (or, with `zero=True`, ZeRO-1
+  shards the optimizer state over `groups.dp`).
+
+One thing exists only because techniques meet: the head is tied to the token
+embedding, and with pp > 1 the first and last stages hold separate copies of that
+weight. As Megatron-LM does, their gradients are summed between the two stages (its
+"embedding group") so both copies take the same step.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from .. import collectives
+from ..data_parallel import ZeroDataParallel, average_gradients, shard
+from ..models import TinyGPT
+from ..pipeline import Pipeline, schedule, split_model
+from ..runtime import rank, world_size
+from ..tensor_parallel import ParallelTransformerBlock
+from .mesh import MeshGroups
+
+
+class Embedding(nn.Module):
+    """The first layer: token + position embeddings; ids [batch, sequence] in (the batch
+    first, so the pipeline cuts micro-batches along it), activations [sequence, batch,
+    hidden] out, as the blocks take them."""
+
+    def __init__(self, twin: TinyGPT) -> None:
+        super().__init__()
+        self.tokens, self.positions = copy.deepcopy(twin.tokens), copy.deepcopy(twin.positions)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.t()
+        return self.tokens(ids) + self.positions(torch.arange(ids.shape[0]))[:, None, :]
+
+
+class Head(nn.Module):
+    """The last layer: the final norm and the output projection tied to `tokens`."""
+
+    def __init__(self, twin: TinyGPT, tokens: nn.Embedding) -> None:
+        super().__init__()
+        self.norm, self.tokens = copy.deepcopy(twin.norm), tokens
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) @ self.tokens.weight.t()
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits [sequence, batch, vocab] against targets [batch, sequence]."""
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                       targets.t().reshape(-1))
+
+
+def gpt_layers(twin: TinyGPT, tp_group=None) -> list[tuple[str, nn.Module]]:
+    """The GPT as a sequence of (twin name prefix, layer): embedding, blocks (tensor
+    parallel over `tp_group`), head. The prefixes name each parameter as the twin does."""
+    embedding = Embedding(twin)
+    blocks = [(f"blocks.{i}.", ParallelTransformerBlock(b, tp_group))
+              for i, b in enumerate(twin.blocks)]
+    return [("", embedding), *blocks, ("", Head(twin, embedding.tokens))]
+
+
+def stage_boundaries(layers: int, stages: int) -> list[int]:
+    """Where each stage after the first begins: the blocks shared out evenly, the embedding
+    joining the first stage and the head the last (layers counts all three kinds)."""
+    blocks = layers - 2
+    if not 1 <= stages <= blocks:
+        raise ValueError(f"pp must be between 1 and the number of blocks ({blocks}); "
+                         f"got {stages}")
+    return [1 + (blocks * s) // stages for s in range(1, stages)]
+
+
+class MeshGPT:
+    """This rank's part of a TinyGPT trained on a mesh with dimensions dp, pp and tp (any of
+    them may be 1). `train_step` runs one batch and the optimizer; `named_parameters`
+    names this rank's parameters as the twin does, so each can be checked against it."""
+
+    def __init__(self, twin: TinyGPT, groups: MeshGroups, optimizer: Callable,
+                 microbatches: int = 2, schedule_name: str = "1f1b", zero: bool = False) -> None:
+        self.groups, self.zero = groups, zero
+        self.pp_rank, self.pp = rank(groups.pp), world_size(groups.pp)
+        named = gpt_layers(twin, groups.tp)
+        cuts = [0, *stage_boundaries(len(named), self.pp), len(named)]
+        stages = split_model([m for _, m in named], self.pp, cuts[1:-1])
+        plan = schedule(schedule_name, self.pp, microbatches)
+        mine = [s for s in range(plan.stages) if plan.rank_of(s) == self.pp_rank]
+        self._prefixes = {s: [p for p, _ in named[cuts[s]:cuts[s + 1]]] for s in mine}
+        self._local = nn.ModuleList(stages[s] for s in mine)
+        # ZeRO makes the parameters views of its flat buffer: before the pipeline sees them
+        if zero:
+            self.trainer = ZeroDataParallel(self._local, optimizer, stage=1, group=groups.dp)
+            self.optimizer = self.trainer.optimizer
+        else:
+            self.optimizer = optimizer(list(self._local.parameters()))
+        self.pipe = Pipeline(stages, plan, group=groups.pp)
+        # the weight the embedding and the head share, on ranks holding either end
+        ends = [stages[0][0]] if 0 in mine else []
+        ends += [stages[-1][-1]] if plan.stages - 1 in mine else []
+        self.tied = ends[0].tokens.weight if ends else None
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the twin's names (the tied weight once)."""
+        seen = set()
+        for s, stage in self.pipe.modules.items():
+            for prefix, layer in zip(self._prefixes[s], stage, strict=True):
+                for name, p in layer.named_parameters():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        yield prefix + name, p
+
+    def forward_backward(self, ids: torch.Tensor, targets: torch.Tensor) -> float | None:
+        """Gradients of the whole batch's mean loss on this rank's parameters (averaged over
+        dp, unless ZeRO-1 will do it in the step); returns the loss on last-stage ranks."""
+        dp = self.groups.dp
+        local_ids = shard(ids, rank(dp), world_size(dp))
+        local_targets = shard(targets, rank(dp), world_size(dp))
+        loss = self.pipe.train_step(local_ids, local_targets, gpt_loss)
+        self._sum_tied_gradients()
+        if not self.zero:
+            average_gradients(list(self._local.parameters()), dp)
+        if loss is None:
+            return None
+        return collectives.all_reduce(torch.tensor([loss], dtype=torch.float64), op="avg",
+                                      group=dp).item()
+
+    def _sum_tied_gradients(self) -> None:
+        """The embedding and the head share a weight; with pp > 1 the first and last stage
+        each hold a copy, whose gradients add up to the twin's."""
+        if self.pp == 1 or self.tied is None:
+            return
+        partner = self.pp - 1 if self.pp_rank == 0 else 0
+        grad = self.tied.grad if self.tied.grad is not None else torch.zeros_like(self.tied)
+        pending = collectives.isend(grad.contiguous(), partner, self.groups.pp)
+        theirs = collectives.recv(torch.empty_like(grad), partner, self.groups.pp)
+        pending.wait()
+        self.tied.grad = grad + theirs
+
+    def step(self) -> None:
+        """The optimizer step (ZeRO-1: reduce-scatter, update this rank's slice, gather)."""
+        if self.zero:
+            self.trainer.step()
+        else:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def train_step(self, ids: torch.Tensor, targets: torch.Tensor) -> float | None:
+        loss = self.forward_backward(ids, targets)
+        self.step()
+        return loss
+
+
+def twin_slice(full: torch.Tensor, local: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+    """The part of a twin's tensor that a tensor-parallel rank holds: whole if the shapes
+    agree, else the tp_rank-th chunk along the dimension that was split."""
+    if full.shape == local.shape:
+        return full
+    dim = 0 if full.shape[0] != local.shape[0] else full.dim() - 1
+    return full.chunk(tp, dim)[tp_rank]
+
+
+def check_against_twin(mesh_dims: dict[str, int], zero: bool = False, steps: int = 2,
+                       microbatches: int = 2, seed: int = 3) -> dict:
+    """Run on every rank of a launched mesh: train a float64 TinyGPT for `steps` Adam steps
+    on the mesh and on one process (the twin, on this rank) from the same weights and
+    data; return the losses this rank saw (last pipeline stage only), the largest gap to
+    the twin's, the names of gradients (first step) and of
+    parameters (after the last step) that differ, and this rank's coordinates."""
+    from .mesh import Mesh
+
+    groups = Mesh(**mesh_dims).connect()
+    kwargs = dict(vocab=32, hidden=16, heads=4, layers=4, seq_len=8, seed=seed,
+                  dtype=torch.float64)
+    twin = TinyGPT(**kwargs)
+    model = MeshGPT(TinyGPT(**kwargs), groups, lambda ps: torch.optim.Adam(ps, lr=1e-2),
+                    microbatches=microbatches, zero=zero)
+    reference = torch.optim.Adam(twin.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(seed + 1)
+    tp_rank, tp = rank(groups.tp), world_size(groups.tp)
+    twin_params = dict(twin.named_parameters())
+    gap, wrong_grads, wrong_params, losses = 0.0, [], [], []
+    for step in range(steps):
+        ids = torch.randint(0, 32, (8, 8), generator=gen)
+        targets = torch.randint(0, 32, (8, 8), generator=gen)
+        loss = model.forward_backward(ids, targets)
+        ref_loss = gpt_loss(twin(ids.t()), targets)
+        ref_loss.backward()
+        if loss is not None:
+            gap = max(gap, abs(loss - ref_loss.item()))
+            losses.append(loss)
+        if step == 0 and not zero:  # ZeRO-1 has averaged nothing yet: compare after steps
+            wrong_grads = [n for n, p in model.named_parameters() if not torch.allclose(
+                p.grad, twin_slice(twin_params[n].grad, p, tp_rank, tp), rtol=1e-9,
+                atol=1e-12)]
+        model.step()
+        reference.step()
+        reference.zero_grad(set_to_none=True)
+    wrong_params = [n for n, p in model.named_parameters() if not torch.allclose(
+        p.detach(), twin_slice(twin_params[n].detach(), p, tp_rank, tp), rtol=1e-9,
+        atol=1e-12)]
+    return {"coords": groups.coords, "losses": losses, "loss_gap": gap,
+            "wrong_grads": wrong_grads, "wrong_params": wrong_params}
