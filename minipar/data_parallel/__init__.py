@@ -26,5 +26,6 @@ from .ddp import (
 from .fsdp import FullyShardedDataParallel
 from .zero import FlatShard, ZeroDataParallel
 
-__all__ = ["FIRST_BUCKET_BYTES", "DataParallel", "FlatShard", "average_gradients", "FullyShardedDataParallel",
-           "ZeroDataParallel", "shard", "shard_weight", "single_process_sgd"]
+__all__ = ["FIRST_BUCKET_BYTES", "DataParallel", "FlatShard", "FullyShardedDataParallel",
+           "ZeroDataParallel", "average_gradients", "shard", "shard_weight",
+           "single_process_sgd"]
