@@ -1,0 +1,91 @@
+"""Cross-mesh resharding (Zhuang et al. 2023, "On Optimizing the Communication of Model
+Parallelism"): a tensor split over the ranks of one mesh is sent to another mesh that
+splits it differently, as between two pipeline stages with different tensor-parallel
+degrees. Each destination rank needs some interval of the tensor; each source rank holds
+one; every overlap is one point-to-point message."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import collectives
+from ..runtime import rank
+from .sbp import Broadcast, Placement, Split, placement
+
+
+@dataclass(frozen=True)
+class Message:
+    """Rows [start, stop) along the split dimension, from rank `src` to rank `dst`."""
+
+    src: int
+    dst: int
+    start: int
+    stop: int
+
+
+def _intervals(length: int, ranks: list[int], where: Placement) -> list[tuple[int, int]]:
+    if isinstance(where, Broadcast):
+        return [(0, length)] * len(ranks)
+    k = len(ranks)
+    if length % k:
+        raise ValueError(f"a dimension of {length} does not split evenly over {k} ranks")
+    return [(i * length // k, (i + 1) * length // k) for i in range(k)]
+
+
+def reshard_plan(length: int, src_ranks: list[int], src: str | Placement,
+                 dst_ranks: list[int], dst: str | Placement) -> list[Message]:
+    """The messages that move a tensor with `length` rows along its split dimension from
+    `src_ranks` placed `src` to `dst_ranks` placed `dst` (each Split(d) with the same d,
+    or Broadcast). A broadcast source spreads the work: each destination piece comes from
+    the source whose own piece would overlap it, round robin when all do."""
+    s, d = placement(src), placement(dst)
+    for name, p in (("src", s), ("dst", d)):
+        if not isinstance(p, Split | Broadcast):
+            raise ValueError(f"{name} must be Split or Broadcast across meshes; got {p}")
+    if isinstance(s, Split) and isinstance(d, Split) and s.dim != d.dim:
+        raise ValueError(f"both meshes must split the same dimension; got {s} and {d}")
+    have = _intervals(length, src_ranks, s)
+    need = _intervals(length, dst_ranks, d)
+    messages = []
+    for j, (c, e) in enumerate(need):
+        if isinstance(s, Broadcast):
+            i = j % len(src_ranks)
+            messages.append(Message(src_ranks[i], dst_ranks[j], c, e))
+            continue
+        for i, (a, b) in enumerate(have):
+            if max(a, c) < min(b, e):
+                messages.append(Message(src_ranks[i], dst_ranks[j], max(a, c), min(b, e)))
+    return messages
+
+
+def reshard(local: torch.Tensor | None, shape: tuple[int, ...], src_ranks: list[int],
+            src: str | Placement, dst_ranks: list[int], dst: str | Placement,
+            dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """Run on every rank of the run: source ranks pass their piece (`local`), destination
+    ranks get theirs back (others None). `shape` is the whole tensor's."""
+    s, d = placement(src), placement(dst)
+    dim = s.dim if isinstance(s, Split) else d.dim if isinstance(d, Split) else 0
+    plan = reshard_plan(shape[dim], src_ranks, s, dst_ranks, d)
+    me = rank()
+    my_start = 0 if isinstance(s, Broadcast) or me not in src_ranks else \
+        src_ranks.index(me) * shape[dim] // len(src_ranks)
+    pending, pieces = [], {}
+    for m in plan:
+        if m.src == me:
+            piece = local.narrow(dim, m.start - my_start, m.stop - m.start).contiguous()
+            if m.dst == me:
+                pieces[m.start] = piece
+            else:
+                pending.append(collectives.isend(piece, m.dst))
+    for m in plan:
+        if m.dst == me and m.src != me:
+            size = list(shape)
+            size[dim] = m.stop - m.start
+            pieces[m.start] = collectives.recv(torch.empty(size, dtype=dtype), m.src)
+    for p in pending:
+        p.wait()
+    if me not in dst_ranks:
+        return None
+    return torch.cat([pieces[start] for start in sorted(pieces)], dim=dim)
