@@ -1,0 +1,198 @@
+"""Picking the degrees: enumerate (dp, pp, tp, micro-batch, ZeRO stage, recomputation) for
+a model on a cluster, keep what fits in memory, estimate each step's time, rank them.
+
+The estimate adds what the course has measured piece by piece, on the critical path,
+nothing overlapped:
+
+    step = compute x (m + pp - 1) / m     the 1F1B bubble, m micro-batches
+         + tp all-reduces                 4 per layer and micro-batch (6 recomputing)
+         + pp sends                       one activation each way per micro-batch
+         + dp gradient all-reduce         ring, over the dp group's slowest link
+
+Compute is the model's FLOPs (`cost.transformer_flops`, plus one more forward under
+full recomputation) at `efficiency` x peak: the share of peak a device's matrix
+multiplies reach, the one constant the model takes on trust. Links follow the mesh
+order of Megatron-LM (tp fastest, then dp, then pp): a group stays inside a node when
+its ranks fit in one, and a group that crosses nodes runs at the slowest NIC it touches,
+so on a cluster with mixed NICs (Holmes, Yang et al. 2023) it matters which dimension
+crosses where. Left out: overlap of dp communication with backward, kernel efficiency
+falling for small matrices, the embedding's extra work on the first and last stages.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from .. import cost
+from ..cost import GB, TransformerConfig
+from .mesh import Mesh
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices in nodes: per-device peak FLOP/s and memory, the links inside a node, and
+    each node's NIC bandwidth per device (one entry per node; uneven for mixed NICs, whose
+    traffic between kinds may fall back to a slower path: `cross_nic_bandwidth`)."""
+
+    nodes: int
+    devices_per_node: int
+    peak_flops: float
+    memory_bytes: float
+    intra_bandwidth: float  # bytes/s per device inside a node
+    nic_bandwidth: tuple[float, ...] | float  # bytes/s per device leaving a node
+    intra_latency: float = 5e-6
+    inter_latency: float = 10e-6
+    efficiency: float = 0.7  # share of peak a device's large matmuls reach
+    cross_nic_bandwidth: float | None = None  # bytes/s between nodes of different NICs
+    name: str = ""
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def nic(self, node: int) -> float:
+        n = self.nic_bandwidth
+        return n if isinstance(n, int | float) else n[node]
+
+
+# published machines (data sheets): A100 80GB in DGX nodes with 8 x 200 Gb/s InfiniBand;
+# Frontier nodes of 4 MI250X (8 GCDs of 191.5 bf16 TFLOP/s) with 4 x 25 GB/s Slingshot
+def selene(nodes: int) -> Cluster:
+    return Cluster(nodes, 8, 312e12, 80 * GB, 300e9, 25e9, name="A100 (Selene)")
+
+
+def frontier(nodes: int) -> Cluster:
+    return Cluster(nodes, 8, 191.5e12, 64 * GB, 50e9, 12.5e9, name="MI250X GCD (Frontier)")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One configuration and what the model predicts for it."""
+
+    dp: int
+    pp: int
+    tp: int
+    micro_batch: int
+    zero: int
+    recompute: str
+    memory: float  # bytes on the fullest device
+    seconds: dict[str, float] = field(default_factory=dict)  # compute, bubble, tp, pp, dp
+    flops: float = 0.0  # counted per step, recomputation included (as Megatron-LM reports)
+    devices: int = 1
+    peak_flops: float = 1.0
+
+    @property
+    def step(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def tflops_per_device(self) -> float:
+        return self.flops / self.step / self.devices / 1e12
+
+    @property
+    def share_of_peak(self) -> float:
+        return self.flops / self.step / self.devices / self.peak_flops
+
+    @property
+    def label(self) -> str:
+        return (f"dp={self.dp} pp={self.pp} tp={self.tp} mb={self.micro_batch} "
+                f"zero={self.zero} recompute={self.recompute}")
+
+
+def _link(cluster: Cluster, ranks: list[int]) -> tuple[float, float]:
+    """(seconds per byte, latency) of a group: inside a node, or the slowest NIC it touches."""
+    nodes = {r // cluster.devices_per_node for r in ranks}
+    if len(nodes) == 1:
+        return 1 / cluster.intra_bandwidth, cluster.intra_latency
+    nics = {cluster.nic(n) for n in nodes}
+    if len(nics) > 1 and cluster.cross_nic_bandwidth is not None:  # e.g. InfiniBand to RoCE
+        return 1 / cluster.cross_nic_bandwidth, cluster.inter_latency
+    return 1 / min(nics), cluster.inter_latency
+
+
+@functools.lru_cache(maxsize=4096)
+def _links(cluster: Cluster, dp: int, pp: int, tp: int) -> dict[str, tuple[float, float]]:
+    """(seconds per byte, latency) of each dimension's slowest group, ranks laid out
+    pp (slowest), dp, tp (fastest); for pp, the link between neighbouring stages."""
+    mesh = Mesh(pp=pp, dp=dp, tp=tp)
+    return {"tp": max(_link(cluster, g) for g in mesh.groups("tp")),
+            "dp": max(_link(cluster, g) for g in mesh.groups("dp")),
+            "pp": max(_link(cluster, g[i:i + 2]) for g in mesh.groups("pp")
+                      for i in range(pp - 1)) if pp > 1 else (0.0, 0.0)}
+
+
+def estimate(model: TransformerConfig, cluster: Cluster, global_batch: int, dp: int, pp: int,
+             tp: int, micro_batch: int = 1, zero: int = 0, recompute: str = "selective",
+             bytes_per_value: int = 2) -> Plan:
+    """The memory and step time the model predicts for one configuration."""
+    if dp * pp * tp != cluster.devices:
+        raise ValueError(f"dp * pp * tp must equal the cluster's {cluster.devices} devices; "
+                         f"got {dp} * {pp} * {tp}")
+    m = global_batch // (dp * micro_batch)
+    if m < 1 or global_batch % (dp * micro_batch):
+        raise ValueError(f"global_batch={global_batch} must be a multiple of dp * micro_batch "
+                         f"= {dp * micro_batch}")
+    layers = math.ceil(model.layers / pp)
+    params = model.params / (pp * tp)
+    states = cost.zero_memory(cost.training_memory(params, master_weights="fp32"), zero, dp)
+    in_flight = min(pp, m)  # 1F1B: the first stage holds pp micro-batches
+    activations = cost.activation_bytes(layers, model.hidden, model.seq_len, micro_batch,
+                                        model.heads, recompute) * in_flight / tp
+    tokens = global_batch * model.seq_len
+    per_token = sum(cost.transformer_flops(model).values())
+    flops = per_token * tokens * (4 / 3 if recompute == "full" else 1)
+    compute = flops / (cluster.devices * cluster.peak_flops * cluster.efficiency)
+    activation = micro_batch * model.seq_len * model.hidden * bytes_per_value
+    links = _links(cluster, dp, pp, tp)
+    beta, alpha = links["tp"]
+    ring = cost.all_reduce_cost("ring", tp, activation, alpha, beta).seconds
+    tp_time = layers * m * (6 if recompute == "full" else 4) * ring
+    beta, alpha = links["pp"]
+    pp_time = 2 * (m + pp - 1) * (alpha + beta * activation / tp) if pp > 1 else 0.0
+    beta, alpha = links["dp"]
+    dp_time = cost.all_reduce_cost("ring", dp, params * bytes_per_value, alpha, beta).seconds
+    seconds = {"compute": compute, "bubble": compute * (pp - 1) / m, "tp": tp_time,
+               "pp": pp_time, "dp": dp_time}
+    return Plan(dp, pp, tp, micro_batch, zero, recompute, states.total + activations, seconds,
+                flops, cluster.devices, cluster.peak_flops)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan(model: TransformerConfig, cluster: Cluster, global_batch: int,
+         micro_batches: tuple[int, ...] = (1, 2, 4, 8), zero_stages: tuple[int, ...] = (0, 1),
+         recompute: tuple[str, ...] = cost.RECOMPUTE) -> list[Plan]:
+    """Every configuration that fits in the device's memory, fastest first (then least
+    memory). tp divides the heads, pp the layers (evenly split stages), dp x micro-batch
+    the global batch."""
+    n = cluster.devices
+    found = []
+    for tp, pp in itertools.product(_divisors(n), _divisors(n)):
+        if n % (tp * pp) or model.heads % tp or model.layers % pp:
+            continue
+        dp = n // (tp * pp)
+        for mb, z, rc in itertools.product(micro_batches, zero_stages, recompute):
+            if global_batch % (dp * mb) or (z and dp == 1):
+                continue
+            p = estimate(model, cluster, global_batch, dp, pp, tp, mb, z, rc)
+            if p.memory <= cluster.memory_bytes:
+                found.append(p)
+    return sorted(found, key=lambda p: (round(p.step, 9), p.memory))
+
+
+def explain(best: Plan, cluster: Cluster) -> str:
+    """Why the winner wins, in the terms of the estimate."""
+    total = best.step
+    shares = ", ".join(f"{k} {v / total:.0%}" for k, v in best.seconds.items() if v > 0)
+    inside = "inside one node" if best.tp <= cluster.devices_per_node else "across nodes"
+    return (f"{best.label}: {total:.2f} s per step, {best.tflops_per_device:.0f} TFLOP/s per "
+            f"device ({best.share_of_peak:.0%} of peak), {best.memory / GB:.0f} of "
+            f"{cluster.memory_bytes / GB:.0f} GB. Time goes to {shares}. tp={best.tp} keeps "
+            f"the per-layer all-reduces {inside}; pp={best.pp} splits the model so it fits, "
+            f"at a bubble of (pp-1)/m = {best.seconds['bubble'] / best.seconds['compute']:.0%}"
+            f" of compute; dp={best.dp} replicas share the batch.")
