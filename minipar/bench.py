@@ -17,7 +17,8 @@ BENCHMARKS = {"launch": "minipar.runtime.bench",
               "zero": "minipar.data_parallel.zero_bench",
               "pipeline": "minipar.pipeline.bench",
               "tensor-parallel": "minipar.tensor_parallel.bench",
-              "moe": "minipar.moe.bench"}
+              "moe": "minipar.moe.bench",
+              "mesh": "minipar.mesh.bench"}
 
 
 def run_benchmark(name: str, out_dir: str | Path = "bench-out") -> list[dict]:

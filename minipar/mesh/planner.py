@@ -8,6 +8,7 @@ nothing overlapped:
          + tp all-reduces                 4 per layer and micro-batch (6 recomputing)
          + pp sends                       one activation each way per micro-batch
          + dp gradient all-reduce         ring, over the dp group's slowest link
+         + optimizer step                 its state streamed through memory once
 
 Compute is the model's FLOPs (`cost.transformer_flops`, plus one more forward under
 full recomputation) at `efficiency` x peak: the share of peak a device's matrix
@@ -15,7 +16,8 @@ multiplies reach, the one constant the model takes on trust. Links follow the me
 order of Megatron-LM (tp fastest, then dp, then pp): a group stays inside a node when
 its ranks fit in one, and a group that crosses nodes runs at the slowest NIC it touches,
 so on a cluster with mixed NICs (Holmes, Yang et al. 2023) it matters which dimension
-crosses where. Left out: overlap of dp communication with backward, kernel efficiency
+crosses where. On CPU ranks that outnumber the cores (`cores`), a waiting rank lends its
+core to another: the step is then at least all ranks' work over the cores. Left out: overlap of dp communication with backward, kernel efficiency
 falling for small matrices, the embedding's extra work on the first and last stages.
 """
 
@@ -29,6 +31,8 @@ from dataclasses import dataclass, field
 from .. import cost
 from ..cost import GB, TransformerConfig
 from .mesh import Mesh
+
+OPTIMIZER_BYTES_PER_PARAM = 32  # Adam reads and writes weight, gradient and two moments
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,8 @@ class Cluster:
     intra_latency: float = 5e-6
     inter_latency: float = 10e-6
     efficiency: float = 0.7  # share of peak a device's large matmuls reach
+    memory_bandwidth: float = 2e12  # bytes/s: the optimizer step streams its state
+    cores: int | None = None  # CPU ranks: the devices time-share this many cores
     cross_nic_bandwidth: float | None = None  # bytes/s between nodes of different NICs
     name: str = ""
 
@@ -61,11 +67,13 @@ class Cluster:
 # published machines (data sheets): A100 80GB in DGX nodes with 8 x 200 Gb/s InfiniBand;
 # Frontier nodes of 4 MI250X (8 GCDs of 191.5 bf16 TFLOP/s) with 4 x 25 GB/s Slingshot
 def selene(nodes: int) -> Cluster:
-    return Cluster(nodes, 8, 312e12, 80 * GB, 300e9, 25e9, name="A100 (Selene)")
+    return Cluster(nodes, 8, 312e12, 80 * GB, 300e9, 25e9, memory_bandwidth=2e12,
+                   name="A100 (Selene)")
 
 
 def frontier(nodes: int) -> Cluster:
-    return Cluster(nodes, 8, 191.5e12, 64 * GB, 50e9, 12.5e9, name="MI250X GCD (Frontier)")
+    return Cluster(nodes, 8, 191.5e12, 64 * GB, 50e9, 12.5e9, memory_bandwidth=1.6e12,
+                   name="MI250X GCD (Frontier)")
 
 
 @dataclass(frozen=True)
@@ -154,8 +162,15 @@ def estimate(model: TransformerConfig, cluster: Cluster, global_batch: int, dp: 
     pp_time = 2 * (m + pp - 1) * (alpha + beta * activation / tp) if pp > 1 else 0.0
     beta, alpha = links["dp"]
     dp_time = cost.all_reduce_cost("ring", dp, params * bytes_per_value, alpha, beta).seconds
+    updated = params / (dp if zero >= 1 else 1)  # ZeRO: each rank updates its slice
+    optimizer = updated * OPTIMIZER_BYTES_PER_PARAM / cluster.memory_bandwidth
     seconds = {"compute": compute, "bubble": compute * (pp - 1) / m, "tp": tp_time,
-               "pp": pp_time, "dp": dp_time}
+               "pp": pp_time, "dp": dp_time, "optimizer": optimizer}
+    if cluster.cores and cluster.devices > cluster.cores:
+        # every rank's work (a bubble is no work: a waiting rank lends its core) over the
+        # cores: when that exceeds the critical path, ranks wait for a core instead
+        work = (sum(seconds.values()) - seconds["bubble"]) * cluster.devices / cluster.cores
+        seconds["sharing cores"] = max(0.0, work - sum(seconds.values()))
     return Plan(dp, pp, tp, micro_batch, zero, recompute, states.total + activations, seconds,
                 flops, cluster.devices, cluster.peak_flops)
 

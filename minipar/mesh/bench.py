@@ -1,0 +1,187 @@
+"""`minipar bench mesh`: does the planner rank configurations as the real runs do?
+
+A small GPT is trained with every (dp, pp, tp) that 4 and 8 CPU ranks allow; each
+configuration's median step time (slowest rank) is measured, and the planner's estimate
+for the same configuration is computed on a "cluster" fitted to this machine: alpha and
+beta from a ping-pong (`minipar bench collectives`' fit), the compute rate from one
+process training the same model, shared by the ranks when there are more ranks than
+cores. The benchmark prints both rankings and their rank correlation (Spearman).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from matplotlib.figure import Figure
+
+from .. import cost
+from ..collectives.bench import fit_machine
+from ..models import TinyGPT
+from ..report import format_table, progress, save_results
+from ..runtime import Cluster as Ranks
+from .gpt import MeshGPT, gpt_loss
+from .mesh import Mesh
+from .planner import OPTIMIZER_BYTES_PER_PARAM, Cluster, estimate
+
+SHAPE = dict(vocab=256, hidden=256, heads=4, layers=4, seq_len=64)
+BATCH, MICROBATCHES = 32, 4
+
+
+def _model() -> TinyGPT:
+    return TinyGPT(**SHAPE, seed=0)
+
+
+def _config() -> cost.TransformerConfig:
+    return cost.TransformerConfig(SHAPE["layers"], SHAPE["hidden"], SHAPE["heads"],
+                                  SHAPE["seq_len"], SHAPE["vocab"])
+
+
+def _data(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, SHAPE["vocab"], (BATCH, SHAPE["seq_len"]), generator=gen),
+            torch.randint(0, SHAPE["vocab"], (BATCH, SHAPE["seq_len"]), generator=gen))
+
+
+def configurations(ranks: int) -> list[tuple[int, int, int]]:
+    """Every (dp, pp, tp) with dp * pp * tp = ranks that the model allows."""
+    return [(ranks // (pp * tp), pp, tp) for pp in (1, 2, 4) for tp in (1, 2, 4)
+            if ranks % (pp * tp) == 0 and SHAPE["layers"] % pp == 0
+            and SHAPE["heads"] % tp == 0 and BATCH % (ranks // (pp * tp) * MICROBATCHES) == 0]
+
+
+def _time_steps(dims: dict[str, int], steps: int) -> float:
+    groups = Mesh(**dims).connect()
+    model = MeshGPT(_model(), groups, lambda ps: torch.optim.Adam(ps, lr=1e-3),
+                    microbatches=MICROBATCHES)
+    ids, targets = _data()
+    times = []
+    for i in range(steps + 1):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        model.train_step(ids, targets)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def compute_rates(steps: int = 3) -> tuple[float, float]:
+    """On one process with a core to itself: (FLOP/s training the bench's model, counted
+    by `cost.transformer_flops`; bytes/s of memory the Adam step streams, counted as the
+    planner counts it)."""
+    model, (ids, targets) = _model(), _data()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    passes, updates = [], []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        gpt_loss(model(ids.t()), targets).backward()
+        middle = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        passes.append(middle - start)
+        updates.append(time.perf_counter() - middle)
+    flops = sum(cost.transformer_flops(_config()).values()) * BATCH * SHAPE["seq_len"]
+    params = sum(p.numel() for p in model.parameters())
+    return (flops / statistics.median(passes[1:]),
+            params * OPTIMIZER_BYTES_PER_PARAM / statistics.median(updates[1:]))
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Rank correlation: 1 when both orders agree, -1 when reversed (ties share a rank)."""
+    def ranks(xs):
+        order = sorted(range(len(xs)), key=lambda i: xs[i])
+        out = [0.0] * len(xs)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+    ra, rb = ranks(a), ranks(b)
+    ma, mb = statistics.mean(ra), statistics.mean(rb)
+    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
+    norm = (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
+    return cov / norm if norm else 0.0
+
+
+def _on_rank_0(fn):
+    """fn() on rank 0 while the others wait, so it has a core to itself."""
+    out = fn() if torch.distributed.get_rank() == 0 else None
+    torch.distributed.barrier()
+    return out
+
+
+def this_machine(ranks: int, flops: float, bandwidth: float, alpha: float,
+                 beta: float) -> Cluster:
+    """The planner's description of `ranks` CPU processes on this machine: one node whose
+    links are the fitted loopback and whose compute and memory rates were measured with
+    all ranks busy."""
+    return Cluster(1, ranks, flops, 1e12, 1 / beta, 1 / beta, intra_latency=alpha,
+                   inter_latency=alpha, efficiency=1.0, memory_bandwidth=bandwidth,
+                   cores=os.cpu_count() or 1, name="this machine")
+
+
+def measure(world_sizes: tuple[int, ...] = (4, 8), steps: int = 3) -> list[dict]:
+    rows = []
+    for k in world_sizes:
+        with Ranks(k, backend="gloo", timeout=120) as ranks:
+            progress(f"K={k}: fitting alpha and beta (all pairs ping-pong), compute rates")
+            alpha, beta, _ = fit_machine(ranks)
+            flops, bandwidth = ranks.run(_on_rank_0, compute_rates)[0]
+            machine = this_machine(k, flops, bandwidth, alpha, beta)
+            for dp, pp, tp in configurations(k):
+                progress(f"K={k}: dp={dp} pp={pp} tp={tp}")
+                measured = max(ranks.run(_time_steps, dict(dp=dp, pp=pp, tp=tp), steps))
+                predicted = estimate(_config(), machine, BATCH, dp, pp, tp,
+                                     micro_batch=BATCH // (dp * MICROBATCHES),
+                                     recompute="none", bytes_per_value=4)
+                rows.append({"world_size": k, "dp": dp, "pp": pp, "tp": tp, "alpha": alpha,
+                             "beta": beta, "flops": flops, "bandwidth": bandwidth,
+                             "measured": measured, "predicted": predicted.step,
+                             **{f"predicted_{n}": s for n, s in predicted.seconds.items()}})
+    return rows
+
+
+def report(rows: list[dict], out_dir: Path) -> str:
+    lines, shown = [], []
+    fig = Figure(figsize=(8, 3.4), layout="constrained")
+    sizes = sorted({r["world_size"] for r in rows})
+    axes = fig.subplots(1, len(sizes), squeeze=False)[0]
+    for ax, k in zip(axes, sizes, strict=True):
+        same = [r for r in rows if r["world_size"] == k]
+        rho = spearman([r["predicted"] for r in same], [r["measured"] for r in same])
+        lines.append(f"K={k}: Spearman rank correlation, predicted vs measured = {rho:+.2f}")
+        by_measured = sorted(same, key=lambda r: r["measured"])
+        by_predicted = sorted(same, key=lambda r: r["predicted"])
+        for r in same:
+            shown.append({"K": k, "config": f"dp={r['dp']} pp={r['pp']} tp={r['tp']}",
+                          "measured": f"{r['measured'] * 1e3:.0f} ms",
+                          "predicted": f"{r['predicted'] * 1e3:.0f} ms",
+                          "m rank": by_measured.index(r) + 1, "p rank": by_predicted.index(r) + 1,
+                          "compute+bubble": f"{(r['predicted_compute'] + r['predicted_bubble']) * 1e3:.0f}",
+                          "comm": f"{(r['predicted_tp'] + r['predicted_pp'] + r['predicted_dp']) * 1e3:.0f}",
+                          "opt": f"{r['predicted_optimizer'] * 1e3:.0f}",
+                          "share": f"{r.get('predicted_sharing cores', 0.0) * 1e3:.0f}"})
+            ax.scatter(r["predicted"] * 1e3, r["measured"] * 1e3, color="tab:blue")
+            ax.annotate(f"{r['dp']}/{r['pp']}/{r['tp']}", (r["predicted"] * 1e3,
+                                                          r["measured"] * 1e3), fontsize=7)
+        top = max(max(r["predicted"], r["measured"]) for r in same) * 1e3 * 1.1
+        ax.plot([0, top], [0, top], color="grey", lw=0.8, ls="--")
+        ax.set(title=f"{k} ranks (dp/pp/tp), rho = {rho:+.2f}", xlabel="predicted ms",
+               ylabel="measured ms")
+    save_results(rows, fig, out_dir, "mesh")
+    header = ("step time of a 4-layer GPT (hidden 256, batch 32, 4 micro-batches) per "
+              "configuration: measured (median, slowest rank) and the planner's estimate on "
+              "this machine's fitted constants; ranks by each")
+    return "\n".join([header, format_table(shown, [
+        ("K", "K"), ("config", "config"), ("measured", "measured"), ("predicted", "predicted"),
+        ("m rank", "measured rank"), ("p rank", "predicted rank"),
+        ("compute+bubble", "compute ms"), ("comm", "comm ms"), ("opt", "optimizer ms"),
+        ("share", "waiting for a core ms")]),
+        *lines])
