@@ -160,14 +160,15 @@ def report(rows: list[dict], out_dir: Path) -> str:
         by_measured = sorted(same, key=lambda r: r["measured"])
         by_predicted = sorted(same, key=lambda r: r["predicted"])
         for r in same:
+            ms = {n: f"{sum(r.get(f'predicted_{p}', 0.0) for p in parts) * 1e3:.0f}"
+                  for n, parts in (("compute+bubble", ("compute", "bubble")),
+                                   ("comm", ("tp", "pp", "dp")), ("opt", ("optimizer",)),
+                                   ("share", ("sharing cores",)))}
             shown.append({"K": k, "config": f"dp={r['dp']} pp={r['pp']} tp={r['tp']}",
                           "measured": f"{r['measured'] * 1e3:.0f} ms",
                           "predicted": f"{r['predicted'] * 1e3:.0f} ms",
-                          "m rank": by_measured.index(r) + 1, "p rank": by_predicted.index(r) + 1,
-                          "compute+bubble": f"{(r['predicted_compute'] + r['predicted_bubble']) * 1e3:.0f}",
-                          "comm": f"{(r['predicted_tp'] + r['predicted_pp'] + r['predicted_dp']) * 1e3:.0f}",
-                          "opt": f"{r['predicted_optimizer'] * 1e3:.0f}",
-                          "share": f"{r.get('predicted_sharing cores', 0.0) * 1e3:.0f}"})
+                          "m rank": by_measured.index(r) + 1,
+                          "p rank": by_predicted.index(r) + 1, **ms})
             ax.scatter(r["predicted"] * 1e3, r["measured"] * 1e3, color="tab:blue")
             ax.annotate(f"{r['dp']}/{r['pp']}/{r['tp']}", (r["predicted"] * 1e3,
                                                           r["measured"] * 1e3), fontsize=7)

@@ -17,8 +17,10 @@ order of Megatron-LM (tp fastest, then dp, then pp): a group stays inside a node
 its ranks fit in one, and a group that crosses nodes runs at the slowest NIC it touches,
 so on a cluster with mixed NICs (Holmes, Yang et al. 2023) it matters which dimension
 crosses where. On CPU ranks that outnumber the cores (`cores`), a waiting rank lends its
-core to another: the step is then at least all ranks' work over the cores. Left out: overlap of dp communication with backward, kernel efficiency
-falling for small matrices, the embedding's extra work on the first and last stages.
+core to another: the step is then at least all ranks' work over the cores. Left out:
+overlap of dp communication with backward, kernel efficiency falling for small
+matrices, per-message software overhead beyond alpha, the embedding's extra work on the
+first and last stages.
 """
 
 from __future__ import annotations
