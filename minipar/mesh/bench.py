@@ -131,7 +131,7 @@ def measure(world_sizes: tuple[int, ...] = (4, 8), steps: int = 3) -> list[dict]
     rows = []
     for k in world_sizes:
         with Ranks(k, backend="gloo", timeout=120) as ranks:
-            progress(f"K={k}: fitting alpha and beta (all pairs ping-pong), compute rates")
+            progress(f"K={k}: fitting alpha and beta (ping-pong) and the compute rates")
             alpha, beta, _ = fit_machine(ranks)
             flops, bandwidth = ranks.run(_on_rank_0, compute_rates)[0]
             machine = this_machine(k, flops, bandwidth, alpha, beta)
