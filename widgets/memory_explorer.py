@@ -69,8 +69,9 @@ class MemoryExplorer(w.VBox):
         """The formula's bytes per rank for each stage at the current settings."""
         rows = formula_memory(self.params.value, self.ranks.value,
                               PRECISIONS[self.precision.value])
+        acts = self.activation_bytes()
         for row in rows:
-            row["activations"] = self.activation_bytes()
+            row["activations"] = acts
         return rows
 
     def draw(self) -> None:
@@ -80,7 +81,7 @@ class MemoryExplorer(w.VBox):
         layers, hidden, heads = self.shape()
         self.status.value = (f"fits in {self.device.value:.0f} GB: {', '.join(fits) or 'none'}"
                              f" &middot; as a GPT-style model: {layers} layers, hidden {hidden},"
-                             f" {heads} heads; activations {self.activation_bytes() / 1e9:.1f} GB"
+                             f" {heads} heads; activations {rows[0]['activations'] / 1e9:.1f} GB"
                              " per rank")
         title = (f"{self.params.value:.2e} parameters on {self.ranks.value} ranks, "
                  f"{self.precision.value}")

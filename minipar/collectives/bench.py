@@ -56,14 +56,8 @@ def reduce_seconds_per_byte(nbytes: int = 16 << 20, repeats: int = 5) -> float:
     return best / nbytes
 
 
-def pingpong(sizes: list[int], repeats: int = 5, all_pairs: bool = False) -> list[float]:
-    """One-way seconds for each message size between ranks 0 and 1 (half a round trip).
-    With `all_pairs`, every rank 2i plays with 2i + 1 at the same time, so the fit sees the
-    contention of a busy machine (ranks sharing cores)."""
-    me = rank()
-    partner = me ^ 1 if all_pairs or me < 2 else None
-    if partner is not None and partner >= dist.get_world_size():
-        partner = None
+def pingpong(sizes: list[int], repeats: int = 5) -> list[float]:
+    """One-way seconds for each message size between ranks 0 and 1 (half a round trip)."""
     one_way = []
     for nbytes in sizes:
         buffer = torch.zeros(max(nbytes // 4, 1))
@@ -71,23 +65,21 @@ def pingpong(sizes: list[int], repeats: int = 5, all_pairs: bool = False) -> lis
         for _ in range(repeats + 1):
             dist.barrier()
             start = time.perf_counter()
-            if partner is not None and me % 2 == 0:
-                dist.send(buffer, partner)
-                dist.recv(buffer, partner)
-            elif partner is not None:
-                dist.recv(buffer, partner)
-                dist.send(buffer, partner)
+            if rank() == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            elif rank() == 1:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
             best = min(best, time.perf_counter() - start)
         one_way.append(best / 2)
     return one_way
 
 
-def fit_machine(cluster: Cluster, sizes: list[int] = PINGPONG_SIZES,
-                all_pairs: bool = False) -> tuple[float, float, float]:
+def fit_machine(cluster: Cluster, sizes: list[int] = PINGPONG_SIZES) -> tuple[float, float, float]:
     """alpha (seconds per message) and beta (seconds per byte) from a ping-pong between
-    ranks 0 and 1 of `cluster` (or all pairs at once), and gamma (seconds per byte added)
-    from one rank."""
-    one_way = cluster.run(pingpong, sizes, all_pairs=all_pairs)[0]
+    ranks 0 and 1 of `cluster`, and gamma (seconds per byte added) from one rank."""
+    one_way = cluster.run(pingpong, sizes)[0]
     alpha, beta = fit_alpha_beta(sizes, one_way)
     return alpha, beta, cluster.run(reduce_seconds_per_byte)[0]
 

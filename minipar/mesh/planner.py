@@ -89,7 +89,7 @@ class Plan:
     zero: int
     recompute: str
     memory: float  # bytes on the fullest device
-    seconds: dict[str, float] = field(default_factory=dict)  # compute, bubble, tp, pp, dp
+    seconds: dict[str, float] = field(default_factory=dict)  # compute, bubble, tp, pp, dp, ...
     flops: float = 0.0  # counted per step, recomputation included (as Megatron-LM reports)
     devices: int = 1
     peak_flops: float = 1.0

@@ -38,8 +38,8 @@ def reshard_plan(length: int, src_ranks: list[int], src: str | Placement,
                  dst_ranks: list[int], dst: str | Placement) -> list[Message]:
     """The messages that move a tensor with `length` rows along its split dimension from
     `src_ranks` placed `src` to `dst_ranks` placed `dst` (each Split(d) with the same d,
-    or Broadcast). A broadcast source spreads the work: each destination piece comes from
-    the source whose own piece would overlap it, round robin when all do."""
+    or Broadcast). From a broadcast source, destination j takes its piece from source
+    j mod (number of sources), so the sending is spread."""
     s, d = placement(src), placement(dst)
     for name, p in (("src", s), ("dst", d)):
         if not isinstance(p, Split | Broadcast):
