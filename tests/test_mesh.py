@@ -6,6 +6,7 @@ import pytest
 import minipar
 from minipar.mesh import Mesh, MeshGPT
 from minipar.mesh.gpt import check_against_twin
+from minipar.mesh.moe import check_moe_against_twin
 
 
 def test_ranks_are_row_major_with_the_last_dimension_fastest():
@@ -80,3 +81,31 @@ def _without_tied_sum(dims):
 def test_the_tied_embedding_needs_its_gradients_summed_across_pipeline_ends(cluster2):
     results = cluster2.run(_without_tied_sum, dict(dp=1, pp=2, tp=1))
     assert all("tokens.weight" in r["wrong_grads"] for r in results)
+
+
+@pytest.mark.parametrize("dims", [{"dp": 2, "ep": 2}, {"ep": 4}, {"ep": 2, "dp": 2}],
+                         ids=lambda d: "x".join(f"{k}{v}" for k, v in d.items()))
+def test_experts_over_ep_inside_dp_train_like_one_process(cluster4, dims):
+    results = cluster4.run(check_moe_against_twin, dims)
+    mesh = Mesh(**dims)
+    for r, res in enumerate(results):
+        assert res["loss_gap"] < 1e-12, (r, res)
+        assert res["wrong_grads"] == [] and res["wrong_params"] == [], (r, res)
+        ep = mesh.coords(r)["ep"]
+        assert res["experts"] == list(range(ep * 4 // mesh["ep"], (ep + 1) * 4 // mesh["ep"]))
+
+
+def _experts_averaged_like_dense(dims):
+    from minipar.mesh import moe
+
+    kept = moe.sync_gradients
+    moe.sync_gradients = lambda layer, dp_group, ep_size: kept(layer, dp_group, 1)
+    try:
+        return check_moe_against_twin(dims, steps=1)
+    finally:
+        moe.sync_gradients = kept
+
+
+def test_expert_gradients_need_dividing_by_the_ep_size(cluster4):
+    for res in cluster4.run(_experts_averaged_like_dense, {"dp": 2, "ep": 2}):
+        assert res["wrong_grads"] and all(n.startswith("experts.") for n in res["wrong_grads"])

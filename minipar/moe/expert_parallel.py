@@ -29,28 +29,32 @@ class _AllToAll(torch.autograd.Function):
     sizes are known, so neither direction swaps counts again."""
 
     @staticmethod
-    def forward(ctx, x, send_counts, recv_counts):
-        ctx.counts = (send_counts, recv_counts)
-        return collectives.all_to_all(x.contiguous(), send_counts, recv_counts)
+    def forward(ctx, x, send_counts, recv_counts, group):
+        ctx.counts, ctx.group = (send_counts, recv_counts), group
+        return collectives.all_to_all(x.contiguous(), send_counts, recv_counts, group)
 
     @staticmethod
     def backward(ctx, grad):
         send_counts, recv_counts = ctx.counts
-        return collectives.all_to_all(grad.contiguous(), recv_counts, send_counts), None, None
+        back = collectives.all_to_all(grad.contiguous(), recv_counts, send_counts, ctx.group)
+        return back, None, None, None
 
 
 def global_routing(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int,
-                   order: str) -> Routing:
-    """This rank's routing, with capacity and slots as if all ranks' tokens were one batch."""
+                   order: str, group=None) -> Routing:
+    """This rank's routing, with capacity and slots as if the tokens of all ranks (of
+    `group`) were one batch."""
     tokens, num_experts = logits.shape
     local = route(logits, k, float(num_experts), 1, order)  # capacity k*T: nothing drops
     counts = torch.zeros(k, num_experts, dtype=torch.int64, device=logits.device)
     for j in range(k):
         counts[j] = torch.bincount(local.expert[:, j], minlength=num_experts)
-    everyone = collectives.all_gather(counts.unsqueeze(0)).view(world_size(), k, num_experts)
-    total_tokens = int(collectives.all_gather(torch.tensor([tokens], device=logits.device)).sum())
+    everyone = collectives.all_gather(counts.unsqueeze(0), group).view(world_size(group), k,
+                                                                         num_experts)
+    total_tokens = int(collectives.all_gather(torch.tensor([tokens], device=logits.device),
+                                              group).sum())
     cap = capacity(total_tokens, num_experts, k, capacity_factor, min_capacity)
-    me = rank()
+    me = rank(group)
     # choices of level j land after: all levels < j of every rank, and level j of ranks < me
     per_level = everyone.sum(0)  # [k, E]: all ranks' choices at each level
     before = per_level.cumsum(0) - per_level + everyone[:me].sum(0)
@@ -66,17 +70,19 @@ def global_routing(logits: torch.Tensor, k: int, capacity_factor: float, min_cap
 
 
 class ExpertParallelMoE(nn.Module):
-    """This rank's experts of a one-process MoELayer (`twin`), with all-to-all dispatch."""
+    """This rank's experts of a one-process MoELayer (`twin`), with all-to-all dispatch
+    among the ranks of `group` (default: all; on a mesh, its `ep` dimension)."""
 
-    def __init__(self, twin: MoELayer) -> None:
+    def __init__(self, twin: MoELayer, group=None) -> None:
         super().__init__()
-        size = world_size()
+        self.group = group
+        size = world_size(group)
         num_experts = len(twin.experts)
         if num_experts % size:
             raise ValueError(f"{num_experts} experts cannot be split evenly over {size} ranks; "
                              f"use a number of experts divisible by {size}")
         self.per_rank = num_experts // size
-        first = rank() * self.per_rank
+        first = rank(group) * self.per_rank
         self.k, self.capacity_factor, self.min_capacity, self.order = twin.k, \
             twin.capacity_factor, twin.min_capacity, twin.order
         self.num_experts = num_experts
@@ -90,7 +96,7 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = global_routing(self.gate(x), self.k, self.capacity_factor, self.min_capacity,
-                                 self.order)
+                                 self.order, self.group)
         self.last_routing = routing
         kept = routing.kept
         token = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(
@@ -100,13 +106,13 @@ class ExpertParallelMoE(nn.Module):
         order = torch.argsort(owner, stable=True)  # group outgoing rows by destination rank
         token, expert, slot, weight, owner = (t[order] for t in (token, expert, slot, weight,
                                                                  owner))
-        send_counts = torch.bincount(owner, minlength=world_size()).tolist()
-        recv_counts = collectives.swap_counts(send_counts)  # rows arriving from each rank
+        send_counts = torch.bincount(owner, minlength=world_size(self.group)).tolist()
+        recv_counts = collectives.swap_counts(send_counts, self.group)  # rows from each rank
         self.last_send_counts = send_counts
         meta = torch.stack([expert % self.per_rank, slot], dim=1)
-        recv_meta = collectives.all_to_all(meta, send_counts, recv_counts)
+        recv_meta = collectives.all_to_all(meta, send_counts, recv_counts, self.group)
         with record("all_to_all", "dispatch", tokens=int(recv_meta.shape[0])):
-            arrived = _AllToAll.apply(x[token], send_counts, recv_counts)
+            arrived = _AllToAll.apply(x[token], send_counts, recv_counts, self.group)
         self.tokens_received = int(arrived.shape[0])
         buffer = x.new_zeros(self.per_rank, routing.capacity, x.shape[1])
         buffer = buffer.index_put((recv_meta[:, 0], recv_meta[:, 1]), arrived)
@@ -114,6 +120,6 @@ class ExpertParallelMoE(nn.Module):
             out = torch.stack([e(buffer[i]) for i, e in enumerate(self.experts)])
         results = out[recv_meta[:, 0], recv_meta[:, 1]]
         with record("all_to_all", "combine"):
-            returned = _AllToAll.apply(results, recv_counts, send_counts)
+            returned = _AllToAll.apply(results, recv_counts, send_counts, self.group)
         y = x.new_zeros(x.shape).index_add(0, token, returned * weight.unsqueeze(-1))
         return y + self.shared(x) if self.shared is not None else y

@@ -1,0 +1,106 @@
+"""Experts on a mesh: expert parallelism over an `ep` dimension inside data parallelism.
+
+On `Mesh(dp=2, ep=2)` the two ranks of an ep group split the experts between them and
+exchange tokens by all-to-all; the two ep groups are data-parallel replicas. Gradients
+then meet in two ways, as DeepSpeed-MoE and Megatron-LM arrange them:
+
+- the dense parameters (the gate, a shared expert) are on every rank: average them over
+  all ranks, as plain data parallelism does;
+- an expert lives on one rank of each ep group: average its gradient over `dp` only. Its
+  gradient already sums what the tokens of every rank of its ep group asked of it, each
+  rank's loss a mean over its own tokens; to be the mean over all ranks' tokens, divide
+  by the ep size as well.
+
+Capacity is counted per ep group (the tokens that meet in one all-to-all), so the
+one-process reference runs the layer once per dp replica on that replica's tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import collectives
+from ..data_parallel import average_gradients
+from ..moe import ExpertParallelMoE, MoELayer
+from ..runtime import rank
+from .mesh import Mesh
+
+_HIDDEN, _TOKENS = 8, 6  # per rank
+
+
+def _twin(seed: int) -> MoELayer:
+    return MoELayer(_HIDDEN, 16, num_experts=4, k=2, capacity_factor=1.0, shared_expert=True,
+                    seed=seed, dtype=torch.float64)
+
+
+def _batch(step: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + r)
+    return (torch.randn(_TOKENS, _HIDDEN, generator=gen, dtype=torch.float64),
+            torch.randn(_TOKENS, _HIDDEN, generator=gen, dtype=torch.float64))
+
+
+def _loss(layer: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return ((x + layer(x) - y) ** 2).mean()
+
+
+def sync_gradients(layer: ExpertParallelMoE, dp_group, ep_size: int) -> None:
+    """Dense parameters: mean over every rank. Experts: mean over dp (`dp_group`; None
+    when the mesh has no dp dimension), divided by ep."""
+    experts = {id(p) for p in layer.experts.parameters()}
+    average_gradients([p for p in layer.parameters() if id(p) not in experts])
+    expert_params = list(layer.experts.parameters())
+    if dp_group is not None:
+        average_gradients(expert_params, dp_group)
+    for p in expert_params:
+        p.grad /= ep_size
+
+
+def check_moe_against_twin(mesh_dims: dict[str, int], steps: int = 2, seed: int = 5) -> dict:
+    """Run on every rank of a launched mesh with an `ep` dimension (and optionally `dp`):
+    train an expert-parallel MoE layer for `steps` Adam steps, and the one-process layer
+    beside it on every replica's tokens; return the loss gap and the names of gradients
+    (first step) and parameters (after the last) that differ from the twin's."""
+    mesh = Mesh(**mesh_dims)
+    if "ep" not in mesh.names or set(mesh.names) - {"dp", "ep"}:
+        raise ValueError(f"mesh_dims must name ep (and may name dp); got {mesh_dims}")
+    groups = mesh.connect()
+    ep_size, me = mesh["ep"], rank()
+    dp_group = groups.dp if "dp" in mesh.names else None
+    layer = ExpertParallelMoE(_twin(seed), groups.ep)
+    twin = _twin(seed)
+    optimizer = torch.optim.Adam(layer.parameters(), lr=1e-2)
+    reference = torch.optim.Adam(twin.parameters(), lr=1e-2)
+    first = rank(groups.ep) * layer.per_rank  # this rank's experts in the twin's numbering
+    mine = {f"experts.{i}.": f"experts.{first + i}." for i in range(layer.per_rank)}
+
+    def twin_name(name: str) -> str:
+        return next((name.replace(a, b, 1) for a, b in mine.items() if name.startswith(a)),
+                    name)
+
+    twin_params = dict(twin.named_parameters())
+    gap, wrong_grads = 0.0, []
+    for step in range(steps):
+        x, y = _batch(step, me)
+        loss = _loss(layer, x, y)
+        loss.backward()
+        sync_gradients(layer, dp_group, ep_size)
+        run_loss = collectives.all_reduce(loss.detach().reshape(1), op="avg").item()
+        ref_loss = 0.0
+        for ep_ranks in mesh.groups("ep"):  # each replica's tokens meet in one layer call
+            batches = [_batch(step, r) for r in ep_ranks]
+            xs, ys = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+            part = _loss(twin, xs, ys) * len(ep_ranks) / mesh.size
+            part.backward()
+            ref_loss += part.item()
+        gap = max(gap, abs(run_loss - ref_loss))
+        if step == 0:
+            wrong_grads = [n for n, p in layer.named_parameters() if not torch.allclose(
+                p.grad, twin_params[twin_name(n)].grad, rtol=1e-9, atol=1e-12)]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        reference.step()
+        reference.zero_grad(set_to_none=True)
+    wrong_params = [n for n, p in layer.named_parameters() if not torch.allclose(
+        p.detach(), twin_params[twin_name(n)].detach(), rtol=1e-9, atol=1e-12)]
+    return {"coords": groups.coords, "loss_gap": gap, "wrong_grads": wrong_grads,
+            "wrong_params": wrong_params, "experts": [first + i for i in range(layer.per_rank)]}
