@@ -131,16 +131,22 @@ def demo_parser(description: str, default_ranks: int = 2) -> argparse.ArgumentPa
 
 
 def run_demo(demo: Callable[..., list[Check]], description: str, default_ranks: int = 2,
-             argv: list[str] | None = None, options: dict[str, int] | None = None
-             ) -> list[Row]:
+             argv: list[str] | None = None, options: dict[str, int] | None = None,
+             check_options: Callable[..., None] | None = None) -> list[Row]:
     """Parse --ranks, --backend and the demo's own integer `options` (name: default), run
     `demo(**options)` on every rank (spawned, or the ranks torchrun started), and print
-    the table on rank 0."""
+    the table on rank 0. `check_options(ranks, **options)` may raise ValueError before
+    any rank starts; its message becomes a one-line usage error."""
     parser = demo_parser(description, default_ranks)
     for name, default in (options or {}).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     args = vars(parser.parse_args(argv))
     ranks, backend = args.pop("ranks"), args.pop("backend")
+    if check_options is not None:
+        try:
+            check_options(ranks, **args)
+        except ValueError as error:
+            parser.error(str(error))
     rows = combine(launch(demo, ranks, backend=backend, **args))
     if rank() == 0:
         print(format_rows(rows))

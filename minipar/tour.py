@@ -15,12 +15,14 @@ from .basics import demo as basics
 from .collectives import demo as collectives
 from .data_parallel import demo as data_parallel
 from .demo import Context, Row, format_rows
+from .mesh import demo as mesh
 from .moe import demo as moe
 from .pipeline import demo as pipeline
 from .tensor_parallel import demo as tensor_parallel
 
 TECHNIQUES = {"basics": basics, "collectives": collectives, "data parallelism": data_parallel,
-              "pipelines": pipeline, "tensor parallelism": tensor_parallel, "experts": moe}
+              "pipelines": pipeline, "tensor parallelism": tensor_parallel, "experts": moe,
+              "a mesh of them": mesh}
 
 
 def run_tour(out_dir: str | Path = "minipar-out") -> list[Row]:

@@ -7,6 +7,7 @@ from minipar.basics import demo as basics
 from minipar.collectives import demo as collectives
 from minipar.data_parallel import demo as data_parallel
 from minipar.demo import Check, combine
+from minipar.mesh import demo as mesh
 from minipar.moe import demo as moe
 from minipar.pipeline import demo as pipeline
 from minipar.tensor_parallel import demo as tensor_parallel
@@ -15,6 +16,7 @@ from minipar.tensor_parallel import demo as tensor_parallel
 @pytest.mark.parametrize("technique, args", [
     (basics, (("hello", "split_work"), 4, 20)), (collectives, (1 << 12, 1)),
     (data_parallel, ()), (pipeline, ()), (tensor_parallel, ()), (moe, ()),
+    (mesh, ()),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_every_demo_matches_one_process(cluster2, technique, args):
     rows = combine(cluster2.run(technique.demo, *args))
@@ -28,6 +30,19 @@ def test_demos_on_four_ranks_include_the_parameter_server(cluster4):
     assert rows[0].matches is True and rows[0].bytes_moved > 0
     rows = combine(cluster4.run(moe.demo))
     assert rows[0].matches is True and "tokens received per rank" in rows[0].note
+    rows = combine(cluster4.run(mesh.demo, 2, 2, 1))
+    assert [r.matches for r in rows] == [True, True, True]
+    assert ["ZeRO-1" in r.technique for r in rows] == [False, True, False]
+
+
+def test_the_mesh_demo_refuses_degrees_that_do_not_multiply_to_the_ranks(capsys):
+    from minipar.demo import run_demo
+
+    with pytest.raises(SystemExit):
+        run_demo(mesh.demo, "mesh", argv=["--ranks", "4", "--dp", "3"],
+                 options={"dp": 0, "pp": 0, "tp": 0}, check_options=mesh.check_options)
+    assert "--dp x --pp x --tp must equal --ranks (4); got dp=3 x pp=1 x tp=1" in \
+        capsys.readouterr().err
 
 
 def test_combine_judges_only_ranks_that_checked_something():
