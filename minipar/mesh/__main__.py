@@ -1,5 +1,5 @@
-"""python -m minipar.mesh --ranks 8 [--dp 2 --pp 2 --tp 2] [--moe 0], or under torchrun: the tiny GPT
-on a data x pipeline x tensor mesh (Adam, then ZeRO-1 over dp) and experts over an ep
+"""python -m minipar.mesh --ranks 8 [--dp 2 --pp 2 --tp 2] [--moe 0], or under torchrun: the
+tiny GPT on a data x pipeline x tensor mesh (Adam, then ZeRO-1 over dp) and experts over an ep
 dimension, checked against one process."""
 
 from ..demo import run_demo
