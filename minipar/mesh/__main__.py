@@ -6,6 +6,6 @@ from ..demo import run_demo
 from .demo import check_options, demo
 
 if __name__ == "__main__":
-    run_demo(demo, __doc__.splitlines()[0], default_ranks=4,
+    run_demo(demo, " ".join(__doc__.split()), default_ranks=4,
              options={"dp": 0, "pp": 0, "tp": 0, "moe": 1},
              check_options=check_options)
