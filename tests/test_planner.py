@@ -52,3 +52,16 @@ def test_mixed_nics_keep_data_parallelism_off_the_slow_path():
 def test_bad_configurations_say_what_to_change(kwargs, words):
     with pytest.raises(ValueError, match=words):
         estimate(OPT_CONFIGS["1.3B"], selene(1), 16, **kwargs)
+
+
+def test_explain_tells_a_pipeline_to_fit_from_one_for_its_links():
+    cluster = Cluster(2, 8, 312e12, 80e9, 300e9, 25e9)
+    plans = plan(OPT_CONFIGS["13B"], cluster, 64)
+    best = plans[0]
+    assert best.pp > 1 and any(p.pp == 1 for p in plans)  # it would fit without a pipeline
+    assert "is not needed to fit; it puts the links between nodes on the pipeline" in \
+        explain(best, cluster, plans)
+    small = Cluster(2, 8, 312e12, 16e9, 300e9, 25e9)
+    plans = plan(OPT_CONFIGS["13B"], small, 64)
+    assert all(p.pp > 1 for p in plans)
+    assert f"pp={plans[0].pp} splits the model so it fits" in explain(plans[0], small, plans)

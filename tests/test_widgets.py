@@ -177,3 +177,54 @@ def test_memory_explorer_measures_each_stage_beside_the_formula():
         for kind in ("parameters", "gradients", "optimizer"):
             assert row[kind] == pytest.approx(row[f"formula_{kind}"], rel=0.1)
     assert bytes(explorer.image.value).startswith(b"\x89PNG")
+
+
+def test_mesh_viewer_shows_the_clicked_ranks_groups_and_follows_the_shape():
+    from minipar.mesh import Mesh
+    from minipar.widgets import MeshViewer
+
+    viewer = MeshViewer(dp=2, pp=2, tp=2)
+    assert list(viewer.ranks.options) == list(range(8))
+    first = bytes(viewer.image.value)
+    viewer.ranks.value = 5
+    assert "rank 5 (dp=1, pp=0, tp=1)" in viewer.status.value
+    for name, group in (("dp", [1, 5]), ("pp", [5, 7]), ("tp", [4, 5])):
+        assert f"<b>{name}</b> group {group}" in viewer.status.value
+    assert bytes(viewer.image.value) != first
+    viewer.sizes["tp"].value = 4  # a new shape: 16 rank buttons, back to rank 0
+    assert list(viewer.ranks.options) == list(range(16)) and viewer.ranks.value == 0
+    assert Mesh(dp=2, pp=2, tp=4).group_of("tp", 0) == [0, 1, 2, 3]
+    assert "<b>tp</b> group [0, 1, 2, 3]" in viewer.status.value
+
+
+def test_mesh_picture_says_what_each_rank_holds():
+    from minipar.mesh import Mesh
+    from minipar.widgets.mesh_view import holds, mesh_layout
+
+    mesh = Mesh(dp=2, pp=2, tp=2)
+    assert holds(mesh, 5, layers=8) == "layers 0-3\n2/2 of each matrix\nbatch part 2/2"
+    assert holds(Mesh(dp=2, ep=4), 3, experts=8) == "experts 6-7\nbatch part 1/2"
+    where = mesh_layout(mesh)
+    assert where[0][1] == where[1][1] == where[2][1] > where[4][1]  # dp = rows
+    assert where[0][0] < where[1][0] < where[2][0]  # tp side by side, then the next stage
+
+
+def test_planner_explorer_ranks_what_fits_and_greys_out_when_nothing_does():
+    from minipar.cost import OPT_CONFIGS
+    from minipar.mesh.planner import plan
+    from minipar.widgets import PlannerExplorer
+
+    explorer = PlannerExplorer(model="13B", nodes=2, devices_per_node=8, memory_gb=80)
+    best = plan(OPT_CONFIGS["13B"], explorer.cluster, 64)[0]
+    assert explorer.plans[0] == best
+    assert f"<b>Winner</b>: {best.label}" in explorer.status.value
+    first = bytes(explorer.image.value)
+    explorer.nic.value = 10  # a slow NIC changes the winner or at least its time
+    assert explorer.plans[0].step > best.step and bytes(explorer.image.value) != first
+    explorer.memory.value = 8
+    explorer.model.value = "175B"
+    explorer.nodes.value = 1
+    assert explorer.plans == [] and "Nothing fits" in explorer.status.value
+    assert explorer.image.layout.opacity == "0.25"
+    explorer.nodes.value = 64
+    assert explorer.plans and explorer.image.layout.opacity == "1"

@@ -36,7 +36,9 @@ def show(fig) -> None:
 _LAZY = {"TimelineViewer": "timeline_viewer", "RouterExplorer": "router_explorer",
          "render_routing": "router_explorer", "split_viewer": "split_view",
          "ScheduleExplorer": "schedule_explorer", "SpeedupLab": "speedup_lab",
-         "CollectiveAnimator": "collective_animator", "MemoryExplorer": "memory_explorer"}
+         "CollectiveAnimator": "collective_animator", "MemoryExplorer": "memory_explorer",
+         "MeshViewer": "mesh_explorer", "PlannerExplorer": "mesh_explorer",
+         "render_mesh": "mesh_view", "render_plans": "mesh_view"}
 
 
 def __getattr__(name: str):
@@ -47,7 +49,8 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
 
 
-__all__ = ["CollectiveAnimator", "CollectiveRecording", "MemoryExplorer", "RouterExplorer",
+__all__ = ["CollectiveAnimator", "CollectiveRecording", "MemoryExplorer", "MeshViewer",
+           "PlannerExplorer", "RouterExplorer", "render_mesh", "render_plans",
            "ScheduleExplorer", "render_routing",
            "SpeedupLab", "TimelineViewer", "record_all_reduce",
            "render_collective_frame", "render_collective_strip", "render_pipeline",

@@ -202,14 +202,26 @@ def plan(model: TransformerConfig, cluster: Cluster, global_batch: int,
     return sorted(found, key=lambda p: (round(p.step, 9), p.memory))
 
 
-def explain(best: Plan, cluster: Cluster) -> str:
-    """Why the winner wins, in the terms of the estimate."""
+def explain(best: Plan, cluster: Cluster, plans: list[Plan] | None = None) -> str:
+    """Why the winner wins, in the terms of the estimate. With `plans` (what `plan`
+    returned) it can tell a pipeline needed to fit from one chosen for its links."""
     total = best.step
     shares = ", ".join(f"{k} {v / total:.0%}" for k, v in best.seconds.items() if v > 0)
     inside = "inside one node" if best.tp <= cluster.devices_per_node else "across nodes"
+    bubble = f"a bubble of (pp-1)/m = {best.seconds['bubble'] / best.seconds['compute']:.0%}"
+    if best.pp == 1:
+        pipeline = "pp=1: no pipeline, no bubble"
+    elif plans is not None and any(p.pp == 1 for p in plans):
+        crosses = best.dp * best.tp >= cluster.devices_per_node and cluster.nodes > 1
+        pipeline = (f"pp={best.pp} is not needed to fit; it puts the links between nodes on "
+                    "the pipeline, which sends one activation per micro-batch, instead of on "
+                    f"the gradient all-reduce, at {bubble} of compute" if crosses else
+                    f"pp={best.pp} is not needed to fit; it costs less than more dp or tp, at "
+                    f"{bubble} of compute")
+    else:
+        pipeline = f"pp={best.pp} splits the model so it fits, at {bubble} of compute"
     return (f"{best.label}: {total:.2f} s per step, {best.tflops_per_device:.0f} TFLOP/s per "
             f"device ({best.share_of_peak:.0%} of peak), {best.memory / GB:.0f} of "
             f"{cluster.memory_bytes / GB:.0f} GB. Time goes to {shares}. tp={best.tp} keeps "
-            f"the per-layer all-reduces {inside}; pp={best.pp} splits the model so it fits, "
-            f"at a bubble of (pp-1)/m = {best.seconds['bubble'] / best.seconds['compute']:.0%}"
-            f" of compute; dp={best.dp} replicas share the batch.")
+            f"the per-layer all-reduces {inside}; {pipeline}; dp={best.dp} replicas share the "
+            "batch.")
