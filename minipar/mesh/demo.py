@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from .. import collectives
 from ..demo import Check, Context, Row
 from ..runtime import world_size
 from .gpt import check_against_twin
@@ -44,11 +45,13 @@ def _label(dims: dict[str, int]) -> str:
 
 def _check(title: str, fn, *args) -> Check:
     start = time.perf_counter()
-    result = fn(*args)
+    with collectives.meter() as m:
+        result = fn(*args)
     ok = result["loss_gap"] < 1e-12 and not result["wrong_grads"] and not result["wrong_params"]
-    note = "" if ok else (f"differs: {(result['wrong_grads'] + result['wrong_params'])[:3]}, "
-                          f"loss gap {result['loss_gap']:.1e}")
-    return Check(title, ok, time.perf_counter() - start, note=note)
+    note = "2 Adam steps, float64: loss, every gradient and parameter" if ok else (
+        f"differs: {(result['wrong_grads'] + result['wrong_params'])[:3]}, loss gap "
+        f"{result['loss_gap']:.1e}")
+    return Check(title, ok, time.perf_counter() - start, m.sent_bytes, note=note)
 
 
 def demo(dp: int = 0, pp: int = 0, tp: int = 0, moe: int = 1) -> list[Check]:
