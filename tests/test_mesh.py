@@ -62,11 +62,20 @@ def test_every_composition_on_4_ranks_trains_like_one_process(dims, zero, cluste
     _assert_equal_to_one_process(cluster4.run(check_against_twin, dims, zero), dims)
 
 
-def test_dp_pp_tp_on_8_ranks_trains_like_one_process():
-    dims = dict(dp=2, pp=2, tp=2)
+# every (dp, pp, tp) of 8 the 4-block, 4-head model allows (pp <= 4 blocks, tp <= 4 heads)
+EIGHT = [dict(dp=8, pp=1, tp=1), dict(dp=4, pp=2, tp=1), dict(dp=4, pp=1, tp=2),
+         dict(dp=2, pp=4, tp=1), dict(dp=2, pp=1, tp=4), dict(dp=1, pp=4, tp=2),
+         dict(dp=1, pp=2, tp=4), dict(dp=2, pp=2, tp=2)]
+
+
+@pytest.mark.slow
+def test_every_composition_on_8_ranks_trains_like_one_process():
     with minipar.Cluster(8, backend="gloo", timeout=60) as cluster:
-        for zero in (False, True):
-            _assert_equal_to_one_process(cluster.run(check_against_twin, dims, zero), dims)
+        for dims in EIGHT:
+            microbatches = 1 if dims["dp"] == 8 else 2  # 8 rows: one per replica at dp=8
+            for zero in (False, True) if dims["dp"] > 1 else (False,):
+                results = cluster.run(check_against_twin, dims, zero, 2, microbatches)
+                _assert_equal_to_one_process(results, dims)
 
 
 def _without_tied_sum(dims):

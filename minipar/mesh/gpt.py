@@ -207,8 +207,11 @@ def check_against_twin(mesh_dims: dict[str, int], zero: bool = False, steps: int
         model.step()
         reference.step()
         reference.zero_grad(set_to_none=True)
+    # Adam divides each gradient by its own running size, so an entry whose gradient is
+    # tiny turns rounding (summation order differs across ranks) into ~1e-12 of the lr-sized
+    # step; a real mistake moves parameters by ~lr = 1e-2
     wrong_params = [n for n, p in model.named_parameters() if not torch.allclose(
         p.detach(), twin_slice(twin_params[n].detach(), p, tp_rank, tp), rtol=1e-9,
-        atol=1e-12)]
+        atol=1e-10)]
     return {"coords": groups.coords, "losses": losses, "loss_gap": gap,
             "wrong_grads": wrong_grads, "wrong_params": wrong_params}

@@ -100,7 +100,8 @@ def check_moe_against_twin(mesh_dims: dict[str, int], steps: int = 2, seed: int 
         optimizer.zero_grad(set_to_none=True)
         reference.step()
         reference.zero_grad(set_to_none=True)
+    # after Adam, rounding can reach ~1e-12 (see gpt.check_against_twin); mistakes ~lr
     wrong_params = [n for n, p in layer.named_parameters() if not torch.allclose(
-        p.detach(), twin_params[twin_name(n)].detach(), rtol=1e-9, atol=1e-12)]
+        p.detach(), twin_params[twin_name(n)].detach(), rtol=1e-9, atol=1e-10)]
     return {"coords": groups.coords, "loss_gap": gap, "wrong_grads": wrong_grads,
             "wrong_params": wrong_params, "experts": [first + i for i in range(layer.per_rank)]}
