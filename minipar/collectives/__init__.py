@@ -41,10 +41,18 @@ from .comm import (
            split_bounds,
            validation,
 )
-from .p2p import PendingSend, isend, recv, recv_any, send
+from .p2p import (
+    PendingRecv,
+    PendingSend,
+    irecv,
+    isend,
+    recv,
+    recv_any,
+    send,
+)
 from .rooted import broadcast, gather, reduce, scatter
 
 __all__ = ["ALL_REDUCE_ALGORITHMS", "OPS", "ROOTED_ALGORITHMS", "SEGMENT_BYTES", "Meter",
-           "PendingSend", "Transfer", "all_gather", "all_reduce", "all_to_all", "broadcast",
-           "gather", "isend", "meter", "recv", "recv_any", "reduce", "reduce_scatter", "scatter",
+           "PendingRecv", "PendingSend", "Transfer", "all_gather", "all_reduce", "all_to_all",
+           "broadcast", "gather", "irecv", "isend", "meter", "recv", "recv_any", "reduce", "reduce_scatter", "scatter",
            "send", "split_bounds", "swap_counts", "validation"]

@@ -61,6 +61,40 @@ def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None
     return PendingSend(works, data, dst, trace.now(), label, fields)
 
 
+class PendingRecv:
+    """A receive in flight; `wait()` blocks until the data has landed in the tensor, meters
+    it and returns the tensor."""
+
+    def __init__(self, works: list, tensor: torch.Tensor, src: int, start: float) -> None:
+        self.works, self.tensor, self.src, self.start = works, tensor, src, start
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        nbytes = self.tensor.numel() * self.tensor.element_size()
+        _account(Transfer("irecv", "p2p", 0, "recv", self.src, None, nbytes), self.start,
+                 trace.now(), messages=len(self.works))
+        return self.tensor
+
+
+def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None
+          ) -> PendingRecv:
+    """Start receiving into `tensor` (contiguous) from `src` without waiting, so that a
+    transfer overlaps computation (ring attention posts it before the block's math).
+    Matches an `isend` or `send` of the same size; `.wait()` before reading `tensor`."""
+    _check_tensor(tensor)
+    if not tensor.is_contiguous():
+        raise ValueError("irecv needs a contiguous tensor to receive into; pass "
+                         "torch.empty_like(x) or x.contiguous()")
+    size = dist.get_world_size(group)
+    _check_root("src", src, size)
+    data = tensor.view(-1)
+    peer = src if group is None else dist.get_global_rank(group, src)
+    works = [dist.irecv(data[a:b], peer, group, tag) for tag, (a, b) in enumerate(_segments(data))
+             if b > a]
+    return PendingRecv(works, tensor, src, trace.now())
+
+
 def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None,
          label: str | None = None, **fields: int) -> torch.Tensor:
     """Receive into `tensor` from rank `src` (metered); returns `tensor`. `label` and

@@ -1,0 +1,14 @@
+"""Long sequences: split the sequence itself over ranks.
+
+- `attention.py`: attention one key block at a time, merged by the online-softmax
+  (log-sum-exp) rule; the balanced (zig-zag) layout of a causal sequence over ranks;
+- `ring.py`: ring attention (context parallelism), forward and backward;
+- `ulysses.py`: all-to-all sequence parallelism (sequence split <-> head split).
+"""
+
+from .attention import attention, block_attention, merge, positions
+from .ring import RingWork, ring_attention
+from .ulysses import ulysses_attention
+
+__all__ = ["RingWork", "attention", "block_attention", "merge", "positions", "ring_attention",
+           "ulysses_attention"]
