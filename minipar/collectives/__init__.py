@@ -54,5 +54,5 @@ from .rooted import broadcast, gather, reduce, scatter
 
 __all__ = ["ALL_REDUCE_ALGORITHMS", "OPS", "ROOTED_ALGORITHMS", "SEGMENT_BYTES", "Meter",
            "PendingRecv", "PendingSend", "Transfer", "all_gather", "all_reduce", "all_to_all",
-           "broadcast", "gather", "irecv", "isend", "meter", "recv", "recv_any", "reduce", "reduce_scatter", "scatter",
-           "send", "split_bounds", "swap_counts", "validation"]
+           "broadcast", "gather", "irecv", "isend", "meter", "recv", "recv_any", "reduce",
+           "reduce_scatter", "scatter", "send", "split_bounds", "swap_counts", "validation"]
