@@ -18,7 +18,8 @@ BENCHMARKS = {"launch": "minipar.runtime.bench",
               "pipeline": "minipar.pipeline.bench",
               "tensor-parallel": "minipar.tensor_parallel.bench",
               "moe": "minipar.moe.bench",
-              "mesh": "minipar.mesh.bench"}
+              "mesh": "minipar.mesh.bench",
+              "context-parallel": "minipar.context_parallel.bench"}
 
 
 def run_benchmark(name: str, out_dir: str | Path = "bench-out") -> list[dict]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .basics import demo as basics
 from .collectives import demo as collectives
+from .context_parallel import demo as context_parallel
 from .data_parallel import demo as data_parallel
 from .demo import Context, Row, format_rows
 from .mesh import demo as mesh
@@ -22,7 +23,7 @@ from .tensor_parallel import demo as tensor_parallel
 
 TECHNIQUES = {"basics": basics, "collectives": collectives, "data parallelism": data_parallel,
               "pipelines": pipeline, "tensor parallelism": tensor_parallel, "experts": moe,
-              "a mesh of them": mesh}
+              "a mesh of them": mesh, "long sequences": context_parallel}
 
 
 def run_tour(out_dir: str | Path = "minipar-out") -> list[Row]:

@@ -5,6 +5,7 @@ import pytest
 
 from minipar.basics import demo as basics
 from minipar.collectives import demo as collectives
+from minipar.context_parallel import demo as context_parallel
 from minipar.data_parallel import demo as data_parallel
 from minipar.demo import Check, combine
 from minipar.mesh import demo as mesh
@@ -16,7 +17,7 @@ from minipar.tensor_parallel import demo as tensor_parallel
 @pytest.mark.parametrize("technique, args", [
     (basics, (("hello", "split_work"), 4, 20)), (collectives, (1 << 12, 1)),
     (data_parallel, ()), (pipeline, ()), (tensor_parallel, ()), (moe, ()),
-    (mesh, ()),
+    (mesh, ()), (context_parallel, ()),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_every_demo_matches_one_process(cluster2, technique, args):
     rows = combine(cluster2.run(technique.demo, *args))

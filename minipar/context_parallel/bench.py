@@ -1,0 +1,102 @@
+"""`minipar bench context-parallel`: causal attention's forward + backward on one process
+against ring attention and Ulysses on two ranks, at growing sequence length; ring with
+and without the balanced layout, and with and without overlapping its transfers."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..report import format_table, progress, save_results
+from ..runtime import Cluster, rank, world_size
+from .attention import attention, positions
+from .ring import RingWork, ring_attention
+from .ulysses import ulysses_attention
+
+HEADS, HEAD_DIM = 4, 64
+METHODS = {"one process": None,
+           "ring, contiguous": dict(balanced=False, overlap=True),
+           "ring, balanced": dict(balanced=True, overlap=True),
+           "ring, balanced, no overlap": dict(balanced=True, overlap=False),
+           "Ulysses": "ulysses"}
+
+
+def _step_seconds(method: str, seq_len: int, steps: int) -> tuple[float, int]:
+    """On one rank: median seconds of causal attention forward + backward over this rank's
+    part of a [1, HEADS, seq_len, HEAD_DIM] float32 sequence, and the score entries the
+    rank computed (ring only; 1 otherwise)."""
+    k, me = world_size(), rank()
+    setting = METHODS[method]
+    balanced = isinstance(setting, dict) and setting["balanced"]
+    pos = positions(me, k, seq_len, balanced)
+    gen = torch.Generator().manual_seed(0)
+    q, kk, v = (torch.randn(1, HEADS, seq_len, HEAD_DIM, generator=gen)[..., pos, :]
+                .requires_grad_() for _ in range(3))
+    times, work = [], RingWork()
+    for step in range(steps + 1):
+        if k > 1:
+            torch.distributed.barrier()
+        start = time.perf_counter()
+        if setting is None:
+            out = attention(q, kk, v, causal=True)
+        elif setting == "ulysses":
+            out = ulysses_attention(q, kk, v, causal=True)
+        else:
+            work = RingWork()
+            out = ring_attention(q, kk, v, causal=True, **setting, work=work)
+        out.sum().backward()
+        if step:
+            times.append(time.perf_counter() - start)
+    # ring: the score entries this rank computed; the others split work evenly by design
+    return statistics.median(times), work.forward if isinstance(setting, dict) else 1
+
+
+def measure(lengths: tuple[int, ...] = (512, 1024, 2048, 4096), steps: int = 3) -> list[dict]:
+    """Per sequence length and method: the slowest rank's median step, its speedup over
+    one process, and the largest and smallest per-rank share of the score entries."""
+    rows = []
+    with Cluster(1, backend="gloo") as one, Cluster(2, backend="gloo") as two:
+        for seq_len in lengths:
+            base = None
+            for method in METHODS:
+                progress(f"S={seq_len} {method}")
+                cluster = one if METHODS[method] is None else two
+                runs = [cluster.run(_step_seconds, method, seq_len, steps) for _ in range(2)]
+                best = min(runs, key=lambda run: max(r[0] for r in run))
+                seconds = max(r[0] for r in best)
+                base = base or seconds
+                work = [r[1] for r in best]
+                rows.append({"seq_len": seq_len, "method": method, "ranks": len(best),
+                             "seconds": seconds, "speedup": base / seconds,
+                             "work_imbalance": max(work) / min(work) if min(work) else None})
+    return rows
+
+
+def report(rows: list[dict], out_dir: Path) -> str:
+    """The table, a JSON file and a plot of speedup against sequence length."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.2), layout="constrained")
+    ax = fig.add_subplot()
+    for method in METHODS:
+        mine = [r for r in rows if r["method"] == method]
+        ax.plot([r["seq_len"] for r in mine], [r["speedup"] for r in mine], marker="o",
+                label=method)
+    ax.axhline(2, color="#B0B0B0", linestyle="--", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length")
+    ax.set_ylabel("speedup vs one process")
+    ax.legend(fontsize=7)
+    save_results(rows, fig, out_dir, "context_parallel")
+    shown = [{"S": r["seq_len"], "method": r["method"], "ranks": r["ranks"],
+              "time": f"{r['seconds'] * 1e3:.1f} ms", "speedup": f"{r['speedup']:.2f}x",
+              "work": "-" if r["work_imbalance"] is None or r["ranks"] == 1
+              else f"{r['work_imbalance']:.2f}"} for r in rows]
+    return ("causal attention, forward + backward, [1, 4 heads, S, 64] float32; "
+            "time = slowest rank's median\n"
+            + format_table(shown, [("S", "S"), ("method", "method"), ("ranks", "ranks"),
+                                   ("time", "time"), ("speedup", "vs one process"),
+                                   ("work", "busiest / idlest rank's score entries")]))
