@@ -121,3 +121,18 @@ def _ulysses_with_3_heads():
 
 def test_ulysses_needs_heads_divisible_by_ranks(cluster2):
     assert all("splits the 3 heads over 2 ranks" in e for e in cluster2.run(_ulysses_with_3_heads))
+
+
+@pytest.mark.parametrize("balanced", [False, True])
+def test_ring_plan_counts_the_work_the_ring_does(cluster4, balanced):
+    from minipar.context_parallel import ring_plan
+
+    plan = ring_plan(4, causal=True, balanced=balanced)
+    cell = (S // 8) ** 2  # the grid cuts the sequence into 2K = 8 chunks
+    measured = [r[5].forward for r in cluster4.run(_on_rank, "ring", True, balanced)]
+    planned = [sum(cell for step in plan for qc, kc, done in step[r]["cells"] if done)
+               for r in range(4)]
+    assert planned == measured
+    assert [plan[s][1]["src"] for s in range(4)] == [1, 0, 3, 2]
+    every = {(qc, kc) for step in plan for row in step for qc, kc, _ in row["cells"]}
+    assert len(every) == 64  # every query chunk met every key chunk exactly once

@@ -228,3 +228,31 @@ def test_planner_explorer_ranks_what_fits_and_greys_out_when_nothing_does():
     assert explorer.image.layout.opacity == "0.25"
     explorer.nodes.value = 64
     assert explorer.plans and explorer.image.layout.opacity == "1"
+
+
+def test_ring_animator_steps_and_greys_an_invalid_choice():
+    from minipar.widgets import RingAnimator
+
+    animator = RingAnimator(ranks=4, causal=True, balanced=False)
+    assert animator.step.max == 3 and animator.play.max == 3
+    first = bytes(animator.image.value)
+    animator.step.value = 2
+    assert "block that started on rank r - 2" in animator.status.value
+    assert bytes(animator.image.value) != first
+    animator.ranks.value = 2  # fewer steps: the slider follows
+    assert animator.step.max == 1 and animator.step.value == 1
+    animator.causal.value = False
+    animator.balanced.value = True
+    assert "only helps causal attention" in animator.status.value
+    assert animator.image.layout.opacity == "0.25"
+    animator.causal.value = True
+    assert animator.image.layout.opacity == "1"
+
+
+def test_ring_picture_refuses_what_it_cannot_draw():
+    from minipar.widgets import render_ring
+
+    with pytest.raises(ValueError, match="step must be in 0..3"):
+        render_ring(4, 4)
+    with pytest.raises(ValueError, match="world_size must be at most 8"):
+        render_ring(9, 0)

@@ -38,7 +38,8 @@ _LAZY = {"TimelineViewer": "timeline_viewer", "RouterExplorer": "router_explorer
          "ScheduleExplorer": "schedule_explorer", "SpeedupLab": "speedup_lab",
          "CollectiveAnimator": "collective_animator", "MemoryExplorer": "memory_explorer",
          "MeshViewer": "mesh_explorer", "PlannerExplorer": "mesh_explorer",
-         "render_mesh": "mesh_view", "render_plans": "mesh_view"}
+         "render_mesh": "mesh_view", "render_plans": "mesh_view",
+         "RingAnimator": "ring_animator", "render_ring": "ring_view"}
 
 
 def __getattr__(name: str):
@@ -50,7 +51,8 @@ def __getattr__(name: str):
 
 
 __all__ = ["CollectiveAnimator", "CollectiveRecording", "MemoryExplorer", "MeshViewer",
-           "PlannerExplorer", "RouterExplorer", "render_mesh", "render_plans",
+           "PlannerExplorer", "RingAnimator", "RouterExplorer", "render_mesh", "render_plans",
+           "render_ring",
            "ScheduleExplorer", "render_routing",
            "SpeedupLab", "TimelineViewer", "record_all_reduce",
            "render_collective_frame", "render_collective_strip", "render_pipeline",

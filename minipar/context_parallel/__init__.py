@@ -7,8 +7,8 @@
 """
 
 from .attention import attention, block_attention, merge, positions
-from .ring import RingWork, ring_attention
+from .ring import RingWork, ring_attention, ring_plan
 from .ulysses import ulysses_attention
 
 __all__ = ["RingWork", "attention", "block_attention", "merge", "positions", "ring_attention",
-           "ulysses_attention"]
+           "ring_plan", "ulysses_attention"]

@@ -35,6 +35,35 @@ class RingWork:
     skipped: int = 0
 
 
+def ring_plan(world_size: int, causal: bool, balanced: bool) -> list[list[dict]]:
+    """What every rank does at every step, on a grid of 2K x 2K cells (the sequence cut
+    into 2K equal chunks, queries by keys): plan[step][rank] = {"src": whose key/value
+    block it holds, "cells": [(query cell, key cell, computed)]}. A cell is skipped
+    (computed False) when its chunk pair lies wholly in the queries' future, exactly as
+    `ring_attention` skips it; pure arithmetic, for pictures and for counting work."""
+    k = world_size
+    if k < 1:
+        raise ValueError(f"world_size must be at least 1; got {k}")
+    cells = {r: [r, 2 * k - 1 - r] if balanced else [2 * r, 2 * r + 1] for r in range(k)}
+
+    def groups(r: int) -> list[list[int]]:  # the chunks ring_attention computes as one
+        return [[c] for c in cells[r]] if balanced else [cells[r]]
+
+    plan = []
+    for step in range(k):
+        row = []
+        for me in range(k):
+            src = (me - step) % k
+            done = []
+            for qs in groups(me):
+                for ks in groups(src):
+                    computed = not (causal and min(ks) > max(qs))
+                    done += [(qc, kc, computed) for qc in qs for kc in ks]
+            row.append({"src": src, "cells": done})
+        plan.append(row)
+    return plan
+
+
 class _Ring:
     """One rank's place in the ring: its neighbours and the layout of every rank's keys."""
 
