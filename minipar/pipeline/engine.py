@@ -15,6 +15,11 @@ Each stage's input is a detached leaf that requires grad, so a backward pass sto
 at the stage boundary and its input gradient is what travels back. With the backward
 split (zero bubble), I computes only that input gradient and W only the weight
 gradients, both from the same retained graph.
+
+A stage whose micro-batches share state (TeraPipe's slices of one sequence share a
+key/value cache) may define `carried_state(mb) -> (roots, root_grads, leaves)` and
+`take_gradients(mb, grads)`: B then also back-propagates the extra roots and hands the
+stage the gradients of the extra leaves.
 """
 
 from __future__ import annotations
@@ -149,16 +154,22 @@ class Pipeline:
         return [p for s in sorted(self.modules) for p in self.modules[s].parameters()]
 
     def train_step(self, batch: torch.Tensor, target: torch.Tensor,
-                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float | None:
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                   sizes: Sequence[int] | None = None) -> float | None:
         """Run this rank's actions for one batch; gradients accumulate into .grad (under
         'pipedream' each micro-batch's backward instead updates the weights at once with
-        lr, using the weights its forward used). Returns the batch's mean loss on the rank
-        holding the last stage, else None."""
+        lr, using the weights its forward used). `sizes` cuts the batch (dim 0) into
+        micro-batches of those lengths instead of tensor_split's even ones. Returns the
+        batch's mean loss on the rank holding the last stage, else None."""
         m = self.plan.microbatches
         if batch.shape[0] < m:
             raise ValueError(f"a batch of {batch.shape[0]} samples cannot make {m} micro-batches")
-        inputs = torch.tensor_split(batch, m)
-        targets = torch.tensor_split(target, m)
+        if sizes is not None and (len(sizes) != m or sum(sizes) != batch.shape[0]
+                                  or min(sizes) < 1):
+            raise ValueError(f"sizes must be {m} positive lengths adding up to the batch's "
+                             f"{batch.shape[0]}; got {list(sizes)}")
+        inputs = torch.split(batch, list(sizes)) if sizes else torch.tensor_split(batch, m)
+        targets = torch.split(target, list(sizes)) if sizes else torch.tensor_split(target, m)
         weights = [len(x) / len(batch) for x in inputs]
         state = _StepState()
         for action in self.plan.actions[self.rank]:
@@ -239,9 +250,17 @@ class Pipeline:
             params = [stash[n] for n in names]
         wants_input = x.requires_grad  # stage 0's input is data: nothing to send back
         if a.kind == "B":
-            wrt = ([x] if wants_input else []) + params
-            grads = list(torch.autograd.grad(root, wrt, grad_out, allow_unused=True)) if wrt \
-                else []
+            roots, root_grads, leaves = [root], [grad_out], []
+            carried = getattr(self.modules[a.stage], "carried_state", None)
+            if carried is not None:  # state this micro-batch shares with others (TeraPipe)
+                more_roots, more_grads, leaves = carried(a.microbatch)
+                roots, root_grads = roots + more_roots, root_grads + more_grads
+            wrt = ([x] if wants_input else []) + params + leaves
+            grads = list(torch.autograd.grad(roots, wrt, root_grads, allow_unused=True)) \
+                if wrt else []
+            if leaves:
+                self.modules[a.stage].take_gradients(a.microbatch, grads[-len(leaves):])
+                del grads[-len(leaves):]
             if wants_input:
                 self._hand_back(a, grads.pop(0), st)
             if self.plan.weight_stashing:  # apply this micro-batch's gradient right away

@@ -34,6 +34,15 @@ def _one_f_one_b(p: int, m: int, v: int) -> list[list[Action]]:
     return orders
 
 
+def _terapipe(p: int, m: int, v: int) -> list[list[Action]]:
+    """TeraPipe (Li et al. 2021): the micro-batches are slices of one sequence's tokens, in
+    order. Forward as GPipe; backward from the last slice to the first, because a slice's
+    keys and values are used by every later slice, whose backward must add its share of
+    their gradient first."""
+    return [[Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in reversed(range(m))]
+            for r in range(p)]
+
+
 def _interleaved(p: int, m: int, v: int) -> list[list[Action]]:
     """Megatron-LM's interleaved 1F1B: each rank holds v chunks (stages r, r+p, ...);
     micro-batches go through the chunks in groups of p."""
@@ -95,7 +104,8 @@ def _zb_h1(p: int, m: int, v: int) -> list[list[Action]]:
 
 
 SCHEDULES = {"naive": _naive, "gpipe": _gpipe, "1f1b": _one_f_one_b, "pipedream": _one_f_one_b,
-             "interleaved_1f1b": _interleaved, "looped_bfs": _looped_bfs, "zb_h1": _zb_h1}
+             "interleaved_1f1b": _interleaved, "looped_bfs": _looped_bfs, "zb_h1": _zb_h1,
+             "terapipe": _terapipe}
 VIRTUAL = ("interleaved_1f1b", "looped_bfs")
 
 

@@ -1,0 +1,80 @@
+"""TeraPipe: token slices through the pipeline equal one process; the slicing DP is optimal."""
+
+import itertools
+
+import pytest
+import torch
+
+from minipar.context_parallel.terapipe import (
+    best_slices,
+    check_terapipe_against_twin,
+    pipeline_latency,
+)
+from minipar.pipeline import schedule, simulate
+
+
+def _assert_equal_to_twin(results):
+    twin = results[0]["twin_grads"]
+    got = {}
+    for r in results:
+        for name, g in r["grads"].items():
+            name = "tokens.weight" if name == "head_weight" else name
+            got[name] = g if name not in got else got[name] + g  # the tied copies add up
+    assert set(got) == set(twin)
+    for name, g in got.items():
+        assert torch.allclose(g, twin[name], rtol=1e-9, atol=1e-12), name
+    last = results[-1]
+    assert abs(last["loss"] - last["reference_loss"]) < 1e-12
+
+
+@pytest.mark.parametrize("sizes", [[8], [4, 4], [2, 2, 2, 2], [5, 2, 1]],
+                         ids=lambda s: "-".join(map(str, s)))
+def test_terapipe_on_two_stages_equals_one_process(cluster2, sizes):
+    _assert_equal_to_twin(cluster2.run(check_terapipe_against_twin, sizes))
+
+
+def test_terapipe_on_four_stages_equals_one_process(cluster4):
+    _assert_equal_to_twin(cluster4.run(check_terapipe_against_twin, [3, 3, 2, 2, 1, 1]))
+
+
+def test_the_bubble_shrinks_with_more_slices():
+    bubbles = [simulate(schedule("terapipe", 4, m), {"F": 1 / m, "B": 2 / m})
+               .summary(4).bubble_fraction for m in (1, 2, 4, 8, 16)]
+    assert bubbles == sorted(bubbles, reverse=True)
+    assert bubbles[0] == pytest.approx(3 / 4) and bubbles[-1] == pytest.approx(3 / 19)
+
+
+def test_best_slices_is_optimal_and_gives_later_tokens_shorter_slices():
+    for per_pair in (0.0, 0.05, 1.0):
+        found = best_slices(12, 4, 1.0, per_pair)
+        assert sum(found) == 12
+        brute = min((list(c) for n in range(1, 13) for c in _compositions(12, n)),
+                    key=lambda c: pipeline_latency(c, 4, 1.0, per_pair))
+        assert pipeline_latency(found, 4, 1.0, per_pair) == pytest.approx(
+            pipeline_latency(brute, 4, 1.0, per_pair))
+    uneven = best_slices(64, 4, 1.0, 0.5, unit=4)
+    assert uneven[0] > uneven[-1] and uneven == sorted(uneven, reverse=True)
+    with pytest.raises(ValueError, match="multiple of unit"):
+        best_slices(10, 2, 1.0, 0.1, unit=4)
+
+
+def _compositions(total, parts):
+    for cuts in itertools.combinations(range(1, total), parts - 1):
+        bounds = (0, *cuts, total)
+        yield [b - a for a, b in itertools.pairwise(bounds)]
+
+
+def _without_carried_gradients(sizes):
+    from minipar.context_parallel.terapipe import TokenStage
+
+    TokenStage.carried_state = None  # in this rank's process only: the engine skips it
+    return check_terapipe_against_twin(sizes)
+
+
+def test_earlier_slices_need_the_key_value_gradients_of_later_ones():
+    import minipar
+
+    with minipar.Cluster(2, backend="gloo", timeout=30) as cluster:  # its own processes
+        results = cluster.run(_without_carried_gradients, [4, 4])
+    with pytest.raises(AssertionError):
+        _assert_equal_to_twin(results)
