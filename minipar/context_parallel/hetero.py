@@ -1,0 +1,107 @@
+"""Heterogeneity-adaptive sequence parallelism: place a batch of variable-length sequences
+on ranks of different speeds so that every rank finishes together.
+
+A sequence of L tokens costs per_token * L (projections, MLP) + per_pair * L^2
+(attention): one long sequence can outweigh many short ones. The naive split gives each
+rank the same number of sequences; the balanced one (longest processing time first)
+takes sequences from the most expensive down and gives each to the rank that would
+finish it earliest at its speed. A synchronous step ends when the slowest rank does, so
+the balanced split's step is shorter; the gradient is the same sum either way.
+
+Speeds are emulated on CPU ranks: a rank of speed 1/2 computes each of its sequences
+twice (real work, not a sleep).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .. import collectives
+from ..models import TransformerBlock
+from ..runtime import rank, world_size
+
+
+def sequence_cost(length: int, per_token: float = 1.0, per_pair: float = 0.01) -> float:
+    """Modelled time of one sequence at speed 1."""
+    return per_token * length + per_pair * length * length
+
+
+def assign_even(lengths: list[int], ranks: int) -> list[list[int]]:
+    """The naive split: consecutive sequences, the same count on every rank (indices)."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be at least 1; got {ranks}")
+    per, extra = divmod(len(lengths), ranks)
+    out, start = [], 0
+    for r in range(ranks):
+        n = per + (r < extra)
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+def assign_balanced(lengths: list[int], speeds: list[float], per_token: float = 1.0,
+                    per_pair: float = 0.01) -> list[list[int]]:
+    """Longest processing time first: each sequence, most expensive first, goes to the rank
+    whose finishing time (load / speed) it raises least."""
+    if not speeds or min(speeds) <= 0:
+        raise ValueError(f"speeds must be positive, one per rank; got {speeds}")
+    loads = [0.0] * len(speeds)
+    out: list[list[int]] = [[] for _ in speeds]
+    order = sorted(range(len(lengths)), key=lambda i: -sequence_cost(lengths[i], per_token,
+                                                                     per_pair))
+    for i in order:
+        cost = sequence_cost(lengths[i], per_token, per_pair)
+        r = min(range(len(speeds)), key=lambda j: (loads[j] + cost) / speeds[j])
+        loads[r] += cost
+        out[r].append(i)
+    return [sorted(seqs) for seqs in out]
+
+
+def predicted_step(assignment: list[list[int]], lengths: list[int], speeds: list[float],
+                   per_token: float = 1.0, per_pair: float = 0.01) -> float:
+    """The modelled step: the slowest rank's load over its speed."""
+    return max(sum(sequence_cost(lengths[i], per_token, per_pair) for i in seqs) / s
+               for seqs, s in zip(assignment, speeds, strict=True))
+
+
+def variable_lengths(count: int, seed: int = 0, shortest: int = 16, longest: int = 512
+                     ) -> list[int]:
+    """A batch of sequence lengths with a long tail (log-uniform), as real corpora have."""
+    gen = torch.Generator().manual_seed(seed)
+    logs = torch.empty(count).uniform_(float(torch.tensor(shortest).log()),
+                                       float(torch.tensor(longest).log()), generator=gen)
+    return [int(v) for v in logs.exp().round()]
+
+
+def run_assignment(assignment: list[list[int]], lengths: list[int], speeds: list[float],
+                   hidden: int = 64, seed: int = 0, dtype: torch.dtype = torch.float32
+                   ) -> tuple[float, torch.Tensor]:
+    """On every rank: forward + backward of a transformer block over this rank's sequences
+    (repeated 1/speed times to emulate a slower device), then the gradient all-reduce that
+    ends a synchronous step. Returns (seconds until this rank's gradients are summed, the
+    summed gradient, flattened)."""
+    me, k = rank(), world_size()
+    if len(assignment) != k or len(speeds) != k:
+        raise ValueError(f"assignment and speeds need one entry per rank ({k}); got "
+                         f"{len(assignment)} and {len(speeds)}")
+    block = TransformerBlock(hidden, 4, 4 * hidden, seed=seed, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    data = [torch.randn(n, 1, hidden, generator=gen, dtype=dtype) for n in lengths]
+    repeats = max(1, round(1 / speeds[me]))
+    if k > 1:
+        torch.distributed.barrier()
+    start = time.perf_counter()
+    for i in assignment[me]:
+        for repeat in range(repeats):
+            loss = block(data[i]).pow(2).mean()
+            if repeat == repeats - 1:  # the extra passes are the emulated slowness only
+                loss.backward()
+            else:
+                torch.autograd.grad(loss, list(block.parameters()))
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in block.parameters()])
+    if k > 1:
+        collectives.all_reduce(flat)
+    return time.perf_counter() - start, flat
