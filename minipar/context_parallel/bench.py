@@ -13,6 +13,14 @@ import torch
 from ..report import format_table, progress, save_results
 from ..runtime import Cluster, rank, world_size
 from .attention import attention, positions
+from .hetero import (
+    assign_balanced,
+    assign_even,
+    predicted_step,
+    run_assignment,
+    sequence_cost,
+    variable_lengths,
+)
 from .ring import RingWork, ring_attention
 from .ulysses import ulysses_attention
 
@@ -54,9 +62,53 @@ def _step_seconds(method: str, seq_len: int, steps: int) -> tuple[float, int]:
     return statistics.median(times), work.forward if isinstance(setting, dict) else 1
 
 
+def _fit_cost(cluster: Cluster, repeats: int = 3) -> tuple[float, float]:
+    """(per_token, per_pair) seconds of the block's forward + backward on one rank, from
+    four short and four long sequences (best of a few runs): cost(L) = a L + b L^2
+    through both points."""
+    def seconds(length: int) -> float:
+        runs = [cluster.run(run_assignment, [[0, 1, 2, 3]], [length] * 4, [1.0])[0][0]
+                for _ in range(repeats)]
+        return min(runs) / 4
+
+    short, long_ = 64, 512
+    t_short, t_long = seconds(short), seconds(long_)
+    b = (t_long / long_ - t_short / short) / (long_ - short)
+    return max(t_short / short - b * short, 0.0), max(b, 0.0)
+
+
+def measure_placement(count: int = 32, speeds: tuple[float, ...] = (1.0, 0.5),
+                      repeats: int = 3) -> list[dict]:
+    """Variable-length sequences on ranks of different speeds: the even split against the
+    balanced one (planned on costs fitted here), predicted and measured step."""
+    lengths = variable_lengths(count, seed=5)
+    rows = []
+    with Cluster(1, backend="gloo") as one, Cluster(len(speeds), backend="gloo") as many:
+        per_token, per_pair = _fit_cost(one)
+        for name, assignment in (("even", assign_even(lengths, len(speeds))),
+                                 ("balanced", assign_balanced(lengths, list(speeds), per_token,
+                                                              per_pair))):
+            progress(f"placement {name}")
+            times = [max(r[0] for r in many.run(run_assignment, assignment, lengths,
+                                                list(speeds))) for _ in range(repeats)]
+            loads = [sum(sequence_cost(lengths[i], per_token, per_pair) for i in seqs) / s
+                     for seqs, s in zip(assignment, speeds, strict=True)]
+            rows.append({"placement": name, "sequences": [len(a) for a in assignment],
+                         "tokens": [sum(lengths[i] for i in a) for a in assignment],
+                         "predicted": predicted_step(assignment, lengths, list(speeds),
+                                                     per_token, per_pair),
+                         "predicted_loads": loads, "measured": statistics.median(times)})
+    return rows
+
+
 def measure(lengths: tuple[int, ...] = (512, 1024, 2048, 4096), steps: int = 3) -> list[dict]:
     """Per sequence length and method: the slowest rank's median step, its speedup over
-    one process, and the largest and smallest per-rank share of the score entries."""
+    one process, and the largest and smallest per-rank share of the score entries; then
+    the placement of variable-length sequences on uneven ranks."""
+    return _measure_attention(lengths, steps) + measure_placement()
+
+
+def _measure_attention(lengths: tuple[int, ...], steps: int) -> list[dict]:
     rows = []
     with Cluster(1, backend="gloo") as one, Cluster(2, backend="gloo") as two:
         for seq_len in lengths:
@@ -76,9 +128,11 @@ def measure(lengths: tuple[int, ...] = (512, 1024, 2048, 4096), steps: int = 3) 
 
 
 def report(rows: list[dict], out_dir: Path) -> str:
-    """The table, a JSON file and a plot of speedup against sequence length."""
+    """The tables, a JSON file and a plot of speedup against sequence length."""
     from matplotlib.figure import Figure
 
+    placement = [r for r in rows if "placement" in r]
+    rows = [r for r in rows if "placement" not in r]
     fig = Figure(figsize=(6, 3.2), layout="constrained")
     ax = fig.add_subplot()
     for method in METHODS:
@@ -90,7 +144,7 @@ def report(rows: list[dict], out_dir: Path) -> str:
     ax.set_xlabel("sequence length")
     ax.set_ylabel("speedup vs one process")
     ax.legend(fontsize=7)
-    save_results(rows, fig, out_dir, "context_parallel")
+    save_results(rows + placement, fig, out_dir, "context_parallel")
     shown = [{"S": r["seq_len"], "method": r["method"], "ranks": r["ranks"],
               "time": f"{r['seconds'] * 1e3:.1f} ms", "speedup": f"{r['speedup']:.2f}x",
               "work": "-" if r["work_imbalance"] is None or r["ranks"] == 1
@@ -99,4 +153,21 @@ def report(rows: list[dict], out_dir: Path) -> str:
             "time = slowest rank's median\n"
             + format_table(shown, [("S", "S"), ("method", "method"), ("ranks", "ranks"),
                                    ("time", "time"), ("speedup", "vs one process"),
-                                   ("work", "busiest / idlest rank's score entries")]))
+                                   ("work", "busiest / idlest rank's score entries")])
+            + "\n\n" + format_placement(placement))
+
+
+def format_placement(rows: list[dict]) -> str:
+    """The placement table: sequences and tokens per rank, predicted and measured step."""
+    if not rows:
+        return ""
+    shown = [{"placement": r["placement"], "seqs": " / ".join(map(str, r["sequences"])),
+              "tokens": " / ".join(map(str, r["tokens"])),
+              "predicted": f"{r['predicted'] * 1e3:.0f} ms",
+              "measured": f"{r['measured'] * 1e3:.0f} ms",
+              "vs": f"{rows[0]['measured'] / r['measured']:.2f}x"} for r in rows]
+    return ("variable-length sequences (forward + backward of a transformer block) on 2 ranks "
+            "of speed 1 and 1/2 (the slow rank computes twice); step = slowest rank\n"
+            + format_table(shown, [("placement", "placement"), ("seqs", "sequences per rank"),
+                                   ("tokens", "tokens per rank"), ("predicted", "predicted"),
+                                   ("measured", "measured"), ("vs", "speedup vs even")]))
