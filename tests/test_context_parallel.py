@@ -58,6 +58,20 @@ def test_merging_two_halves_equals_attention_over_both():
     assert torch.isinf(b[1][..., 0]).all() and (b[0][..., 0, :] == 0).all()  # sees no key
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_blocked_attention_equals_attention(causal):
+    from minipar.context_parallel import blocked_attention
+
+    q, k, v, w = _full()
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    blocked = [t.clone().requires_grad_() for t in (q, k, v)]
+    (attention(*full, causal) * w).sum().backward()
+    (blocked_attention(*blocked, 4, causal) * w).sum().backward()
+    for a, b in zip(full, blocked, strict=True):
+        assert torch.allclose(a.grad, b.grad)
+    assert torch.allclose(attention(q, k, v, causal), blocked_attention(q, k, v, 3, causal))
+
+
 @pytest.mark.parametrize("method, causal, balanced, overlap", [
     ("ring", False, False, True), ("ring", True, False, True), ("ring", True, True, True),
     ("ring", True, True, False), ("ulysses", False, False, True), ("ulysses", True, True, True),

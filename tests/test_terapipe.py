@@ -44,16 +44,22 @@ def test_the_bubble_shrinks_with_more_slices():
     assert bubbles[0] == pytest.approx(3 / 4) and bubbles[-1] == pytest.approx(3 / 19)
 
 
-def test_best_slices_is_optimal_and_gives_later_tokens_shorter_slices():
-    for per_pair in (0.0, 0.05, 1.0):
-        found = best_slices(12, 4, 1.0, per_pair)
-        assert sum(found) == 12
-        brute = min((list(c) for n in range(1, 13) for c in _compositions(12, n)),
-                    key=lambda c: pipeline_latency(c, 4, 1.0, per_pair))
-        assert pipeline_latency(found, 4, 1.0, per_pair) == pytest.approx(
-            pipeline_latency(brute, 4, 1.0, per_pair))
-    uneven = best_slices(64, 4, 1.0, 0.5, unit=4)
+@pytest.mark.parametrize("per_pair, per_slice", [(0.0, 0.0), (0.05, 2.0), (1.0, 5.0)])
+def test_best_slices_is_optimal(per_pair, per_slice):
+    found = best_slices(12, 4, 1.0, per_pair, per_slice=per_slice)
+    assert sum(found) == 12
+    brute = min((c for n in range(1, 13) for c in _compositions(12, n)),
+                key=lambda c: pipeline_latency(c, 4, 1.0, per_pair, per_slice))
+    assert pipeline_latency(found, 4, 1.0, per_pair, per_slice) == pytest.approx(
+        pipeline_latency(brute, 4, 1.0, per_pair, per_slice))
+
+
+def test_later_tokens_get_shorter_slices_and_beat_every_equal_slicing():
+    args = (1.0, 0.5)
+    uneven = best_slices(2048, 8, *args, unit=64, per_slice=20000)
     assert uneven[0] > uneven[-1] and uneven == sorted(uneven, reverse=True)
+    equal = min(pipeline_latency([2048 // m] * m, 8, *args, 20000) for m in (1, 2, 4, 8, 16, 32))
+    assert pipeline_latency(uneven, 8, *args, 20000) < 0.95 * equal
     with pytest.raises(ValueError, match="multiple of unit"):
         best_slices(10, 2, 1.0, 0.1, unit=4)
 

@@ -6,9 +6,15 @@
 - `ulysses.py`: all-to-all sequence parallelism (sequence split <-> head split).
 """
 
-from .attention import attention, block_attention, merge, positions
+from .attention import (
+    attention,
+    block_attention,
+    blocked_attention,
+    merge,
+    positions,
+)
 from .ring import RingWork, ring_attention, ring_plan
 from .ulysses import ulysses_attention
 
-__all__ = ["RingWork", "attention", "block_attention", "merge", "positions", "ring_attention",
-           "ring_plan", "ulysses_attention"]
+__all__ = ["RingWork", "attention", "block_attention", "blocked_attention", "merge",
+           "positions", "ring_attention", "ring_plan", "ulysses_attention"]

@@ -12,7 +12,7 @@ import torch
 
 from ..report import format_table, progress, save_results
 from ..runtime import Cluster, rank, world_size
-from .attention import attention, positions
+from .attention import attention, blocked_attention, positions
 from .hetero import (
     assign_balanced,
     assign_even,
@@ -26,6 +26,7 @@ from .ulysses import ulysses_attention
 
 HEADS, HEAD_DIM = 4, 64
 METHODS = {"one process": None,
+           "one process, blocked": "blocked",
            "ring, contiguous": dict(balanced=False, overlap=True),
            "ring, balanced": dict(balanced=True, overlap=True),
            "ring, balanced, no overlap": dict(balanced=True, overlap=False),
@@ -50,6 +51,8 @@ def _step_seconds(method: str, seq_len: int, steps: int) -> tuple[float, int]:
         start = time.perf_counter()
         if setting is None:
             out = attention(q, kk, v, causal=True)
+        elif setting == "blocked":  # the ring's 2K = 4 chunks, masked ones skipped
+            out = blocked_attention(q, kk, v, 4, causal=True)
         elif setting == "ulysses":
             out = ulysses_attention(q, kk, v, causal=True)
         else:
@@ -105,24 +108,32 @@ def measure(lengths: tuple[int, ...] = (512, 1024, 2048, 4096), steps: int = 3) 
     """Per sequence length and method: the slowest rank's median step, its speedup over
     one process, and the largest and smallest per-rank share of the score entries; then
     the placement of variable-length sequences on uneven ranks."""
-    return _measure_attention(lengths, steps) + measure_placement()
+    return measure_attention(lengths, steps) + measure_placement()
 
 
-def _measure_attention(lengths: tuple[int, ...], steps: int) -> list[dict]:
+def measure_attention(lengths: tuple[int, ...] = (512, 2048), steps: int = 3) -> list[dict]:
+    """Causal attention forward + backward per sequence length: one process (the whole
+    score matrix, then blocked like the ring with masked blocks skipped), then each
+    two-rank method; the slowest rank's median step and its speedup over each baseline."""
     rows = []
     with Cluster(1, backend="gloo") as one, Cluster(2, backend="gloo") as two:
         for seq_len in lengths:
-            base = None
+            base: dict[str, float] = {}
             for method in METHODS:
                 progress(f"S={seq_len} {method}")
-                cluster = one if METHODS[method] is None else two
-                runs = [cluster.run(_step_seconds, method, seq_len, steps) for _ in range(2)]
+                alone = method.startswith("one process")
+                runs = [(one if alone else two).run(_step_seconds, method, seq_len, steps)
+                        for _ in range(2)]
                 best = min(runs, key=lambda run: max(r[0] for r in run))
                 seconds = max(r[0] for r in best)
-                base = base or seconds
+                if alone:
+                    base[method] = seconds
                 work = [r[1] for r in best]
                 rows.append({"seq_len": seq_len, "method": method, "ranks": len(best),
-                             "seconds": seconds, "speedup": base / seconds,
+                             "seconds": seconds,
+                             "speedup": base["one process"] / seconds,
+                             "vs_blocked": base["one process, blocked"] / seconds
+                             if "one process, blocked" in base else None,
                              "work_imbalance": max(work) / min(work) if min(work) else None})
     return rows
 
@@ -135,24 +146,26 @@ def report(rows: list[dict], out_dir: Path) -> str:
     rows = [r for r in rows if "placement" not in r]
     fig = Figure(figsize=(6, 3.2), layout="constrained")
     ax = fig.add_subplot()
-    for method in METHODS:
+    for method in list(METHODS)[1:]:
         mine = [r for r in rows if r["method"] == method]
-        ax.plot([r["seq_len"] for r in mine], [r["speedup"] for r in mine], marker="o",
+        ax.plot([r["seq_len"] for r in mine], [r["vs_blocked"] for r in mine], marker="o",
                 label=method)
     ax.axhline(2, color="#B0B0B0", linestyle="--", linewidth=1)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length")
-    ax.set_ylabel("speedup vs one process")
+    ax.set_ylabel("speedup vs one process, blocked")
     ax.legend(fontsize=7)
     save_results(rows + placement, fig, out_dir, "context_parallel")
     shown = [{"S": r["seq_len"], "method": r["method"], "ranks": r["ranks"],
               "time": f"{r['seconds'] * 1e3:.1f} ms", "speedup": f"{r['speedup']:.2f}x",
+              "blocked": "-" if r["vs_blocked"] is None else f"{r['vs_blocked']:.2f}x",
               "work": "-" if r["work_imbalance"] is None or r["ranks"] == 1
               else f"{r['work_imbalance']:.2f}"} for r in rows]
     return ("causal attention, forward + backward, [1, 4 heads, S, 64] float32; "
             "time = slowest rank's median\n"
             + format_table(shown, [("S", "S"), ("method", "method"), ("ranks", "ranks"),
                                    ("time", "time"), ("speedup", "vs one process"),
+                                   ("blocked", "vs one process, blocked"),
                                    ("work", "busiest / idlest rank's score entries")])
             + "\n\n" + format_placement(placement))
 

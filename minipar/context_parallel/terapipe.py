@@ -114,32 +114,37 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def slice_cost(start: int, length: int, per_token: float, per_pair: float) -> float:
-    """One stage's time for tokens start..start+length-1: per-token work (projections,
-    MLP) plus attention, one unit per (query, visible key) pair."""
+def slice_cost(start: int, length: int, per_token: float, per_pair: float,
+               per_slice: float = 0.0) -> float:
+    """One stage's time for tokens start..start+length-1: a fixed cost per slice (kernel
+    launches, a message, a device less busy on a small slice), per-token work
+    (projections, MLP) and attention, one unit per (query, visible key) pair."""
     pairs = length * start + length * (length + 1) / 2
-    return per_token * length + per_pair * pairs
+    return per_slice + per_token * length + per_pair * pairs
 
 
-def pipeline_latency(sizes: list[int], stages: int, per_token: float, per_pair: float) -> float:
+def pipeline_latency(sizes: list[int], stages: int, per_token: float, per_pair: float,
+                     per_slice: float = 0.0) -> float:
     """TeraPipe's latency model of one sequence's forward: every slice through the first
-    stage, then the slowest slice through the other stages - 1."""
+    stage, then the slowest slice through the other stages - 1. Without a per-slice
+    cost the sum is the same for any slicing, and the finest slicing wins; with one,
+    more slices cost more and the choice is a real trade."""
     costs, start = [], 0
     for n in sizes:
-        costs.append(slice_cost(start, n, per_token, per_pair))
+        costs.append(slice_cost(start, n, per_token, per_pair, per_slice))
         start += n
     return sum(costs) + (stages - 1) * max(costs)
 
 
 def best_slices(seq_len: int, stages: int, per_token: float, per_pair: float,
-                unit: int = 1) -> list[int]:
+                unit: int = 1, per_slice: float = 0.0) -> list[int]:
     """Slice lengths (multiples of `unit`) minimising `pipeline_latency`: for each
     candidate longest-slice time t_max, the cheapest cover of the sequence by slices no
     slower than t_max (dynamic programming over slice ends); the best t_max wins."""
     if seq_len % unit or seq_len < 1 or unit < 1:
         raise ValueError(f"seq_len ({seq_len}) must be a positive multiple of unit ({unit})")
     n = seq_len // unit
-    cost = {(b, e): slice_cost(b * unit, (e - b) * unit, per_token, per_pair)
+    cost = {(b, e): slice_cost(b * unit, (e - b) * unit, per_token, per_pair, per_slice)
             for b in range(n) for e in range(b + 1, n + 1)}
     best_total, best_sizes = math.inf, [seq_len]
     for t_max in sorted(set(cost.values())):
