@@ -139,7 +139,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.k):
             src = (ring.me - step) % ring.k
             last = step == ring.k - 1
-            if not last:
+            if not last and ring.overlap:
                 incoming, requests = ring.pass_on(kv)
             mine = torch.zeros_like(kv)  # this rank's share of block src's dk, dv
             for qs, ks in ring.pairs(src, work):
@@ -158,6 +158,8 @@ class _RingAttention(torch.autograd.Function):
             else:
                 travelling = total
             if not last:
+                if not ring.overlap:
+                    incoming, requests = ring.pass_on(kv)
                 _wait(requests)
                 kv = incoming
         _wait(grad_requests)  # after K steps, this rank's own block's dk, dv came home

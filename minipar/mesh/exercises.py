@@ -20,17 +20,30 @@ _GROUPS_HINT = ("torch creates a group collectively: every rank must call dist.n
                 "in, and keep the one it is in.")
 
 
-def _run_groups(fn: Callable, dims: dict[str, int]) -> dict[str, list[int]] | str:
-    """On one rank: call the learner's function, then find out who is really in each group
-    it returned by all-reducing one-hot rank vectors over that group."""
+def _run_groups(fn: Callable, dims: dict[str, int]) -> dict | str:
+    """On one rank: call the learner's function, recording every dist.new_group call, then
+    find out who is really in each group it returned by all-reducing one-hot rank vectors
+    over that group."""
+    import torch.distributed.distributed_c10d as c10d
+
     from . import mesh as mesh_module
 
     def refuse(*args, **kwargs):
         raise ExerciseError("connect_mesh: that calls minipar's Mesh.connect; build the groups "
                             "with dist.new_group yourself")
 
+    calls, original = [], c10d.new_group
+
+    def recorded(ranks=None, *args, **kwargs):
+        calls.append(sorted(ranks) if ranks is not None else None)
+        return original(ranks, *args, **kwargs)
+
     mesh_module.Mesh.connect = refuse
-    groups = fn(dict(dims))
+    dist.new_group = c10d.new_group = recorded
+    try:
+        groups = fn(dict(dims))
+    finally:
+        dist.new_group = c10d.new_group = original
     if not isinstance(groups, dict):
         return f"returned {type(groups).__name__}, not a dict of dimension name -> group"
     out = {}
@@ -39,11 +52,21 @@ def _run_groups(fn: Callable, dims: dict[str, int]) -> dict[str, list[int]] | st
         if not isinstance(group, dist.ProcessGroup):
             return (f"groups[{name!r}] is {type(group).__name__}; return the ProcessGroup "
                     "dist.new_group gave you, not its rank list")
+    if len({str(c) for c in _gather_calls(calls)}) > 1:
+        return {"calls": calls, "members": None}  # groups paired up wrongly: do not use them
+    for name in dims:
         members = torch.zeros(runtime.world_size(), dtype=torch.float64)
         members[runtime.rank()] = 1
-        dist.all_reduce(members, group=group)
+        dist.all_reduce(members, group=groups[name])
         out[name] = [r for r, v in enumerate(members.tolist()) if v]
-    return out
+    return {"calls": calls, "members": out}
+
+
+def _gather_calls(calls: list) -> list:
+    """Every rank's list of new_group calls (over the default group, which is intact)."""
+    everyone = [None] * runtime.world_size()
+    dist.all_gather_object(everyone, calls)
+    return everyone
 
 
 def check_mesh_groups(connect_mesh: Callable, meshes: tuple[dict[str, int], ...] = _MESHES,
@@ -58,9 +81,15 @@ def check_mesh_groups(connect_mesh: Callable, meshes: tuple[dict[str, int], ...]
         shape = " x ".join(f"{n}={s}" for n, s in dims.items())
         got = run_on_ranks("connect_mesh", _run_groups, mesh.size, connect_mesh, dims,
                            timeout=timeout, deadlock_hint=_GROUPS_HINT)
-        for r, mine in enumerate(got):
-            if isinstance(mine, str):
-                raise ExerciseError(f"connect_mesh({shape}) on rank {r}: {mine}")
+        for r, result in enumerate(got):
+            if isinstance(result, str):
+                raise ExerciseError(f"connect_mesh({shape}) on rank {r}: {result}")
+            if result["calls"] != got[0]["calls"]:
+                raise ExerciseError(
+                    f"connect_mesh({shape}): rank {r} created the groups {result['calls']}, "
+                    f"rank 0 created {got[0]['calls']}. " + _GROUPS_HINT)
+        for r, result in enumerate(got):
+            mine = result["members"]
             for name in dims:
                 want = mesh.group_of(name, r)
                 if mine[name] == want:
