@@ -1,0 +1,76 @@
+"""Pipeline MoE (PPMoE, Chen et al. 2023): experts inside a tensor-parallel group.
+
+In Megatron-style tensor parallelism every rank of the group already holds the same
+tokens (the attention block ends in an all-reduce). So split the experts over the group
+instead of over data-parallel ranks: each rank routes the tokens with the replicated
+gate (the same choices everywhere), runs its own experts on the rows routed to them
+(dispatch is an index slice, no communication), and one all-reduce sums the partial
+outputs (combine). Two all-to-alls become one all-reduce, over the fast links of a
+node.
+
+Gradients: the input enters through f (identity forward, all-reduce backward) and the
+output leaves through g (all-reduce forward, identity backward), as in lesson 04. The
+gate and the shared expert are replicated; each rank's gradient holds only its share
+(its experts' paths; the shared expert is added by the group's rank 0 only), so sum
+them over the group, as for any replicated parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ..runtime import rank, world_size
+from ..tensor_parallel.mappings import copy_to_parallel_region, reduce_from_parallel_region
+from ..trace import record
+from .layer import MoELayer
+from .routing import route
+
+
+class PipelineMoE(nn.Module):
+    """This rank's experts of a one-process MoELayer (`twin`), for tokens every rank of
+    `group` holds alike."""
+
+    def __init__(self, twin: MoELayer, group=None) -> None:
+        super().__init__()
+        size = world_size(group)
+        num_experts = len(twin.experts)
+        if num_experts % size:
+            raise ValueError(f"{num_experts} experts cannot be split evenly over {size} ranks; "
+                             f"use a number of experts divisible by {size}")
+        self.group, self.per_rank = group, num_experts // size
+        self.first = rank(group) * self.per_rank
+        self.k, self.capacity_factor, self.min_capacity, self.order = twin.k, \
+            twin.capacity_factor, twin.min_capacity, twin.order
+        self.gate = copy.deepcopy(twin.gate)
+        self.experts = nn.ModuleList(copy.deepcopy(twin.experts[self.first + i])
+                                     for i in range(self.per_rank))
+        self.shared = copy.deepcopy(twin.shared) if twin.shared is not None else None
+        self.last_routing = None
+        self.rows_computed = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_parallel_region(x, self.group)
+        routing = route(self.gate(x), self.k, self.capacity_factor, self.min_capacity,
+                        self.order)
+        self.last_routing = routing
+        partial = x.new_zeros(x.shape)
+        rows = 0
+        with record("compute", "experts (index slice)"):
+            for i, expert in enumerate(self.experts):
+                token, choice = torch.nonzero((routing.expert == self.first + i)
+                                              & routing.kept, as_tuple=True)
+                rows += len(token)
+                weight = routing.weight[token, choice].unsqueeze(-1)
+                partial = partial.index_add(0, token, expert(x[token]) * weight)
+        self.rows_computed = rows
+        if self.shared is not None and rank(self.group) == 0:
+            partial = partial + self.shared(x)
+        return reduce_from_parallel_region(partial, self.group)
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """The gate's and the shared expert's: sum their gradients over the group."""
+        shared = list(self.shared.parameters()) if self.shared is not None else []
+        return list(self.gate.parameters()) + shared
