@@ -1,0 +1,80 @@
+"""Tutel's 2D hierarchical all-to-all (Hwang et al. 2023): fewer, larger messages across
+the slow links between nodes.
+
+A flat all-to-all on K = nodes x n ranks sends every rank K-1 messages, K-n of them to
+other nodes, each 1/K of its data: at scale, thousands of tiny messages, each paying the
+network's latency. The hierarchical one takes two steps, ranks numbered node-major
+(rank = node * n + local):
+
+1. inside each node, an all-to-all that hands local peer j everything bound for local
+   index j on any node (aggregated per destination node);
+2. across nodes, among the ranks with the same local index, an all-to-all of those
+   aggregates: nodes-1 messages per rank, each n times larger.
+
+The result is the flat all-to-all's, row for row (tested). Across nodes the bytes are the
+same; the messages are n times fewer. Inside a node the data moves once more.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import collectives
+from ..runtime import rank, world_size
+
+
+def _counts_everywhere(send_counts: list[int], local_group, node_group) -> torch.Tensor:
+    """[K, K] counts[src][dst] on every rank, gathered in the same two steps."""
+    mine = torch.tensor([send_counts], dtype=torch.int64)
+    in_node = collectives.all_gather(mine, local_group)  # [n, K]
+    return collectives.all_gather(in_node, node_group)  # [nodes * n, K], node-major
+
+
+def hierarchical_all_to_all(x: torch.Tensor, send_counts: list[int], local_group,
+                            node_group, meters: dict | None = None) -> torch.Tensor:
+    """`collectives.all_to_all(x, send_counts)` over all ranks, in two steps: inside the
+    node (`local_group`: this node's ranks) then across nodes (`node_group`: the ranks
+    with this rank's local index). Rows of x are grouped by destination rank, in order.
+    `meters` (a dict) receives each step's Meter as "inside" and "across"."""
+    n, nodes = world_size(local_group), world_size(node_group)
+    me_local, me_node = rank(local_group), rank(node_group)
+    k = n * nodes
+    if len(send_counts) != k or sum(send_counts) != x.shape[0]:
+        raise ValueError(f"send_counts must have one entry per rank ({k}) adding up to x's "
+                         f"{x.shape[0]} rows; got {send_counts}")
+    counts = _counts_everywhere(send_counts, local_group, node_group).tolist()
+    me = me_node * n + me_local
+    pieces = list(torch.split(x, send_counts))  # piece d: rows for rank d
+    # step 1: to local peer j, the rows for (b, j) for every node b, in node order
+    to_peer = [torch.cat([pieces[b * n + j] for b in range(nodes)]) for j in range(n)]
+    send1 = [len(t) for t in to_peer]
+    source = [me_node * n + i for i in range(n)]  # my node's ranks
+    recv1 = [sum(counts[s][b * n + me_local] for b in range(nodes)) for s in source]
+    with collectives.meter() as inside:
+        got = collectives.all_to_all(torch.cat(to_peer), send1, recv1, local_group)
+    # regroup by destination node: bucket b = from each local source i, its rows for (b, me_local)
+    parts = torch.split(got, [counts[s][b * n + me_local] for s in source for b in range(nodes)])
+    buckets = [torch.cat([parts[i * nodes + b] for i in range(n)]) for b in range(nodes)]
+    send2 = [len(t) for t in buckets]
+    recv2 = [sum(counts[a * n + i][me] for i in range(n)) for a in range(nodes)]
+    with collectives.meter() as across:
+        out = collectives.all_to_all(torch.cat(buckets), send2, recv2, node_group)
+    if meters is not None:
+        meters.update(inside=inside, across=across)
+    return out
+
+
+def all_to_all_time(kind: str, nbytes: float, nodes: int, per_node: int,
+                    alpha_intra: float, beta_intra: float, alpha_inter: float,
+                    beta_inter: float) -> float:
+    """Alpha-beta time of one rank's all-to-all of `nbytes` spread evenly over all ranks,
+    messages one after another: "flat" sends K-1 messages of nbytes/K; "hierarchical"
+    sends n-1 of nbytes/n inside the node, then nodes-1 of nbytes/nodes across."""
+    k = nodes * per_node
+    if kind == "flat":
+        return (per_node - 1) * (alpha_intra + nbytes / k * beta_intra) + \
+            (k - per_node) * (alpha_inter + nbytes / k * beta_inter)
+    if kind == "hierarchical":
+        return (per_node - 1) * (alpha_intra + nbytes / per_node * beta_intra) + \
+            (nodes - 1) * (alpha_inter + nbytes / nodes * beta_inter)
+    raise ValueError(f"kind must be 'flat' or 'hierarchical'; got {kind!r}")
