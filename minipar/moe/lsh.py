@@ -5,8 +5,9 @@ Tokens bound for the same expert are hashed with random hyperplanes (the sign of
 x . h_i for `bits` hyperplanes: similar tokens land in the same bucket); each bucket
 travels as its mean, the expert runs on the means, and every token takes its bucket's
 output. The paper adds residual-based error compensation; here, as we read it, each
-token adds back its own residual x - mean, kept at home (`compensate=True`). That is exact for an expert that
-passes its input through and can hurt for one that does not: lesson 09 measures both.
+token adds back its own residual x - mean, kept at home (`compensate=True`). That is
+exact for an expert that passes its input through, and can hurt for one that does not:
+lesson 09 measures both.
 The all-to-all then moves buckets instead of tokens: the compression ratio is tokens /
 buckets. Exact when every token has its own bucket.
 """
