@@ -59,3 +59,24 @@ def test_the_model_says_where_hierarchy_wins():
     assert gain(big, pcie) < 1  # moving the data twice inside the node now costs more
     with pytest.raises(ValueError, match="'flat' or 'hierarchical'"):
         all_to_all_time("2d", small, *args)
+
+
+def _flat_and_hierarchical_ep():
+    from minipar.moe import ExpertParallelMoE, MoELayer
+
+    groups = Mesh(node=2, local=2).connect()
+    twin = MoELayer(8, 16, num_experts=4, k=2, capacity_factor=0.75, seed=3,
+                    dtype=torch.float64)
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank()), dtype=torch.float64)
+    out = []
+    for hierarchy in (None, (groups.local, groups.node)):
+        layer = ExpertParallelMoE(twin, hierarchy=hierarchy)
+        y = layer(x)
+        y.pow(2).sum().backward()
+        out.append((y.detach(), [p.grad for p in layer.parameters()]))
+    (y1, g1), (y2, g2) = out
+    return torch.equal(y1, y2) and all(torch.allclose(a, b) for a, b in zip(g1, g2, strict=True))
+
+
+def test_expert_parallel_layer_with_the_hierarchical_exchange_is_unchanged(cluster4):
+    assert all(cluster4.run(_flat_and_hierarchical_ep))

@@ -20,24 +20,33 @@ from torch import nn
 from .. import collectives
 from ..runtime import rank, world_size
 from ..trace import record
+from .hierarchical import hierarchical_all_to_all
 from .layer import MoELayer
 from .routing import Routing, capacity, route
 
 
+def _exchange(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group,
+              hierarchy) -> torch.Tensor:
+    if hierarchy is not None:
+        return hierarchical_all_to_all(x.contiguous(), send_counts, *hierarchy)
+    return collectives.all_to_all(x.contiguous(), send_counts, recv_counts, group)
+
+
 class _AllToAll(torch.autograd.Function):
     """Rows go out by send_counts; their gradients come back by the reverse exchange. Both
-    sizes are known, so neither direction swaps counts again."""
+    sizes are known, so neither direction swaps counts again. With `hierarchy` (the
+    node-local and cross-node groups) both directions run Tutel's two-step exchange."""
 
     @staticmethod
-    def forward(ctx, x, send_counts, recv_counts, group):
-        ctx.counts, ctx.group = (send_counts, recv_counts), group
-        return collectives.all_to_all(x.contiguous(), send_counts, recv_counts, group)
+    def forward(ctx, x, send_counts, recv_counts, group, hierarchy=None):
+        ctx.counts, ctx.group, ctx.hierarchy = (send_counts, recv_counts), group, hierarchy
+        return _exchange(x, send_counts, recv_counts, group, hierarchy)
 
     @staticmethod
     def backward(ctx, grad):
         send_counts, recv_counts = ctx.counts
-        back = collectives.all_to_all(grad.contiguous(), recv_counts, send_counts, ctx.group)
-        return back, None, None, None
+        back = _exchange(grad, recv_counts, send_counts, ctx.group, ctx.hierarchy)
+        return back, None, None, None, None
 
 
 def global_routing(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int,
@@ -71,11 +80,13 @@ def global_routing(logits: torch.Tensor, k: int, capacity_factor: float, min_cap
 
 class ExpertParallelMoE(nn.Module):
     """This rank's experts of a one-process MoELayer (`twin`), with all-to-all dispatch
-    among the ranks of `group` (default: all; on a mesh, its `ep` dimension)."""
+    among the ranks of `group` (default: all; on a mesh, its `ep` dimension). With
+    `hierarchy` = (node-local group, cross-node group) of a Mesh(node=, local=) over the
+    same ranks, tokens travel by Tutel's hierarchical all-to-all."""
 
-    def __init__(self, twin: MoELayer, group=None) -> None:
+    def __init__(self, twin: MoELayer, group=None, hierarchy: tuple | None = None) -> None:
         super().__init__()
-        self.group = group
+        self.group, self.hierarchy = group, hierarchy
         size = world_size(group)
         num_experts = len(twin.experts)
         if num_experts % size:
@@ -112,7 +123,8 @@ class ExpertParallelMoE(nn.Module):
         meta = torch.stack([expert % self.per_rank, slot], dim=1)
         recv_meta = collectives.all_to_all(meta, send_counts, recv_counts, self.group)
         with record("all_to_all", "dispatch", tokens=int(recv_meta.shape[0])):
-            arrived = _AllToAll.apply(x[token], send_counts, recv_counts, self.group)
+            arrived = _AllToAll.apply(x[token], send_counts, recv_counts, self.group,
+                                      self.hierarchy)
         self.tokens_received = int(arrived.shape[0])
         buffer = x.new_zeros(self.per_rank, routing.capacity, x.shape[1])
         buffer = buffer.index_put((recv_meta[:, 0], recv_meta[:, 1]), arrived)
@@ -120,6 +132,7 @@ class ExpertParallelMoE(nn.Module):
             out = torch.stack([e(buffer[i]) for i, e in enumerate(self.experts)])
         results = out[recv_meta[:, 0], recv_meta[:, 1]]
         with record("all_to_all", "combine"):
-            returned = _AllToAll.apply(results, recv_counts, send_counts, self.group)
+            returned = _AllToAll.apply(results, recv_counts, send_counts, self.group,
+                                       self.hierarchy)
         y = x.new_zeros(x.shape).index_add(0, token, returned * weight.unsqueeze(-1))
         return y + self.shared(x) if self.shared is not None else y
