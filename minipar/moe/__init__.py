@@ -2,14 +2,24 @@
 parallelism with all-to-all (expert_parallel.py); with its benchmark (bench.py), lesson
 05's checks (exercises.py) and its demo (demo.py, `python -m minipar.moe`).
 
+The systems papers (lesson 09): Tutel's hierarchical all-to-all (hierarchical.py),
+Pipeline MoE (pipeline_moe.py), LSH-MoE (lsh.py), dropless and expert-choice routing
+(variants.py).
+
 The conventions (gate orders, capacity, which tokens drop, the balance and z losses)
 are written once, in routing.py's docstring.
 """
 
 from .expert_parallel import ExpertParallelMoE, global_routing
+from .hierarchical import all_to_all_time, hierarchical_all_to_all
 from .layer import MoELayer, combine, dispatch, dispatch_combine, train_router_stats
+from .lsh import LSHMoE, lsh_buckets
+from .pipeline_moe import PipelineMoE
 from .routing import GATE_ORDERS, Gate, Routing, capacity, imbalance, route
+from .variants import DroplessMoE, ExpertChoiceMoE, padding_waste
 
-__all__ = ["GATE_ORDERS", "ExpertParallelMoE", "Gate", "MoELayer", "Routing", "capacity",
-           "combine", "dispatch", "dispatch_combine", "global_routing", "imbalance", "route",
+__all__ = ["GATE_ORDERS", "DroplessMoE", "ExpertChoiceMoE", "ExpertParallelMoE", "Gate",
+           "LSHMoE", "MoELayer", "PipelineMoE", "Routing", "all_to_all_time", "capacity",
+           "combine", "dispatch", "dispatch_combine", "global_routing",
+           "hierarchical_all_to_all", "imbalance", "lsh_buckets", "padding_waste", "route",
            "train_router_stats"]

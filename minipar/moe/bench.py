@@ -45,8 +45,10 @@ def _moe_step(kind: str, tokens: int, hidden: int, ffn: int, experts: int, k: in
 
 
 def measure(tokens: int = 4096, hidden: int = 256, ffn: int = 512, experts: int = 8,
-              k: int = 2, steps: int = 3) -> list[dict]:
-    """Tokens/s: dense FFN (same active size), MoE on one process, MoE with EP = 2."""
+            k: int = 2, steps: int = 3, systems: bool = True) -> list[dict]:
+    """Tokens/s: dense FFN (same active size), MoE on one process, MoE with EP = 2; with
+    `systems`, then the systems papers' layers and the flat vs hierarchical exchange
+    (systems_bench.py, tagged part="systems" / "exchange")."""
     rows = []
     with Cluster(1, backend="gloo") as one, Cluster(2, backend="gloo") as two:
         for kind, cluster in (("dense", one), ("moe", one), ("moe, EP=2", two)):
@@ -62,23 +64,35 @@ def measure(tokens: int = 4096, hidden: int = 256, ffn: int = 512, experts: int 
     for row in rows:
         row["vs_dense"] = row["tokens_per_s"] / dense
         row["vs_one_process_moe"] = row["tokens_per_s"] / moe_one
+    if systems:
+        from .systems_bench import measure_exchange, measure_systems
+
+        rows += [{"part": "systems", **r} for r in measure_systems()]
+        rows += [{"part": "exchange", **r} for r in measure_exchange()]
     return rows
 
 
 def report(rows: list[dict], out_dir: Path) -> str:
-    """Tokens/s table; JSON and a bar plot."""
+    """Tokens/s table (and the systems tables when measured); JSON and a bar plot."""
     from matplotlib.figure import Figure
 
+    from .systems_bench import report_systems
+
+    everything = rows
+    systems = [r for r in rows if r.get("part") == "systems"]
+    exchange = [r for r in rows if r.get("part") == "exchange"]
+    rows = [r for r in rows if "part" not in r]
     fig = Figure(figsize=(5, 3), layout="constrained")
     ax = fig.add_subplot()
     ax.bar([r["layer"] for r in rows], [r["tokens_per_s"] for r in rows],
            color=["#8C8C8C", "#4C72B0", "#55A868"])
     ax.set_ylabel("tokens / s (forward + backward)")
-    save_results(rows, fig, out_dir, "moe")
+    save_results(everything, fig, out_dir, "moe")
     shown = [{"layer": r["layer"], "tps": f"{r['tokens_per_s']:.0f}",
               "dense": f"{r['vs_dense']:.2f}x", "one": f"{r['vs_one_process_moe']:.2f}x",
               "a2a": "" if r["all_to_all_share"] is None else f"{r['all_to_all_share']:.0%}"}
              for r in rows]
-    return format_table(shown, [("layer", "layer"), ("tps", "tokens/s"),
-                                ("dense", "vs dense FFN"), ("one", "vs MoE on one process"),
-                                ("a2a", "all-to-all share")])
+    table = format_table(shown, [("layer", "layer"), ("tps", "tokens/s"),
+                                 ("dense", "vs dense FFN"), ("one", "vs MoE on one process"),
+                                 ("a2a", "all-to-all share")])
+    return table + ("\n\n" + report_systems(systems, exchange) if systems else "")

@@ -20,7 +20,7 @@ from torch import nn
 from .. import collectives
 from ..runtime import rank, world_size
 from ..trace import record
-from .hierarchical import hierarchical_all_to_all
+from .hierarchical import counts_everywhere, hierarchical_all_to_all
 from .layer import MoELayer
 from .routing import Routing, capacity, route
 
@@ -118,10 +118,14 @@ class ExpertParallelMoE(nn.Module):
         token, expert, slot, weight, owner = (t[order] for t in (token, expert, slot, weight,
                                                                  owner))
         send_counts = torch.bincount(owner, minlength=world_size(self.group)).tolist()
-        recv_counts = collectives.swap_counts(send_counts, self.group)  # rows from each rank
+        if self.hierarchy is None:
+            recv_counts = collectives.swap_counts(send_counts, self.group)  # rows from each
+        else:  # learn the counts in two steps too, so no message crosses nodes flat
+            everyone = counts_everywhere(send_counts, *self.hierarchy)
+            recv_counts = everyone[:, rank(self.group)].tolist()
         self.last_send_counts = send_counts
         meta = torch.stack([expert % self.per_rank, slot], dim=1)
-        recv_meta = collectives.all_to_all(meta, send_counts, recv_counts, self.group)
+        recv_meta = _exchange(meta, send_counts, recv_counts, self.group, self.hierarchy)
         with record("all_to_all", "dispatch", tokens=int(recv_meta.shape[0])):
             arrived = _AllToAll.apply(x[token], send_counts, recv_counts, self.group,
                                       self.hierarchy)

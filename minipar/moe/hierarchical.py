@@ -23,8 +23,9 @@ from .. import collectives
 from ..runtime import rank, world_size
 
 
-def _counts_everywhere(send_counts: list[int], local_group, node_group) -> torch.Tensor:
-    """[K, K] counts[src][dst] on every rank, gathered in the same two steps."""
+def counts_everywhere(send_counts: list[int], local_group, node_group) -> torch.Tensor:
+    """[K, K] counts[src][dst] on every rank, gathered in the same two steps (inside the
+    node, then across): the hierarchical way to learn what will arrive."""
     mine = torch.tensor([send_counts], dtype=torch.int64)
     in_node = collectives.all_gather(mine, local_group)  # [n, K]
     return collectives.all_gather(in_node, node_group)  # [nodes * n, K], node-major
@@ -42,7 +43,7 @@ def hierarchical_all_to_all(x: torch.Tensor, send_counts: list[int], local_group
     if len(send_counts) != k or sum(send_counts) != x.shape[0]:
         raise ValueError(f"send_counts must have one entry per rank ({k}) adding up to x's "
                          f"{x.shape[0]} rows; got {send_counts}")
-    counts = _counts_everywhere(send_counts, local_group, node_group).tolist()
+    counts = counts_everywhere(send_counts, local_group, node_group).tolist()
     me = me_node * n + me_local
     pieces = list(torch.split(x, send_counts))  # piece d: rows for rank d
     # step 1: to local peer j, the rows for (b, j) for every node b, in node order

@@ -1,0 +1,172 @@
+"""`minipar bench moe`'s second part: the systems papers' layers on the same tokens.
+
+On 4 ranks: expert parallelism with the flat and the hierarchical all-to-all (as 2 nodes
+of 2) and Pipeline MoE (the experts inside one tensor-parallel group of 4, every rank
+holding all tokens). On one process: capacity-based MoE, dropless, expert choice and
+LSH-MoE, with what each would send through a dispatch. Then the raw exchange, flat vs
+hierarchical, with the messages that cross nodes counted, and the alpha-beta model."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .. import collectives
+from ..mesh import Mesh
+from ..report import format_table, progress
+from ..runtime import Cluster, rank, world_size
+from .expert_parallel import ExpertParallelMoE
+from .hierarchical import hierarchical_all_to_all
+from .layer import MoELayer
+from .lsh import LSHMoE
+from .pipeline_moe import PipelineMoE
+from .variants import DroplessMoE, ExpertChoiceMoE
+
+SHAPE = dict(hidden=128, ffn=256, experts=8, k=2)
+LAYERS = {"MoE, capacity 1.25": MoELayer, "dropless": DroplessMoE,
+          "expert choice": ExpertChoiceMoE, "LSH-MoE, 4 bits": LSHMoE}
+
+
+def _tokens(total: int, hidden: int) -> torch.Tensor:
+    """Tokens that cluster, as real ones do (LSH needs similar tokens to compress)."""
+    gen = torch.Generator().manual_seed(0)
+    centres = 2 * torch.randn(32, hidden, generator=gen)
+    return centres[torch.randint(0, 32, (total,), generator=gen)] + \
+        0.3 * torch.randn(total, hidden, generator=gen)
+
+
+def _layer(kind: str) -> torch.nn.Module:
+    cls = LAYERS.get(kind, MoELayer)
+    extra = {"bits": 4} if cls is LSHMoE else {}
+    return cls(SHAPE["hidden"], SHAPE["ffn"], SHAPE["experts"], SHAPE["k"],
+               capacity_factor=1.25, **extra)
+
+
+def _step(kind: str, tokens: int, steps: int) -> dict:
+    """On one rank: median seconds of forward + backward, bytes sent per step, and the
+    rows the dispatch carried (or would carry) per step."""
+    k, me = world_size(), rank()
+    x_all = _tokens(tokens, SHAPE["hidden"])
+    layer = _layer(kind)
+    if kind == "EP, flat all-to-all":
+        layer, x = ExpertParallelMoE(layer), x_all.chunk(k)[me]
+    elif kind == "EP, hierarchical (2 nodes x 2)":
+        groups = Mesh(node=2, local=2).connect()
+        layer = ExpertParallelMoE(layer, hierarchy=(groups.local, groups.node))
+        x = x_all.chunk(k)[me]
+    elif kind == "Pipeline MoE (TP group of 4)":
+        layer, x = PipelineMoE(layer), x_all  # every rank holds all tokens
+    else:
+        x = x_all
+    times, sent = [], 0
+    for step in range(steps + 1):
+        if k > 1:
+            torch.distributed.barrier()
+        with collectives.meter() as m:
+            start = time.perf_counter()
+            layer(x).pow(2).mean().backward()
+            elapsed = time.perf_counter() - start
+        if step:
+            times.append(elapsed)
+            sent += m.sent_bytes
+    drop = layer.last_routing.drop_rate if getattr(layer, "last_routing", None) else 0.0
+    return {"seconds": statistics.median(times), "bytes_per_step": sent / steps,
+            "rows": _dispatch_rows(layer), "drop": drop}
+
+
+def _dispatch_rows(layer: torch.nn.Module) -> int | None:
+    """Rows this rank's dispatch carried in the last call: kept token choices (centroids
+    for LSH-MoE, every choice when dropless, C per expert for expert choice)."""
+    if isinstance(layer, DroplessMoE):
+        return sum(layer.last_groups)
+    if isinstance(layer, LSHMoE):
+        return layer.last_rows[1]
+    if isinstance(layer, ExpertChoiceMoE):
+        return layer.last_picks.numel()
+    routing = getattr(layer, "last_routing", None)
+    return int(routing.kept.sum()) if routing is not None else None
+
+
+def measure_systems(tokens: int = 2048, steps: int = 3) -> list[dict]:
+    """Tokens/s, bytes sent per step and dispatch rows of every layer on the same tokens."""
+    rows = []
+    with Cluster(1, backend="gloo") as one, Cluster(4, backend="gloo") as four:
+        for kind in ("EP, flat all-to-all", "EP, hierarchical (2 nodes x 2)",
+                     "Pipeline MoE (TP group of 4)", *LAYERS):
+            progress(kind)
+            cluster = one if kind in LAYERS else four
+            runs = [cluster.run(_step, kind, tokens, steps) for _ in range(2)]
+            best = min(runs, key=lambda run: max(r["seconds"] for r in run))
+            seconds = max(r["seconds"] for r in best)
+            rows.append({"system": kind, "ranks": len(best), "tokens_per_s": tokens / seconds,
+                         "bytes_per_step": sum(r["bytes_per_step"] for r in best),
+                         "dispatch_rows": best[0]["rows"], "drop": best[0]["drop"]})
+    flat = rows[0]["tokens_per_s"]
+    for row in rows:
+        row["vs_flat_ep"] = row["tokens_per_s"] / flat
+    return rows
+
+
+def _exchange(rows_per_peer: int, repeats: int) -> dict:
+    """On one of 4 ranks (2 nodes x 2): the flat and the hierarchical all-to-all of the same
+    rows; median seconds, and messages this rank sent across nodes."""
+    groups = Mesh(node=2, local=2).connect()
+    me, k = rank(), world_size()
+    x = torch.randn(rows_per_peer * k, 64)
+    counts = [rows_per_peer] * k
+    out = {}
+    for kind in ("flat", "hierarchical"):
+        times, across = [], 0
+        for _ in range(repeats):
+            torch.distributed.barrier()
+            with collectives.meter() as m:
+                start = time.perf_counter()
+                if kind == "flat":
+                    collectives.all_to_all(x, counts, counts)
+                    across = sum(1 for t in m.transfers if t.direction == "send"
+                                 and t.peer // 2 != me // 2)
+                else:
+                    meters: dict = {}
+                    hierarchical_all_to_all(x, counts, groups.local, groups.node, meters)
+                    across = meters["across"].messages
+                times.append(time.perf_counter() - start)
+        out[kind] = (statistics.median(times), across)
+    return out
+
+
+def measure_exchange(sizes: tuple[int, ...] = (1, 64, 4096), repeats: int = 5) -> list[dict]:
+    """Flat vs hierarchical all-to-all on 4 ranks as 2 nodes x 2, per rows sent to each
+    peer (64 floats a row): time, and messages crossing nodes per rank."""
+    rows = []
+    with Cluster(4, backend="gloo") as four:
+        for n in sizes:
+            progress(f"exchange, {n} rows per peer")
+            result = four.run(_exchange, n, repeats)
+            for kind in ("flat", "hierarchical"):
+                rows.append({"exchange": kind, "rows_per_peer": n,
+                             "bytes_per_peer": n * 64 * 4,
+                             "seconds": max(r[kind][0] for r in result),
+                             "messages_across_nodes": result[0][kind][1]})
+    return rows
+
+
+def report_systems(rows: list[dict], exchange: list[dict]) -> str:
+    """The two tables."""
+    shown = [{"system": r["system"], "ranks": r["ranks"], "tps": f"{r['tokens_per_s']:.0f}",
+              "vs": f"{r['vs_flat_ep']:.2f}x", "bytes": f"{r['bytes_per_step']:,.0f}",
+              "rows": "-" if r["dispatch_rows"] is None else str(r["dispatch_rows"]),
+              "drop": f"{r['drop']:.0%}"} for r in rows]
+    first = format_table(shown, [("system", "layer"), ("ranks", "ranks"),
+                                 ("tps", "tokens/s"), ("vs", "vs flat EP"),
+                                 ("bytes", "bytes sent per step (all ranks)"),
+                                 ("rows", "dispatch rows (rank 0)"), ("drop", "dropped")])
+    shown = [{"kind": r["exchange"], "n": r["rows_per_peer"],
+              "b": f"{r['bytes_per_peer']:,}", "t": f"{r['seconds'] * 1e3:.2f} ms",
+              "m": r["messages_across_nodes"]} for r in exchange]
+    second = format_table(shown, [("kind", "all-to-all"), ("n", "rows per peer"),
+                                  ("b", "bytes per peer"), ("t", "time (slowest rank)"),
+                                  ("m", "messages across nodes, per rank")])
+    return (f"MoE layers on the same {SHAPE} tokens (forward + backward)\n" + first
+            + "\n\nthe exchange alone, 4 ranks as 2 nodes x 2\n" + second)
