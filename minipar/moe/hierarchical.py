@@ -31,12 +31,23 @@ def counts_everywhere(send_counts: list[int], local_group, node_group) -> torch.
     return collectives.all_gather(in_node, node_group)  # [nodes * n, K], node-major
 
 
+def rows_for_peers(pieces: list[torch.Tensor], nodes: int, per_node: int
+                   ) -> list[torch.Tensor]:
+    """Step 1's aggregation: `pieces[d]` holds the rows for rank d (node-major, d = b * n +
+    j); local peer j gets, in node order, the pieces for (b, j) for every node b."""
+    return [torch.cat([pieces[b * per_node + j] for b in range(nodes)])
+            for j in range(per_node)]
+
+
 def hierarchical_all_to_all(x: torch.Tensor, send_counts: list[int], local_group,
-                            node_group, meters: dict | None = None) -> torch.Tensor:
+                            node_group, meters: dict | None = None,
+                            aggregate=rows_for_peers) -> torch.Tensor:
     """`collectives.all_to_all(x, send_counts)` over all ranks, in two steps: inside the
     node (`local_group`: this node's ranks) then across nodes (`node_group`: the ranks
     with this rank's local index). Rows of x are grouped by destination rank, in order.
-    `meters` (a dict) receives each step's Meter as "inside" and "across"."""
+    `meters` (a dict) receives each step's Meter as "inside" and "across"; `aggregate`
+    builds step 1's message for each local peer (`rows_for_peers`; lesson 09's exercise
+    passes the learner's)."""
     n, nodes = world_size(local_group), world_size(node_group)
     me_local, me_node = rank(local_group), rank(node_group)
     k = n * nodes
@@ -47,7 +58,7 @@ def hierarchical_all_to_all(x: torch.Tensor, send_counts: list[int], local_group
     me = me_node * n + me_local
     pieces = list(torch.split(x, send_counts))  # piece d: rows for rank d
     # step 1: to local peer j, the rows for (b, j) for every node b, in node order
-    to_peer = [torch.cat([pieces[b * n + j] for b in range(nodes)]) for j in range(n)]
+    to_peer = aggregate(pieces, nodes, n)
     send1 = [len(t) for t in to_peer]
     source = [me_node * n + i for i in range(n)]  # my node's ranks
     recv1 = [sum(counts[s][b * n + me_local] for b in range(nodes)) for s in source]

@@ -29,6 +29,23 @@ from .layer import MoELayer
 from .routing import route
 
 
+def partial_output(x: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor,
+                   kept: torch.Tensor, experts: nn.ModuleList, first: int
+                   ) -> tuple[torch.Tensor, int]:
+    """PPMoE's dispatch and local combine: for each of this rank's experts (global index
+    first + i), the rows of x whose kept choices chose it (an index slice), through the
+    expert, weighted, added at their tokens. Returns (partial output, rows computed); the
+    all-reduce of the partials is the layer's output."""
+    partial = x.new_zeros(x.shape)
+    rows = 0
+    for i, module in enumerate(experts):
+        token, choice = torch.nonzero((expert == first + i) & kept, as_tuple=True)
+        rows += len(token)
+        partial = partial.index_add(0, token, module(x[token])
+                                    * weight[token, choice].unsqueeze(-1))
+    return partial, rows
+
+
 class PipelineMoE(nn.Module):
     """This rank's experts of a one-process MoELayer (`twin`), for tokens every rank of
     `group` holds alike."""
@@ -56,16 +73,9 @@ class PipelineMoE(nn.Module):
         routing = route(self.gate(x), self.k, self.capacity_factor, self.min_capacity,
                         self.order)
         self.last_routing = routing
-        partial = x.new_zeros(x.shape)
-        rows = 0
         with record("compute", "experts (index slice)"):
-            for i, expert in enumerate(self.experts):
-                token, choice = torch.nonzero((routing.expert == self.first + i)
-                                              & routing.kept, as_tuple=True)
-                rows += len(token)
-                weight = routing.weight[token, choice].unsqueeze(-1)
-                partial = partial.index_add(0, token, expert(x[token]) * weight)
-        self.rows_computed = rows
+            partial, self.rows_computed = partial_output(x, routing.expert, routing.weight,
+                                                         routing.kept, self.experts, self.first)
         if self.shared is not None and rank(self.group) == 0:
             partial = partial + self.shared(x)
         return reduce_from_parallel_region(partial, self.group)
