@@ -11,9 +11,11 @@ import torch
 
 from .. import collectives
 from ..demo import Check, Context, Row
+from ..mesh import Mesh
 from ..runtime import device, rank, world_size
 from .expert_parallel import ExpertParallelMoE
 from .layer import MoELayer
+from .pipeline_moe import PipelineMoE
 
 EXPERTS, TOKENS_PER_RANK, HIDDEN = 4, 8, 16
 
@@ -24,26 +26,57 @@ def _twin() -> MoELayer:
 
 
 def demo() -> list[Check]:
-    """On every rank: this rank's experts and tokens, against the whole layer on one process."""
-    k, me = world_size(), rank()
+    """On every rank: this rank's experts and tokens, against the whole layer on one process;
+    on 4 ranks also Tutel's hierarchical exchange (2 nodes x 2) and Pipeline MoE."""
+    k = world_size()
     title = f"expert parallel MoE (E={EXPERTS}, k=2, shared expert), EP={k}"
     if EXPERTS % k:
         return [Check(title, None, 0.0, note=f"skipped: {EXPERTS} experts do not split over "
                                              f"{k} ranks")]
+    checks = [_expert_parallel(title)]
+    if k == 4:
+        checks += [_expert_parallel("expert parallel MoE, hierarchical all-to-all (2 nodes x 2)",
+                                    hierarchical=True), _pipeline_moe()]
+    return checks
+
+
+def _expert_parallel(title: str, hierarchical: bool = False) -> Check:
+    k, me = world_size(), rank()
+    hierarchy = None
+    if hierarchical:
+        groups = Mesh(node=2, local=k // 2).connect()
+        hierarchy = (groups.local, groups.node)
     twin = _twin()
     tokens = torch.randn(TOKENS_PER_RANK * k, HIDDEN, dtype=torch.float64,
                          generator=torch.Generator().manual_seed(12))
     reference = twin(tokens)[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK]
-    layer = ExpertParallelMoE(twin).to(device())
+    layer = ExpertParallelMoE(twin, hierarchy=hierarchy).to(device())
     x = tokens[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK].to(device())
     start = time.perf_counter()
     with collectives.meter() as m:
         y = layer(x)
     seconds = time.perf_counter() - start
     received = collectives.all_gather(torch.tensor([layer.tokens_received], device=device()))
-    return [Check(title, bool(torch.allclose(y.cpu(), reference, rtol=1e-12)), seconds,
-                  m.sent_bytes, note=f"drops {twin.last_routing.drop_rate:.0%}; tokens "
-                                     f"received per rank {received.tolist()}")]
+    return Check(title, bool(torch.allclose(y.cpu(), reference, rtol=1e-12)), seconds,
+                 m.sent_bytes, note=f"drops {twin.last_routing.drop_rate:.0%}; tokens "
+                                    f"received per rank {received.tolist()}")
+
+
+def _pipeline_moe() -> Check:
+    """Every rank holds all tokens (a tensor-parallel group); experts split, one all-reduce."""
+    twin = _twin()
+    tokens = torch.randn(TOKENS_PER_RANK * world_size(), HIDDEN, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(12))
+    reference = twin(tokens)
+    layer = PipelineMoE(twin).to(device())
+    start = time.perf_counter()
+    with collectives.meter() as m:
+        y = layer(tokens.to(device()))
+    seconds = time.perf_counter() - start
+    return Check(f"Pipeline MoE, experts in a TP group of {world_size()}",
+                 bool(torch.allclose(y.cpu(), reference, rtol=1e-12)), seconds, m.sent_bytes,
+                 note=f"index-slice dispatch, one all-reduce; rows on this rank "
+                      f"{layer.rows_computed}")
 
 
 def tour(ctx: Context) -> list[Row]:
