@@ -80,3 +80,24 @@ def _flat_and_hierarchical_ep():
 
 def test_expert_parallel_layer_with_the_hierarchical_exchange_is_unchanged(cluster4):
     assert all(cluster4.run(_flat_and_hierarchical_ep))
+
+
+def test_exchange_plan_ends_where_the_flat_one_does():
+    from minipar.moe.hierarchical import exchange_plan
+
+    counts = [[(s * 7 + d * 3) % 4 for d in range(8)] for s in range(8)]
+    flat = exchange_plan(counts, 2, 4, "flat")
+    hier = exchange_plan(counts, 2, 4, "hierarchical")
+    assert len(flat) == 2 and len(hier) == 3
+    assert flat[-1]["holds"] == hier[-1]["holds"]
+    for d, held in enumerate(hier[-1]["holds"]):
+        assert all(dst == d for _, dst in held) and [s for s, _ in held] == sorted(
+            s for s, _ in held)  # sources in rank order, as the flat exchange delivers
+
+    def across(sent):
+        return sum(1 for s in range(8) for d in range(8) if sent[s][d] and s // 4 != d // 4)
+
+    assert across(hier[2]["sent"]) < across(flat[1]["sent"])
+    assert across(hier[1]["sent"]) == 0  # step 1 stays inside the nodes
+    with pytest.raises(ValueError, match="'flat' or 'hierarchical'"):
+        exchange_plan(counts, 2, 4, "ring")

@@ -256,3 +256,30 @@ def test_ring_picture_refuses_what_it_cannot_draw():
         render_ring(4, 4)
     with pytest.raises(ValueError, match="world_size must be at most 8"):
         render_ring(9, 0)
+
+
+def test_all_to_all_animator_walks_the_steps_of_each_kind():
+    from minipar.widgets import AllToAllAnimator
+
+    animator = AllToAllAnimator(layout="2 nodes x 4", kind="hierarchical")
+    assert animator.stage.max == 2
+    first = bytes(animator.image.value)
+    animator.stage.value = 2
+    assert bytes(animator.image.value) != first
+    assert "up to 4 messages across nodes; the hierarchical one 1" in animator.status.value
+    animator.kind.value = "flat"  # one step only: the slider follows
+    assert animator.stage.max == 1 and animator.stage.value == 1
+    counts = animator.counts()
+    assert len(counts) == 8 and all(sum(row) == 8 for row in counts)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        AllToAllAnimator(layout="5 x 5")
+
+
+def test_exchange_picture_counts_links_inside_and_across_nodes():
+    from minipar.widgets.exchange_view import _links, render_exchange
+
+    sent = [[0, 2, 1, 0], [1, 0, 0, 3], [0, 0, 0, 1], [2, 0, 1, 0]]
+    # inside: (0,1) (1,0) (2,3) (3,2); across: (0,2) (1,3) (3,0)
+    assert _links(sent, 2) == (4, 5, 3, 6)
+    with pytest.raises(ValueError, match="stage must be in 0..1 for flat"):
+        render_exchange(sent, 2, 2, "flat", 2)

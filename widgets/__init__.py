@@ -39,7 +39,8 @@ _LAZY = {"TimelineViewer": "timeline_viewer", "RouterExplorer": "router_explorer
          "CollectiveAnimator": "collective_animator", "MemoryExplorer": "memory_explorer",
          "MeshViewer": "mesh_explorer", "PlannerExplorer": "mesh_explorer",
          "render_mesh": "mesh_view", "render_plans": "mesh_view",
-         "RingAnimator": "ring_animator", "render_ring": "ring_view"}
+         "RingAnimator": "ring_animator", "render_ring": "ring_view",
+         "AllToAllAnimator": "exchange_animator", "render_exchange": "exchange_view"}
 
 
 def __getattr__(name: str):
@@ -50,12 +51,10 @@ def __getattr__(name: str):
     return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
 
 
-__all__ = ["CollectiveAnimator", "CollectiveRecording", "MemoryExplorer", "MeshViewer",
-           "PlannerExplorer", "RingAnimator", "RouterExplorer", "render_mesh", "render_plans",
-           "render_ring",
-           "ScheduleExplorer", "render_routing",
-           "SpeedupLab", "TimelineViewer", "record_all_reduce",
-           "render_collective_frame", "render_collective_strip", "render_pipeline",
-           "render_all_to_all", "render_memory", "render_schedule_gallery",
-           "render_speedup", "render_split", "show",
-           "split_frames", "split_viewer", "SPLIT_KINDS"]
+__all__ = ["AllToAllAnimator", "CollectiveAnimator", "CollectiveRecording", "MemoryExplorer",
+           "MeshViewer", "PlannerExplorer", "record_all_reduce", "render_all_to_all",
+           "render_collective_frame", "render_collective_strip", "render_exchange",
+           "render_memory", "render_mesh", "render_pipeline", "render_plans", "render_ring",
+           "render_routing", "render_schedule_gallery", "render_speedup", "render_split",
+           "RingAnimator", "RouterExplorer", "ScheduleExplorer", "show", "SpeedupLab",
+           "split_frames", "SPLIT_KINDS", "split_viewer", "TimelineViewer"]

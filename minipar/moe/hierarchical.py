@@ -90,3 +90,44 @@ def all_to_all_time(kind: str, nbytes: float, nodes: int, per_node: int,
         return (per_node - 1) * (alpha_intra + nbytes / per_node * beta_intra) + \
             (nodes - 1) * (alpha_inter + nbytes / nodes * beta_inter)
     raise ValueError(f"kind must be 'flat' or 'hierarchical'; got {kind!r}")
+
+
+def exchange_plan(counts: list[list[int]], nodes: int, per_node: int, kind: str
+                  ) -> list[dict]:
+    """What every rank holds before and after each step of a flat or hierarchical
+    all-to-all, as pure arithmetic (for pictures): counts[s][d] rows go from rank s to rank
+    d. Returns stages: {"holds": per rank, a list of (source, destination) per row;
+    "sent": [K][K] rows sent in the step that led here (None for the start)}."""
+    k = nodes * per_node
+    if len(counts) != k or any(len(row) != k for row in counts):
+        raise ValueError(f"counts must be {k} x {k} (nodes x per_node ranks); got "
+                         f"{len(counts)} rows")
+    if kind not in ("flat", "hierarchical"):
+        raise ValueError(f"kind must be 'flat' or 'hierarchical'; got {kind!r}")
+
+    def rows(s: int, d: int) -> list[tuple[int, int]]:
+        return [(s, d)] * counts[s][d]
+
+    start = {"holds": [[r for d in range(k) for r in rows(s, d)] for s in range(k)],
+             "sent": None}
+    final = {"holds": [[r for s in range(k) for r in rows(s, d)] for d in range(k)],
+             "sent": [[counts[s][d] for d in range(k)] for s in range(k)]}
+    if kind == "flat":
+        return [start, final]
+    n = per_node
+    middle, sent1 = [], [[0] * k for _ in range(k)]
+    for a in range(nodes):
+        for j in range(n):
+            held = []
+            for i in range(n):
+                s = a * n + i
+                for b in range(nodes):
+                    held += rows(s, b * n + j)
+                    sent1[s][a * n + j] += counts[s][b * n + j]
+            middle.append(held)
+    sent2 = [[0] * k for _ in range(k)]
+    for a in range(nodes):
+        for j in range(n):
+            for b in range(nodes):
+                sent2[a * n + j][b * n + j] = sum(counts[a * n + i][b * n + j] for i in range(n))
+    return [start, {"holds": middle, "sent": sent1}, {"holds": final["holds"], "sent": sent2}]
