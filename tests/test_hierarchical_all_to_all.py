@@ -101,3 +101,41 @@ def test_exchange_plan_ends_where_the_flat_one_does():
     assert across(hier[1]["sent"]) == 0  # step 1 stays inside the nodes
     with pytest.raises(ValueError, match="'flat' or 'hierarchical'"):
         exchange_plan(counts, 2, 4, "ring")
+
+
+def _chunked_ep(chunks):
+    from minipar.moe import ExpertParallelMoE, MoELayer
+
+    twin = MoELayer(8, 16, num_experts=4, k=2, capacity_factor=0.75, shared_expert=True,
+                    seed=3, dtype=torch.float64)
+    x = torch.randn(7, 8, generator=torch.Generator().manual_seed(rank()), dtype=torch.float64)
+    out = []
+    for c in (1, chunks):
+        layer = ExpertParallelMoE(twin, chunks=c)
+        y = layer(x)
+        y.pow(2).sum().backward()
+        out.append((y.detach(), [p.grad for p in layer.parameters()]))
+    (y1, g1), (y2, g2) = out
+    return bool(torch.allclose(y1, y2, rtol=1e-12)) and all(
+        torch.allclose(a, b, rtol=1e-10, atol=1e-14) for a, b in zip(g1, g2, strict=True))
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_pipelined_dispatch_equals_the_plain_layer(cluster4, cluster2, chunks):
+    assert all(cluster4.run(_chunked_ep, chunks)) and all(cluster2.run(_chunked_ep, chunks))
+
+
+def _choose():
+    from minipar.moe import ExpertParallelMoE, MoELayer
+    from minipar.moe.pipelining import choose_chunks
+
+    layer = ExpertParallelMoE(MoELayer(16, 32, num_experts=4, k=2, seed=1))
+    times = choose_chunks(layer, torch.randn(64, 16), candidates=(1, 2), repeats=2)
+    return times, layer.chunks
+
+
+def test_choose_chunks_keeps_the_fastest_and_every_rank_agrees(cluster2):
+    results = cluster2.run(_choose)
+    assert results[0] == results[1]  # the slowest rank's times, the same choice everywhere
+    times, chosen = results[0]
+    assert chosen == min(times, key=times.get)

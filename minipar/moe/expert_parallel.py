@@ -22,6 +22,7 @@ from ..runtime import rank, world_size
 from ..trace import record
 from .hierarchical import counts_everywhere, hierarchical_all_to_all
 from .layer import MoELayer
+from .pipelining import pipelined_experts
 from .routing import Routing, capacity, route
 
 
@@ -82,11 +83,16 @@ class ExpertParallelMoE(nn.Module):
     """This rank's experts of a one-process MoELayer (`twin`), with all-to-all dispatch
     among the ranks of `group` (default: all; on a mesh, its `ep` dimension). With
     `hierarchy` = (node-local group, cross-node group) of a Mesh(node=, local=) over the
-    same ranks, tokens travel by Tutel's hierarchical all-to-all."""
+    same ranks, tokens travel by Tutel's hierarchical all-to-all. With `chunks` > 1 the
+    dispatch is cut into chunks overlapped with the experts (Tutel's pipelining)."""
 
-    def __init__(self, twin: MoELayer, group=None, hierarchy: tuple | None = None) -> None:
+    def __init__(self, twin: MoELayer, group=None, hierarchy: tuple | None = None,
+                 chunks: int = 1) -> None:
         super().__init__()
-        self.group, self.hierarchy = group, hierarchy
+        if chunks < 1 or (chunks > 1 and hierarchy is not None):
+            raise ValueError(f"chunks must be >= 1, and 1 with a hierarchy (pipelining runs on "
+                             f"the flat exchange); got chunks={chunks}")
+        self.group, self.hierarchy, self.chunks = group, hierarchy, chunks
         size = world_size(group)
         num_experts = len(twin.experts)
         if num_experts % size:
@@ -126,15 +132,19 @@ class ExpertParallelMoE(nn.Module):
         self.last_send_counts = send_counts
         meta = torch.stack([expert % self.per_rank, slot], dim=1)
         recv_meta = _exchange(meta, send_counts, recv_counts, self.group, self.hierarchy)
-        with record("all_to_all", "dispatch", tokens=int(recv_meta.shape[0])):
-            arrived = _AllToAll.apply(x[token], send_counts, recv_counts, self.group,
-                                      self.hierarchy)
-        self.tokens_received = int(arrived.shape[0])
-        buffer = x.new_zeros(self.per_rank, routing.capacity, x.shape[1])
-        buffer = buffer.index_put((recv_meta[:, 0], recv_meta[:, 1]), arrived)
-        with record("compute", "experts", tokens=self.tokens_received):
-            out = torch.stack([e(buffer[i]) for i, e in enumerate(self.experts)])
-        results = out[recv_meta[:, 0], recv_meta[:, 1]]
+        self.tokens_received = int(recv_meta.shape[0])
+        if self.chunks > 1:
+            results = pipelined_experts(x[token], recv_meta[:, 0], send_counts, recv_counts,
+                                        self.experts, self.chunks, self.group)
+        else:
+            with record("all_to_all", "dispatch", tokens=self.tokens_received):
+                arrived = _AllToAll.apply(x[token], send_counts, recv_counts, self.group,
+                                          self.hierarchy)
+            buffer = x.new_zeros(self.per_rank, routing.capacity, x.shape[1])
+            buffer = buffer.index_put((recv_meta[:, 0], recv_meta[:, 1]), arrived)
+            with record("compute", "experts", tokens=self.tokens_received):
+                out = torch.stack([e(buffer[i]) for i, e in enumerate(self.experts)])
+            results = out[recv_meta[:, 0], recv_meta[:, 1]]
         with record("all_to_all", "combine"):
             returned = _AllToAll.apply(results, recv_counts, send_counts, self.group,
                                        self.hierarchy)

@@ -1,7 +1,7 @@
 """`minipar bench moe`'s second part: the systems papers' layers on the same tokens.
 
-On 4 ranks: expert parallelism with the flat and the hierarchical all-to-all (as 2 nodes
-of 2) and Pipeline MoE (the experts inside one tensor-parallel group of 4, every rank
+On 4 ranks: expert parallelism with the flat all-to-all, pipelined in chunks, and
+hierarchical (as 2 nodes of 2), and Pipeline MoE (the experts inside one tensor-parallel group of 4, every rank
 holding all tokens). On one process: capacity-based MoE, dropless, expert choice and
 LSH-MoE, with what each would send through a dispatch. Then the raw exchange, flat vs
 hierarchical, with the messages that cross nodes counted, and the alpha-beta model."""
@@ -52,6 +52,9 @@ def _step(kind: str, tokens: int, steps: int) -> dict:
     layer = _layer(kind)
     if kind == "EP, flat all-to-all":
         layer, x = ExpertParallelMoE(layer), x_all.chunk(k)[me]
+    elif kind.startswith("EP, pipelined"):
+        chunks = int(kind.split("(")[1].split()[0])
+        layer, x = ExpertParallelMoE(layer, chunks=chunks), x_all.chunk(k)[me]
     elif kind == "EP, hierarchical (2 nodes x 2)":
         groups = Mesh(node=2, local=2).connect()
         layer = ExpertParallelMoE(layer, hierarchy=(groups.local, groups.node))
@@ -93,7 +96,8 @@ def measure_systems(tokens: int = 2048, steps: int = 3) -> list[dict]:
     """Tokens/s, bytes sent per step and dispatch rows of every layer on the same tokens."""
     rows = []
     with Cluster(1, backend="gloo") as one, Cluster(4, backend="gloo") as four:
-        for kind in ("EP, flat all-to-all", "EP, hierarchical (2 nodes x 2)",
+        for kind in ("EP, flat all-to-all", "EP, pipelined (2 chunks)",
+                     "EP, pipelined (4 chunks)", "EP, hierarchical (2 nodes x 2)",
                      "Pipeline MoE (TP group of 4)", *LAYERS):
             progress(kind)
             cluster = one if kind in LAYERS else four

@@ -1,0 +1,120 @@
+"""Tutel's adaptive pipelining: cut the dispatch all-to-all into chunks, so that the
+experts compute chunk c while chunk c+1 is still on the wire.
+
+Each rank cuts the rows it sends to every peer into `chunks` equal parts (tensor_split,
+so sender and receiver agree on every part's size). Chunk c+1's exchange is posted with
+non-blocking sends and receives before the experts run on chunk c, and waited for after.
+The combine (the caller's) returns every chunk's results in one exchange. Gradients:
+each arrived chunk is linked to the rows that were sent by `_Arrive`, whose backward is
+the reverse exchange, so autograd sees an ordinary all-to-all per chunk (backward is not
+overlapped).
+
+How many chunks is a measurement (`choose_chunks`): more chunks hide more of the exchange
+behind compute but pay more messages and smaller matmuls.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from .. import collectives
+from ..runtime import rank, world_size
+from ..trace import record
+
+
+def _parts(n: int, chunks: int) -> list[int]:
+    """The sizes tensor_split gives n rows cut into `chunks` parts."""
+    return [n // chunks + (i < n % chunks) for i in range(chunks)]
+
+
+def start_exchange(rows: torch.Tensor, send_counts: list[int], recv_counts: list[int],
+                   group=None) -> tuple[list[torch.Tensor], list]:
+    """A non-blocking all-to-all from point-to-point messages: post every send and receive,
+    return (one receive buffer per source rank, the requests to wait on)."""
+    k, me = world_size(group), rank(group)
+    pieces = torch.split(rows, send_counts)
+    buffers = [pieces[s].clone() if s == me else rows.new_empty(recv_counts[s], *rows.shape[1:])
+               for s in range(k)]
+    requests = []
+    for peer in range(k):
+        if peer == me:
+            continue
+        if send_counts[peer]:
+            requests.append(collectives.isend(pieces[peer].contiguous(), peer, group))
+        if recv_counts[peer]:
+            requests.append(collectives.irecv(buffers[peer], peer, group))
+    return buffers, requests
+
+
+class _Arrive(torch.autograd.Function):
+    """Forward: the rows that arrived (already exchanged). Backward: their gradient goes
+    back to the ranks that sent them, as the gradient of the rows sent."""
+
+    @staticmethod
+    def forward(ctx, sent, received, send_counts, recv_counts, group):
+        ctx.counts, ctx.group = (send_counts, recv_counts), group
+        return received.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_counts, recv_counts = ctx.counts
+        back = collectives.all_to_all(grad.contiguous(), recv_counts, send_counts, ctx.group)
+        return back, None, None, None, None
+
+
+def pipelined_experts(rows: torch.Tensor, local_expert: torch.Tensor, send_counts: list[int],
+                      recv_counts: list[int], experts: nn.ModuleList, chunks: int,
+                      group=None) -> torch.Tensor:
+    """Dispatch `rows` (grouped by destination rank) in `chunks`, overlapped with the
+    experts; returns the experts' outputs for the rows that arrived, grouped by source
+    rank in each source's order (what the combine all-to-all sends back). `local_expert`
+    is the arrived rows' expert index on this rank, in arrival order."""
+    k = world_size(group)
+    out_parts = [_parts(n, chunks) for n in send_counts]  # [dest][chunk]
+    in_parts = [_parts(n, chunks) for n in recv_counts]  # [source][chunk]
+    by_dest = torch.split(rows, send_counts)
+    sent = [torch.cat([torch.split(by_dest[d], out_parts[d])[c] for d in range(k)])
+            for c in range(chunks)]
+    by_source = torch.split(local_expert, recv_counts)
+    meta = [torch.cat([torch.split(by_source[s], in_parts[s])[c] for s in range(k)])
+            for c in range(chunks)]
+    send_c = [[out_parts[d][c] for d in range(k)] for c in range(chunks)]
+    recv_c = [[in_parts[s][c] for s in range(k)] for c in range(chunks)]
+    outputs = []
+    pending = start_exchange(sent[0].detach(), send_c[0], recv_c[0], group)
+    for c in range(chunks):
+        buffers, requests = pending
+        for request in requests:
+            request.wait()
+        if c + 1 < chunks:  # on the wire while the experts compute chunk c
+            pending = start_exchange(sent[c + 1].detach(), send_c[c + 1], recv_c[c + 1], group)
+        arrived = _Arrive.apply(sent[c], torch.cat(buffers), send_c[c], recv_c[c], group)
+        with record("compute", f"experts, chunk {c}", tokens=int(arrived.shape[0])):
+            out = arrived.new_zeros(arrived.shape)
+            for i, expert in enumerate(experts):
+                (index,) = torch.nonzero(meta[c] == i, as_tuple=True)
+                out = out.index_put((index,), expert(arrived[index]))
+        outputs.append(torch.split(out, recv_c[c]))
+    return torch.cat([outputs[c][s] for s in range(k) for c in range(chunks)])
+
+
+def choose_chunks(layer: nn.Module, x: torch.Tensor, candidates: tuple[int, ...] = (1, 2, 4),
+                  repeats: int = 3) -> dict[int, float]:
+    """Time forward + backward of an ExpertParallelMoE for each chunk count (the slowest
+    rank's median), set the fastest on the layer, and return every time."""
+    times = {}
+    for chunks in candidates:
+        layer.chunks = chunks
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            layer(x).pow(2).mean().backward()
+            runs.append(time.perf_counter() - start)
+        seconds = torch.tensor([sorted(runs)[len(runs) // 2]])
+        times[chunks] = collectives.all_reduce(seconds, op="max").item()
+    layer.zero_grad(set_to_none=True)
+    layer.chunks = min(times, key=times.get)
+    return times
