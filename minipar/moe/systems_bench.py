@@ -3,8 +3,9 @@
 On 4 ranks: expert parallelism with the flat all-to-all, pipelined in chunks, and
 hierarchical (as 2 nodes of 2), and Pipeline MoE (the experts inside one tensor-parallel
 group of 4, every rank holding all tokens). On one process: capacity-based MoE,
-dropless, expert choice and LSH-MoE, with what each would send through a dispatch. Then the raw exchange, flat vs
-hierarchical, with the messages that cross nodes counted, and the alpha-beta model."""
+dropless, expert choice and LSH-MoE, with what each would send through a dispatch.
+Then the raw exchange, flat vs hierarchical, with the messages that cross nodes
+counted."""
 
 from __future__ import annotations
 
