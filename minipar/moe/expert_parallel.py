@@ -83,15 +83,17 @@ class ExpertParallelMoE(nn.Module):
     """This rank's experts of a one-process MoELayer (`twin`), with all-to-all dispatch
     among the ranks of `group` (default: all; on a mesh, its `ep` dimension). With
     `hierarchy` = (node-local group, cross-node group) of a Mesh(node=, local=) over the
-    same ranks, tokens travel by Tutel's hierarchical all-to-all. With `chunks` > 1 the
-    dispatch is cut into chunks overlapped with the experts (Tutel's pipelining)."""
+    same ranks, tokens travel by Tutel's hierarchical all-to-all. With `chunks` the experts
+    run on the arrived rows directly (no capacity buffer) and the dispatch is cut into
+    that many chunks, each overlapped with the previous chunk's experts (Tutel's
+    pipelining; 1 = the same row-wise path without overlap)."""
 
     def __init__(self, twin: MoELayer, group=None, hierarchy: tuple | None = None,
-                 chunks: int = 1) -> None:
+                 chunks: int | None = None) -> None:
         super().__init__()
-        if chunks < 1 or (chunks > 1 and hierarchy is not None):
-            raise ValueError(f"chunks must be >= 1, and 1 with a hierarchy (pipelining runs on "
-                             f"the flat exchange); got chunks={chunks}")
+        if chunks is not None and (chunks < 1 or hierarchy is not None):
+            raise ValueError(f"chunks must be None or >= 1, and None with a hierarchy "
+                             f"(pipelining runs on the flat exchange); got chunks={chunks}")
         self.group, self.hierarchy, self.chunks = group, hierarchy, chunks
         size = world_size(group)
         num_experts = len(twin.experts)
@@ -133,7 +135,7 @@ class ExpertParallelMoE(nn.Module):
         meta = torch.stack([expert % self.per_rank, slot], dim=1)
         recv_meta = _exchange(meta, send_counts, recv_counts, self.group, self.hierarchy)
         self.tokens_received = int(recv_meta.shape[0])
-        if self.chunks > 1:
+        if self.chunks is not None:
             results = pipelined_experts(x[token], recv_meta[:, 0], send_counts, recv_counts,
                                         self.experts, self.chunks, self.group)
         else:
