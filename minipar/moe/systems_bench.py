@@ -97,7 +97,7 @@ def measure_systems(tokens: int = 2048, steps: int = 3) -> list[dict]:
     """Tokens/s, bytes sent per step and dispatch rows of every layer on the same tokens."""
     rows = []
     with Cluster(1, backend="gloo") as one, Cluster(4, backend="gloo") as four:
-        for kind in ("EP, flat all-to-all", "EP, pipelined (1 chunks)",
+        for kind in ("EP, flat all-to-all", "EP, pipelined (1 chunk)",
                      "EP, pipelined (2 chunks)", "EP, pipelined (4 chunks)",
                      "EP, hierarchical (2 nodes x 2)",
                      "Pipeline MoE (TP group of 4)", *LAYERS):
