@@ -34,7 +34,7 @@ class AllToAllAnimator(w.VBox):
         for control in (self.topology, self.kind, self.skew):
             control.observe(lambda _: self._reset(), names="value")
         self.stage.observe(lambda _: self.draw(), names="value")
-        super().__init__([w.HBox([self.topology, self.kind]), w.HBox([self.skew]),
+        super().__init__([w.HBox([self.topology, self.skew]), self.kind,
                           w.HBox([self.play, self.stage]), self.status, self.image])
         self._reset()
 
