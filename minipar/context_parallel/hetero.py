@@ -6,7 +6,9 @@ A sequence of L tokens costs per_token * L (projections, MLP) + per_pair * L^2
 rank the same number of sequences; the balanced one (longest processing time first)
 takes sequences from the most expensive down and gives each to the rank that would
 finish it earliest at its speed. A synchronous step ends when the slowest rank does, so
-the balanced split's step is shorter; the gradient is the same sum either way.
+the balanced split's step is usually shorter; the gradient is the same sum either way.
+This places whole sequences (length- and speed-aware data parallelism); systems such as
+FlexSP also vary how many ranks split each long sequence.
 
 Speeds are emulated on CPU ranks: a rank of speed 1/2 computes each of its sequences
 twice (real work, not a sleep).
@@ -44,7 +46,8 @@ def assign_even(lengths: list[int], ranks: int) -> list[list[int]]:
 def assign_balanced(lengths: list[int], speeds: list[float], per_token: float = 1.0,
                     per_pair: float = 0.01) -> list[list[int]]:
     """Longest processing time first: each sequence, most expensive first, goes to the rank
-    whose finishing time (load / speed) it raises least."""
+    that would finish it earliest, (load + cost) / speed. A heuristic: usually, not
+    always, the shortest step."""
     if not speeds or min(speeds) <= 0:
         raise ValueError(f"speeds must be positive, one per rank; got {speeds}")
     loads = [0.0] * len(speeds)
@@ -89,7 +92,10 @@ def run_assignment(assignment: list[list[int]], lengths: list[int], speeds: list
     block = TransformerBlock(hidden, 4, 4 * hidden, seed=seed, dtype=dtype)
     gen = torch.Generator().manual_seed(seed + 1)
     data = [torch.randn(n, 1, hidden, generator=gen, dtype=dtype) for n in lengths]
-    repeats = max(1, round(1 / speeds[me]))
+    repeats = round(1 / speeds[me])
+    if repeats < 1 or abs(repeats * speeds[me] - 1) > 1e-9:
+        raise ValueError(f"speeds must be 1/n for a whole n (a rank of speed 1/n computes "
+                         f"each sequence n times); got {speeds[me]}")
     if k > 1:
         torch.distributed.barrier()
     start = time.perf_counter()

@@ -144,6 +144,9 @@ def best_slices(seq_len: int, stages: int, per_token: float, per_pair: float,
     if seq_len % unit or seq_len < 1 or unit < 1:
         raise ValueError(f"seq_len ({seq_len}) must be a positive multiple of unit ({unit})")
     n = seq_len // unit
+    if n > 128:  # the search is about n^4 steps of Python
+        raise ValueError(f"seq_len / unit = {n} slice units is too fine for this search; "
+                         f"pass unit >= {-(-seq_len // 128)}")
     cost = {(b, e): slice_cost(b * unit, (e - b) * unit, per_token, per_pair, per_slice)
             for b in range(n) for e in range(b + 1, n + 1)}
     best_total, best_sizes = math.inf, [seq_len]

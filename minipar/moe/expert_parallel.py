@@ -27,27 +27,34 @@ from .routing import Routing, capacity, route
 
 
 def _exchange(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group,
-              hierarchy) -> torch.Tensor:
+              hierarchy, matrix: list[list[int]] | None = None) -> torch.Tensor:
     if hierarchy is not None:
-        return hierarchical_all_to_all(x.contiguous(), send_counts, *hierarchy)
+        return hierarchical_all_to_all(x.contiguous(), send_counts, *hierarchy, counts=matrix)
     return collectives.all_to_all(x.contiguous(), send_counts, recv_counts, group)
 
 
+def _transposed(matrix: list[list[int]] | None) -> list[list[int]] | None:
+    return None if matrix is None else [list(column) for column in zip(*matrix, strict=True)]
+
+
 class _AllToAll(torch.autograd.Function):
-    """Rows go out by send_counts; their gradients come back by the reverse exchange. Both
-    sizes are known, so neither direction swaps counts again. With `hierarchy` (the
-    node-local and cross-node groups) both directions run Tutel's two-step exchange."""
+    """Rows go out by send_counts; their gradients come back by the reverse exchange. The
+    sizes are known, so no direction swaps counts again. With `hierarchy` (the node-local
+    and cross-node groups) both directions run Tutel's two-step exchange, given every
+    rank's counts (`matrix`, [K][K]; its transpose for the way back)."""
 
     @staticmethod
-    def forward(ctx, x, send_counts, recv_counts, group, hierarchy=None):
+    def forward(ctx, x, send_counts, recv_counts, group, hierarchy=None, matrix=None):
         ctx.counts, ctx.group, ctx.hierarchy = (send_counts, recv_counts), group, hierarchy
-        return _exchange(x, send_counts, recv_counts, group, hierarchy)
+        ctx.matrix = matrix
+        return _exchange(x, send_counts, recv_counts, group, hierarchy, matrix)
 
     @staticmethod
     def backward(ctx, grad):
         send_counts, recv_counts = ctx.counts
-        back = _exchange(grad, recv_counts, send_counts, ctx.group, ctx.hierarchy)
-        return back, None, None, None, None
+        back = _exchange(grad, recv_counts, send_counts, ctx.group, ctx.hierarchy,
+                         _transposed(ctx.matrix))
+        return back, None, None, None, None, None
 
 
 def global_routing(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int,
@@ -126,14 +133,16 @@ class ExpertParallelMoE(nn.Module):
         token, expert, slot, weight, owner = (t[order] for t in (token, expert, slot, weight,
                                                                  owner))
         send_counts = torch.bincount(owner, minlength=world_size(self.group)).tolist()
+        matrix = None
         if self.hierarchy is None:
             recv_counts = collectives.swap_counts(send_counts, self.group)  # rows from each
-        else:  # learn the counts in two steps too, so no message crosses nodes flat
-            everyone = counts_everywhere(send_counts, *self.hierarchy)
-            recv_counts = everyone[:, rank(self.group)].tolist()
+        else:  # learn the counts in two steps too (once), so no message crosses nodes flat
+            matrix = counts_everywhere(send_counts, *self.hierarchy).tolist()
+            recv_counts = [row[rank(self.group)] for row in matrix]
         self.last_send_counts = send_counts
         meta = torch.stack([expert % self.per_rank, slot], dim=1)
-        recv_meta = _exchange(meta, send_counts, recv_counts, self.group, self.hierarchy)
+        recv_meta = _exchange(meta, send_counts, recv_counts, self.group, self.hierarchy,
+                              matrix)
         self.tokens_received = int(recv_meta.shape[0])
         if self.chunks is not None:
             results = pipelined_experts(x[token], recv_meta[:, 0], send_counts, recv_counts,
@@ -141,7 +150,7 @@ class ExpertParallelMoE(nn.Module):
         else:
             with record("all_to_all", "dispatch", tokens=self.tokens_received):
                 arrived = _AllToAll.apply(x[token], send_counts, recv_counts, self.group,
-                                          self.hierarchy)
+                                          self.hierarchy, matrix)
             buffer = x.new_zeros(self.per_rank, routing.capacity, x.shape[1])
             buffer = buffer.index_put((recv_meta[:, 0], recv_meta[:, 1]), arrived)
             with record("compute", "experts", tokens=self.tokens_received):
@@ -149,6 +158,6 @@ class ExpertParallelMoE(nn.Module):
             results = out[recv_meta[:, 0], recv_meta[:, 1]]
         with record("all_to_all", "combine"):
             returned = _AllToAll.apply(results, recv_counts, send_counts, self.group,
-                                       self.hierarchy)
+                                       self.hierarchy, _transposed(matrix))
         y = x.new_zeros(x.shape).index_add(0, token, returned * weight.unsqueeze(-1))
         return y + self.shared(x) if self.shared is not None else y

@@ -1,8 +1,9 @@
 """LSH-MoE (Nie et al. 2024): send fewer rows through the all-to-all by sending, for each
 expert, one centroid per group of similar tokens.
 
-Tokens bound for the same expert are hashed with random hyperplanes (the sign of
-x . h_i for `bits` hyperplanes: similar tokens land in the same bucket); each bucket
+Tokens bound for the same expert are hashed (the paper uses cross-polytope hashing;
+here the simpler random-hyperplane family, SimHash: the sign of x . h_i for `bits`
+hyperplanes, so similar tokens land in the same bucket); each bucket
 travels as its mean, the expert runs on the means, and every token takes its bucket's
 output. The paper adds residual-based error compensation; here, as we read it, each
 token adds back its own residual x - mean, kept at home (`compensate=True`). That is
@@ -22,11 +23,12 @@ from .routing import route
 
 def lsh_buckets(x: torch.Tensor, bits: int, seed: int = 0) -> torch.Tensor:
     """Each row's bucket: the signs of its projections on `bits` random hyperplanes, read
-    as a binary number (the same hyperplanes on every rank: a shared seed)."""
+    as a binary number (the same hyperplanes on every rank: a shared seed). The planes
+    for b bits are the first b of those for more bits, so more bits refine the buckets."""
     if not 1 <= bits <= 62:
         raise ValueError(f"bits must be between 1 and 62; got {bits}")
-    planes = torch.randn(x.shape[-1], bits, generator=torch.Generator().manual_seed(seed),
-                         dtype=x.dtype)
+    planes = torch.randn(bits, x.shape[-1], generator=torch.Generator().manual_seed(seed),
+                         dtype=x.dtype).t()  # row by row: plane i is the same for any bits
     signs = (x @ planes > 0).long()
     return (signs * (2 ** torch.arange(bits))).sum(-1)
 

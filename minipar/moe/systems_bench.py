@@ -75,14 +75,21 @@ def _step(kind: str, tokens: int, steps: int) -> dict:
         if step:
             times.append(elapsed)
             sent += m.sent_bytes
-    drop = layer.last_routing.drop_rate if getattr(layer, "last_routing", None) else 0.0
+    routing = getattr(layer, "last_routing", None)
+    kept, choices = (int(routing.kept.sum()), routing.kept.numel()) if routing else (0, 0)
     return {"seconds": statistics.median(times), "bytes_per_step": sent / steps,
-            "rows": _dispatch_rows(layer), "drop": drop}
+            "rows": _expert_rows(layer), "kept": kept, "choices": choices,
+            "replicated": isinstance(layer, PipelineMoE)}
 
 
-def _dispatch_rows(layer: torch.nn.Module) -> int | None:
-    """Rows this rank's dispatch carried in the last call: kept token choices (centroids
-    for LSH-MoE, every choice when dropless, C per expert for expert choice)."""
+def _expert_rows(layer: torch.nn.Module) -> int | None:
+    """Rows this rank's experts computed in the last call: the token choices that arrived
+    (centroids for LSH-MoE, every choice when dropless, C per expert for expert choice);
+    a capacity buffer's empty slots not counted."""
+    if isinstance(layer, ExpertParallelMoE):
+        return layer.tokens_received
+    if isinstance(layer, PipelineMoE):
+        return layer.rows_computed
     if isinstance(layer, DroplessMoE):
         return sum(layer.last_groups)
     if isinstance(layer, LSHMoE):
@@ -106,9 +113,12 @@ def measure_systems(tokens: int = 2048, steps: int = 3) -> list[dict]:
             runs = [cluster.run(_step, kind, tokens, steps) for _ in range(2)]
             best = min(runs, key=lambda run: max(r["seconds"] for r in run))
             seconds = max(r["seconds"] for r in best)
+            routed = best[:1] if best[0]["replicated"] else best  # the same routing everywhere
+            kept, choices = (sum(r[key] for r in routed) for key in ("kept", "choices"))
             rows.append({"system": kind, "ranks": len(best), "tokens_per_s": tokens / seconds,
                          "bytes_per_step": sum(r["bytes_per_step"] for r in best),
-                         "dispatch_rows": best[0]["rows"], "drop": best[0]["drop"]})
+                         "dispatch_rows": sum(r["rows"] for r in best),
+                         "drop": 1 - kept / choices if choices else 0.0})
     flat = rows[0]["tokens_per_s"]
     for row in rows:
         row["vs_flat_ep"] = row["tokens_per_s"] / flat
@@ -167,7 +177,8 @@ def report_systems(rows: list[dict], exchange: list[dict]) -> str:
     first = format_table(shown, [("system", "layer"), ("ranks", "ranks"),
                                  ("tps", "tokens/s"), ("vs", "vs flat EP"),
                                  ("bytes", "bytes sent per step (all ranks)"),
-                                 ("rows", "dispatch rows (rank 0)"), ("drop", "dropped")])
+                                 ("rows", "expert rows (all ranks)"),
+                                 ("drop", "choices dropped")])
     shown = [{"kind": r["exchange"], "n": r["rows_per_peer"],
               "b": f"{r['bytes_per_peer']:,}", "t": f"{r['seconds'] * 1e3:.2f} ms",
               "m": r["messages_across_nodes"]} for r in exchange]
