@@ -4,9 +4,9 @@ travel once around the ring, and each rank merges one block's attention per step
 Step s on rank r: attend r's queries to the key/value block that started on rank r-s,
 while that block already travels on to r+1 and the next one arrives from r-1 (posted
 before the math, so the transfer overlaps it). After K steps every query has seen every
-key, and no rank ever held more than two blocks. Causal attention skips blocks that lie
-wholly in a query's future; with the balanced layout (`attention.positions`) every rank
-skips as much as every other.
+key, and at most two key/value blocks were in flight on a rank at once. Causal attention
+skips blocks that lie wholly in a query's future; with the balanced layout
+(`attention.positions`) every rank skips as much as every other.
 
 Backward runs the same ring: dq accumulates at home, while each block's dk and dv
 accumulate on the block's journey (travelling one step behind it) and arrive home

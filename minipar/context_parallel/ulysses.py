@@ -5,7 +5,9 @@ Each of K ranks holds [B, H, S/K, D] of q, k and v. One all-to-all per tensor tu
 into [B, H/K, S, D]: rank r gets heads r*H/K.. of every token. Attention per head needs
 nothing from other heads, so each rank attends alone; one more all-to-all returns the
 output to the sequence split. Four all-to-alls, each moving (K-1)/K of a rank's tensor,
-against ring attention's K-1 key/value blocks; but K may not exceed the heads.
+against ring attention's K-1 key/value blocks; but K must divide the number of heads
+(of key/value heads, with grouped-query attention). `balanced` only names the input
+layout: Ulysses' attention is whole-sequence per head, balanced by construction.
 """
 
 from __future__ import annotations

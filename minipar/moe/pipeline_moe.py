@@ -9,10 +9,18 @@ outputs (combine). Two all-to-alls become one all-reduce, over the fast links of
 node.
 
 Gradients: the input enters through f (identity forward, all-reduce backward) and the
-output leaves through g (all-reduce forward, identity backward), as in lesson 04. The
-gate and the shared expert are replicated; each rank's gradient holds only its share
-(its experts' paths; the shared expert is added by the group's rank 0 only), so sum
-them over the group, as for any replicated parameter.
+output leaves through g (all-reduce forward, identity backward), as in lesson 04. Unlike
+lesson 04's replicated layer norms, the gate and the shared expert feed the *partial*
+output before g's all-reduce, so each rank's gradient holds only its share (its experts'
+weights; the shared expert is added by the group's rank 0 only): sum them over the
+group. The same goes for auxiliary losses: the router's balance and z losses come out
+identical on every rank, so add them on one rank only (or divide by the group size), or
+their gradient counts K times.
+
+The name is the paper's: PPMoE pairs this tensor-parallel placement of the experts with
+pipeline parallelism for the rest of the model; nothing here pipelines. Under Megatron's
+sequence parallelism the tokens arrive split along the sequence, and need an all-gather
+first.
 """
 
 from __future__ import annotations

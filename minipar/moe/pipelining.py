@@ -1,5 +1,7 @@
-"""Tutel's adaptive pipelining: cut the dispatch all-to-all into chunks, so that the
-experts compute chunk c while chunk c+1 is still on the wire.
+"""Tutel-style pipelining, dispatch only: cut the dispatch all-to-all into chunks, so
+that the experts compute chunk c while chunk c+1 is still on the wire. (Tutel overlaps
+the combine too, and re-chooses its pipelining degree at run time as capacity changes;
+`choose_chunks` here measures once.)
 
 Each rank cuts the rows it sends to every peer into `chunks` equal parts (tensor_split,
 so sender and receiver agree on every part's size). Chunk c+1's exchange is posted with

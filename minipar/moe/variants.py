@@ -3,11 +3,13 @@
 - **Dropless** (MegaBlocks, Gale et al. 2022): no capacity, so no token is dropped.
   The chosen (token, expert) pairs are sorted by expert and each expert runs once on
   its contiguous group, however large: a grouped matmul instead of a padded
-  [E, capacity, hidden] buffer. MegaBlocks pads each group only to its block size.
+  [E, capacity, hidden] buffer. MegaBlocks pads each group to a multiple of its block
+  size (128 rows): negligible for groups much larger than a block, costly otherwise.
 - **Expert choice** (Zhou et al. 2022): the experts choose. Each expert takes the C
   tokens with the highest router probability for it, so every expert does exactly C
   tokens' work (perfect balance by construction), while a token may be picked by
-  several experts or by none.
+  several experts or by none. Choosing over the whole batch looks at later tokens, so
+  as is it cannot decode autoregressively (the paper's caveat).
 """
 
 from __future__ import annotations
