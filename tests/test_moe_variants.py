@@ -73,3 +73,32 @@ def test_expert_choice_gives_every_expert_the_same_load():
     for e in range(EXPERTS):  # every pick beats every token the expert left out
         left_out = [t for t in range(TOKENS) if t not in chosen[e]]
         assert probs[picks[e], e].min() >= probs[left_out, e].max()
+
+
+def _dropless_ep():
+    import minipar
+    from minipar.moe import ExpertParallelMoE
+
+    k, me = minipar.world_size(), minipar.rank()
+    twin = _layer(DroplessMoE)
+    x_all = _x(5)
+    layer = ExpertParallelMoE(twin)
+    y = layer(x_all.chunk(k)[me])
+    y.pow(2).sum().backward()
+    want = twin(x_all)
+    want.pow(2).sum().backward()  # each expert's gradient: every rank's tokens, summed
+    twin_params = dict(twin.named_parameters())
+    first = me * layer.per_rank
+    wrong = []
+    for name, p in layer.named_parameters():
+        if name.startswith("experts."):
+            index, rest = name.split(".", 2)[1:]
+            if not torch.allclose(p.grad, twin_params[f"experts.{first + int(index)}.{rest}"].grad):
+                wrong.append(name)
+    return (bool(torch.allclose(y, want.chunk(k)[me])), layer.last_routing.drop_rate, wrong)
+
+
+def test_dropless_expert_parallelism_equals_the_one_process_dropless_layer(cluster2, cluster4):
+    for cluster in (cluster2, cluster4):
+        for same, drops, wrong in cluster.run(_dropless_ep):
+            assert same and drops == 0.0 and wrong == []

@@ -24,6 +24,7 @@ from .hierarchical import counts_everywhere, hierarchical_all_to_all
 from .layer import MoELayer
 from .pipelining import pipelined_experts
 from .routing import Routing, capacity, route
+from .variants import DroplessMoE
 
 
 def _exchange(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group,
@@ -93,7 +94,8 @@ class ExpertParallelMoE(nn.Module):
     same ranks, tokens travel by Tutel's hierarchical all-to-all. With `chunks` the experts
     run on the arrived rows directly (no capacity buffer) and the dispatch is cut into
     that many chunks, each overlapped with the previous chunk's experts (Tutel's
-    pipelining; 1 = the same row-wise path without overlap)."""
+    pipelining; 1 = the same row-wise path without overlap). A `DroplessMoE` twin gives
+    dropless expert parallelism: no capacity, every choice kept, the row-wise path."""
 
     def __init__(self, twin: MoELayer, group=None, hierarchy: tuple | None = None,
                  chunks: int | None = None) -> None:
@@ -101,6 +103,9 @@ class ExpertParallelMoE(nn.Module):
         if chunks is not None and (chunks < 1 or hierarchy is not None):
             raise ValueError(f"chunks must be None or >= 1, and None with a hierarchy "
                              f"(pipelining runs on the flat exchange); got chunks={chunks}")
+        self.dropless = isinstance(twin, DroplessMoE)
+        if self.dropless and chunks is None:
+            chunks = 1  # a capacity buffer would hold every token for every expert
         self.group, self.hierarchy, self.chunks = group, hierarchy, chunks
         size = world_size(group)
         num_experts = len(twin.experts)
@@ -111,6 +116,8 @@ class ExpertParallelMoE(nn.Module):
         first = rank(group) * self.per_rank
         self.k, self.capacity_factor, self.min_capacity, self.order = twin.k, \
             twin.capacity_factor, twin.min_capacity, twin.order
+        if self.dropless:  # capacity = every token: nothing drops, as DroplessMoE routes
+            self.capacity_factor = num_experts / twin.k
         self.num_experts = num_experts
         self.gate = copy.deepcopy(twin.gate)
         self.experts = nn.ModuleList(copy.deepcopy(twin.experts[first + i])

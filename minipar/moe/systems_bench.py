@@ -50,8 +50,10 @@ def _step(kind: str, tokens: int, steps: int) -> dict:
     rows the dispatch carried (or would carry) per step."""
     k, me = world_size(), rank()
     x_all = _tokens(tokens, SHAPE["hidden"])
-    layer = _layer(kind)
+    layer = _layer("dropless" if kind == "EP, dropless" else kind)
     if kind == "EP, flat all-to-all":
+        layer, x = ExpertParallelMoE(layer), x_all.chunk(k)[me]
+    elif kind == "EP, dropless":  # a DroplessMoE twin: every choice kept, row-wise
         layer, x = ExpertParallelMoE(layer), x_all.chunk(k)[me]
     elif kind.startswith("EP, pipelined"):
         chunks = int(kind.split("(")[1].split()[0])
@@ -106,7 +108,7 @@ def measure_systems(tokens: int = 2048, steps: int = 3) -> list[dict]:
     with Cluster(1, backend="gloo") as one, Cluster(4, backend="gloo") as four:
         for kind in ("EP, flat all-to-all", "EP, pipelined (1 chunk)",
                      "EP, pipelined (2 chunks)", "EP, pipelined (4 chunks)",
-                     "EP, hierarchical (2 nodes x 2)",
+                     "EP, dropless", "EP, hierarchical (2 nodes x 2)",
                      "Pipeline MoE (TP group of 4)", *LAYERS):
             progress(kind)
             cluster = one if kind in LAYERS else four
