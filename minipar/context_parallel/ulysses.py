@@ -30,30 +30,20 @@ def _exchange(x: torch.Tensor, split: int, join: int, group) -> torch.Tensor:
     return torch.cat(list(received), dim=join)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """[B, H, S/K, D] -> [B, H/K, S, D]; its gradient goes back the other way."""
+class _Reshard(torch.autograd.Function):
+    """Split dim `split`, join along dim `join` across the ranks; the gradient goes back
+    the other way (join split, split joined). Heads are dim 1, the sequence dim 2:
+    (1, 2) turns [B, H, S/K, D] into [B, H/K, S, D], and (2, 1) turns it back."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _exchange(x, 1, 2, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _exchange(grad.contiguous(), 2, 1, ctx.group), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    """[B, H/K, S, D] -> [B, H, S/K, D]; its gradient goes back the other way."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _exchange(x, 2, 1, group)
+    def forward(ctx, x, split, join, group):
+        ctx.dims, ctx.group = (split, join), group
+        return _exchange(x, split, join, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad.contiguous(), 1, 2, ctx.group), None
+        split, join = ctx.dims
+        return _exchange(grad.contiguous(), join, split, ctx.group), None, None, None
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -70,6 +60,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     seq_len = q.shape[2] * size
     # after the exchange the tokens come in rank order; positions say where each belongs
     pos = torch.cat([positions(r, size, seq_len, balanced) for r in range(size)])
-    qh, kh, vh = (_SeqToHeads.apply(t.contiguous(), group) for t in (q, k, v))
+    qh, kh, vh = (_Reshard.apply(t.contiguous(), 1, 2, group) for t in (q, k, v))
     out = attention(qh, kh, vh, causal, pos, pos)
-    return _HeadsToSeq.apply(out, group)
+    return _Reshard.apply(out, 2, 1, group)
