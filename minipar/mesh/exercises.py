@@ -38,12 +38,13 @@ def _run_groups(fn: Callable, dims: dict[str, int]) -> dict | str:
         calls.append(sorted(ranks) if ranks is not None else None)
         return original(ranks, *args, **kwargs)
 
-    mesh_module.Mesh.connect = refuse
+    connect, mesh_module.Mesh.connect = mesh_module.Mesh.connect, refuse
     dist.new_group = c10d.new_group = recorded
     try:
         groups = fn(dict(dims))
-    finally:
+    finally:  # the rank may serve later work: put both back
         dist.new_group = c10d.new_group = original
+        mesh_module.Mesh.connect = connect
     if not isinstance(groups, dict):
         return f"returned {type(groups).__name__}, not a dict of dimension name -> group"
     out = {}
