@@ -65,10 +65,12 @@ def measure(tokens: int = 4096, hidden: int = 256, ffn: int = 512, experts: int 
         row["vs_dense"] = row["tokens_per_s"] / dense
         row["vs_one_process_moe"] = row["tokens_per_s"] / moe_one
     if systems:
+        from .adaptive_bench import measure_adaptive
         from .systems_bench import measure_exchange, measure_systems
 
         rows += [{"part": "systems", **r} for r in measure_systems()]
         rows += [{"part": "exchange", **r} for r in measure_exchange()]
+        rows += [{"part": "adaptive", **r} for r in measure_adaptive()]
     return rows
 
 
@@ -76,11 +78,13 @@ def report(rows: list[dict], out_dir: Path) -> str:
     """Tokens/s table (and the systems tables when measured); JSON and a bar plot."""
     from matplotlib.figure import Figure
 
+    from .adaptive_bench import report_adaptive
     from .systems_bench import report_systems
 
     everything = rows
     systems = [r for r in rows if r.get("part") == "systems"]
     exchange = [r for r in rows if r.get("part") == "exchange"]
+    adaptive = [r for r in rows if r.get("part") == "adaptive"]
     rows = [r for r in rows if "part" not in r]
     fig = Figure(figsize=(5, 3), layout="constrained")
     ax = fig.add_subplot()
@@ -95,4 +99,6 @@ def report(rows: list[dict], out_dir: Path) -> str:
     table = format_table(shown, [("layer", "layer"), ("tps", "tokens/s"),
                                  ("dense", "vs dense FFN"), ("one", "vs MoE on one process"),
                                  ("a2a", "all-to-all share")])
-    return table + ("\n\n" + report_systems(systems, exchange) if systems else "")
+    if not systems:
+        return table
+    return "\n\n".join([table, report_systems(systems, exchange), report_adaptive(adaptive)])

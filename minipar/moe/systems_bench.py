@@ -18,6 +18,7 @@ from .. import collectives
 from ..mesh import Mesh
 from ..report import format_table, progress
 from ..runtime import Cluster, rank, world_size
+from .adaptive import AdaptiveMoE
 from .expert_parallel import ExpertParallelMoE
 from .hierarchical import hierarchical_all_to_all
 from .layer import MoELayer
@@ -62,6 +63,9 @@ def _step(kind: str, tokens: int, steps: int) -> dict:
         groups = Mesh(node=2, local=2).connect()
         layer = ExpertParallelMoE(layer, hierarchy=(groups.local, groups.node))
         x = x_all.chunk(k)[me]
+    elif kind.startswith("Tutel adaptive"):
+        degree = int(kind.split("r=")[1][0])
+        layer, x = AdaptiveMoE(layer, degree=degree), x_all.chunk(k)[me]
     elif kind == "Pipeline MoE (TP group of 4)":
         layer, x = PipelineMoE(layer), x_all  # every rank holds all tokens
     else:
@@ -90,7 +94,7 @@ def _expert_rows(layer: torch.nn.Module) -> int | None:
     a capacity buffer's empty slots not counted."""
     if isinstance(layer, ExpertParallelMoE):
         return layer.tokens_received
-    if isinstance(layer, PipelineMoE):
+    if isinstance(layer, PipelineMoE | AdaptiveMoE):
         return layer.rows_computed
     if isinstance(layer, DroplessMoE):
         return sum(layer.last_groups)
@@ -109,6 +113,7 @@ def measure_systems(tokens: int = 2048, steps: int = 3) -> list[dict]:
         for kind in ("EP, flat all-to-all", "EP, pipelined (1 chunk)",
                      "EP, pipelined (2 chunks)", "EP, pipelined (4 chunks)",
                      "EP, dropless", "EP, hierarchical (2 nodes x 2)",
+                     "Tutel adaptive, r=1 (= EP)", "Tutel adaptive, r=0 (experts gathered)",
                      "Pipeline MoE (TP group of 4)", *LAYERS):
             progress(kind)
             cluster = one if kind in LAYERS else four
