@@ -30,8 +30,6 @@ the concatenated batch; the gate's (and shared expert's) gradient is each rank's
 from __future__ import annotations
 
 import copy
-import statistics
-import time
 
 import torch
 import torch.distributed as dist
@@ -43,6 +41,7 @@ from ..tensor_parallel.mappings import gather_from_sequence_parallel_region
 from ..trace import record
 from .expert_parallel import _AllToAll, global_routing
 from .layer import MoELayer
+from .pipelining import step_seconds
 
 
 def valid_degrees(experts: int, ranks: int) -> tuple[int, ...]:
@@ -252,17 +251,9 @@ class AdaptiveMoE(nn.Module):
                 "down_b": torch.stack([take(e.down.bias)[h] for e in experts])}
 
 def time_degrees(layer: AdaptiveMoE, x: torch.Tensor, repeats: int = 3) -> dict[int, float]:
-    """Measured seconds of forward + backward at every degree (median of `repeats`, the
-    slowest rank's), on every rank alike."""
-    seconds = {}
-    for degree in layer.degrees:
-        times = []
-        for _ in range(repeats + 1):
-            dist.barrier(group=layer.group)
-            start = time.perf_counter()
-            layer(x, degree).pow(2).mean().backward()
-            times.append(time.perf_counter() - start)
-        slowest = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
-        seconds[degree] = float(collectives.all_reduce(slowest, op="max", group=layer.group))
+    """Measured seconds of forward + backward at every degree (the slowest rank's median),
+    on every rank alike: `layer.degree = min(times, key=times.get)` then runs the fastest."""
+    times = {d: step_seconds(lambda d=d: layer(x, d).pow(2).mean().backward(), repeats,
+                             layer.group) for d in layer.degrees}
     layer.zero_grad()
-    return seconds
+    return times

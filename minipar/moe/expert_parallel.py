@@ -22,9 +22,10 @@ from ..runtime import rank, world_size
 from ..trace import record
 from .hierarchical import counts_everywhere, hierarchical_all_to_all
 from .layer import MoELayer
+from .lsh import LSHMoE, bucket_means, centroid_outputs, lsh_buckets
 from .pipelining import pipelined_experts
 from .routing import Routing, capacity, route
-from .variants import DroplessMoE
+from .variants import DroplessMoE, ExpertChoiceMoE, global_expert_choice
 
 
 def _exchange(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], group,
@@ -94,18 +95,28 @@ class ExpertParallelMoE(nn.Module):
     same ranks, tokens travel by Tutel's hierarchical all-to-all. With `chunks` the experts
     run on the arrived rows directly (no capacity buffer) and the dispatch is cut into
     that many chunks, each overlapped with the previous chunk's experts (Tutel's
-    pipelining; 1 = the same row-wise path without overlap). A `DroplessMoE` twin gives
-    dropless expert parallelism: no capacity, every choice kept, the row-wise path."""
+    pipelining; 1 = the same row-wise path without overlap).
+
+    The twin's kind carries over, on the row-wise path: a `DroplessMoE` twin keeps every
+    choice (no capacity); an `ExpertChoiceMoE` twin lets each expert pick its top tokens
+    of the whole batch (`global_expert_choice`); an `LSHMoE` twin sends, per expert, one
+    centroid per LSH bucket of this rank's tokens instead of the tokens themselves."""
 
     def __init__(self, twin: MoELayer, group=None, hierarchy: tuple | None = None,
                  chunks: int | None = None) -> None:
         super().__init__()
-        if chunks is not None and (chunks < 1 or hierarchy is not None):
-            raise ValueError(f"chunks must be None or >= 1, and None with a hierarchy "
-                             f"(pipelining runs on the flat exchange); got chunks={chunks}")
-        self.dropless = isinstance(twin, DroplessMoE)
-        if self.dropless and chunks is None:
-            chunks = 1  # a capacity buffer would hold every token for every expert
+        self.kind = next((name for cls, name in ((DroplessMoE, "dropless"),
+                                                 (ExpertChoiceMoE, "expert choice"),
+                                                 (LSHMoE, "lsh")) if isinstance(twin, cls)),
+                         "token choice")
+        row_wise = self.kind != "token choice"
+        if chunks is not None and chunks < 1 or hierarchy is not None and (
+                chunks is not None or row_wise):
+            raise ValueError(f"chunks must be None or >= 1, and hierarchy needs chunks=None "
+                             f"and a plain MoELayer twin (pipelining and the {self.kind} "
+                             f"twins run row-wise on the flat exchange); got chunks={chunks}")
+        if row_wise and chunks is None:
+            chunks = 1  # a capacity buffer would not fit these: the row-wise path
         self.group, self.hierarchy, self.chunks = group, hierarchy, chunks
         size = world_size(group)
         num_experts = len(twin.experts)
@@ -116,8 +127,9 @@ class ExpertParallelMoE(nn.Module):
         first = rank(group) * self.per_rank
         self.k, self.capacity_factor, self.min_capacity, self.order = twin.k, \
             twin.capacity_factor, twin.min_capacity, twin.order
-        if self.dropless:  # capacity = every token: nothing drops, as DroplessMoE routes
+        if self.kind == "dropless":  # capacity = every token: nothing drops, as it routes
             self.capacity_factor = num_experts / twin.k
+        self.lsh = (twin.bits, twin.compensate) if self.kind == "lsh" else None
         self.num_experts = num_experts
         self.gate = copy.deepcopy(twin.gate)
         self.experts = nn.ModuleList(copy.deepcopy(twin.experts[first + i])
@@ -125,21 +137,38 @@ class ExpertParallelMoE(nn.Module):
         self.shared = copy.deepcopy(twin.shared) if twin.shared is not None else None
         self.last_routing: Routing | None = None
         self.tokens_received = 0
-        self.last_send_counts: list[int] = []  # token choices sent to each rank, last call
+        self.last_send_counts: list[int] = []  # rows sent to each rank, last call
+        self.last_rows = (0, 0)  # (token choices routed, rows sent) by this rank, last call
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _choices(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's kept (token, expert, slot, weight), as the twin would choose them on
+        the whole batch; slot is the capacity-buffer row (token choice only)."""
+        if self.kind == "expert choice":
+            probs = self.gate(x).softmax(-1)
+            token, expert = global_expert_choice(probs, self.k, self.capacity_factor,
+                                                 self.per_rank, self.group)
+            self.last_routing = None
+            return token, expert, torch.zeros_like(token), probs[token, expert]
         routing = global_routing(self.gate(x), self.k, self.capacity_factor, self.min_capacity,
                                  self.order, self.group)
         self.last_routing = routing
         kept = routing.kept
         token = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(
             routing.expert)[kept]
-        expert, slot, weight = routing.expert[kept], routing.slot[kept], routing.weight[kept]
+        return token, routing.expert[kept], routing.slot[kept], routing.weight[kept]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        token, expert, slot, weight = self._choices(x)
+        rows, which = x[token], None
+        if self.lsh is not None:  # one row per (expert, bucket): its tokens' mean
+            rows, pairs, which = bucket_means(x[token], expert, lsh_buckets(x.detach(),
+                                                                            self.lsh[0])[token])
+            expert, slot = pairs[:, 0], torch.zeros_like(pairs[:, 0])
         owner = expert // self.per_rank
         order = torch.argsort(owner, stable=True)  # group outgoing rows by destination rank
-        token, expert, slot, weight, owner = (t[order] for t in (token, expert, slot, weight,
-                                                                 owner))
+        outgoing, expert, slot, owner = (t[order] for t in (rows, expert, slot, owner))
         send_counts = torch.bincount(owner, minlength=world_size(self.group)).tolist()
+        self.last_rows = (len(token), len(rows))
         matrix = None
         if self.hierarchy is None:
             recv_counts = collectives.swap_counts(send_counts, self.group)  # rows from each
@@ -152,13 +181,14 @@ class ExpertParallelMoE(nn.Module):
                               matrix)
         self.tokens_received = int(recv_meta.shape[0])
         if self.chunks is not None:
-            results = pipelined_experts(x[token], recv_meta[:, 0], send_counts, recv_counts,
+            results = pipelined_experts(outgoing, recv_meta[:, 0], send_counts, recv_counts,
                                         self.experts, self.chunks, self.group)
         else:
             with record("all_to_all", "dispatch", tokens=self.tokens_received):
-                arrived = _AllToAll.apply(x[token], send_counts, recv_counts, self.group,
+                arrived = _AllToAll.apply(outgoing, send_counts, recv_counts, self.group,
                                           self.hierarchy, matrix)
-            buffer = x.new_zeros(self.per_rank, routing.capacity, x.shape[1])
+            capacity = self.last_routing.capacity
+            buffer = x.new_zeros(self.per_rank, capacity, x.shape[1])
             buffer = buffer.index_put((recv_meta[:, 0], recv_meta[:, 1]), arrived)
             with record("compute", "experts", tokens=self.tokens_received):
                 out = torch.stack([e(buffer[i]) for i, e in enumerate(self.experts)])
@@ -166,5 +196,8 @@ class ExpertParallelMoE(nn.Module):
         with record("all_to_all", "combine"):
             returned = _AllToAll.apply(results, recv_counts, send_counts, self.group,
                                        self.hierarchy, _transposed(matrix))
+        returned = returned[torch.argsort(order)]  # back in the order of `rows`
+        if which is not None:  # every token choice takes its bucket's output
+            returned = centroid_outputs(returned, which, x[token], rows, self.lsh[1])
         y = x.new_zeros(x.shape).index_add(0, token, returned * weight.unsqueeze(-1))
         return y + self.shared(x) if self.shared is not None else y

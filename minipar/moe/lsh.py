@@ -33,6 +33,24 @@ def lsh_buckets(x: torch.Tensor, bits: int, seed: int = 0) -> torch.Tensor:
     return (signs * (2 ** torch.arange(bits))).sum(-1)
 
 
+def bucket_means(rows: torch.Tensor, expert: torch.Tensor, bucket: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row per (expert, bucket) pair among the token choices `rows` (bound for
+    `expert`, hashed to `bucket`): the mean of its rows. Returns (means, the pairs [G, 2]
+    sorted by expert, and each choice's pair index)."""
+    pairs, which = torch.unique(torch.stack([expert, bucket], dim=1), dim=0,
+                                return_inverse=True)
+    sums = rows.new_zeros(len(pairs), rows.shape[1]).index_add(0, which, rows)
+    return sums / torch.bincount(which, minlength=len(pairs)).unsqueeze(-1), pairs, which
+
+
+def centroid_outputs(out: torch.Tensor, which: torch.Tensor, rows: torch.Tensor,
+                     means: torch.Tensor, compensate: bool) -> torch.Tensor:
+    """Each token choice's output: its bucket mean's output, plus (with `compensate`) its
+    own residual rows - mean, which never left home."""
+    return out[which] + (rows - means[which]) if compensate else out[which]
+
+
 class LSHMoE(MoELayer):
     """MoELayer whose dispatch sends, per expert, one centroid per LSH bucket. With
     `compensate`, each token's output adds its residual from the centroid. `last_rows`
@@ -47,22 +65,18 @@ class LSHMoE(MoELayer):
         routing = route(self.gate(x), self.k, self.capacity_factor, self.min_capacity,
                         self.order)
         self.last_routing = routing
-        bucket = lsh_buckets(x.detach(), self.bits)
-        y = x.new_zeros(x.shape)
-        routed = sent = 0
-        for e, expert in enumerate(self.experts):
-            token, choice = torch.nonzero((routing.expert == e) & routing.kept, as_tuple=True)
-            if not len(token):
-                continue
-            groups, which = torch.unique(bucket[token], return_inverse=True)
-            sums = x.new_zeros(len(groups), x.shape[1]).index_add(0, which, x[token])
-            centroids = sums / torch.bincount(which, minlength=len(groups)).unsqueeze(-1)
-            out = expert(centroids)[which]  # each token gets its bucket's output
-            if self.compensate:
-                out = out + (x[token] - centroids[which])
-            y = y.index_add(0, token, out * routing.weight[token, choice].unsqueeze(-1))
-            routed, sent = routed + len(token), sent + len(groups)
-        self.last_rows = (routed, sent)
+        token, choice = torch.nonzero(routing.kept, as_tuple=True)
+        expert = routing.expert[token, choice]
+        means, pairs, which = bucket_means(x[token], expert, lsh_buckets(x.detach(),
+                                                                         self.bits)[token])
+        out = means.new_zeros(means.shape)
+        for e, module in enumerate(self.experts):
+            (rows,) = torch.nonzero(pairs[:, 0] == e, as_tuple=True)
+            out = out.index_put((rows,), module(means[rows]))
+        out = centroid_outputs(out, which, x[token], means, self.compensate)
+        y = x.new_zeros(x.shape).index_add(0, token, out * routing.weight[token, choice]
+                                           .unsqueeze(-1))
+        self.last_rows = (len(token), len(pairs))
         return y + self.shared(x) if self.shared is not None else y
 
     @property

@@ -103,6 +103,19 @@ def pipelined_experts(rows: torch.Tensor, local_expert: torch.Tensor, send_count
     return torch.cat([outputs[c][s] for s in range(k) for c in range(chunks)])
 
 
+def step_seconds(step, repeats: int = 3, group=None) -> float:
+    """The slowest rank's median seconds of `step()` (a forward + backward), on every rank
+    alike, after one warm-up call."""
+    runs = []
+    for _ in range(repeats + 1):
+        torch.distributed.barrier(group=group)
+        start = time.perf_counter()
+        step()
+        runs.append(time.perf_counter() - start)
+    seconds = torch.tensor([sorted(runs[1:])[repeats // 2]], dtype=torch.float64)
+    return collectives.all_reduce(seconds, op="max", group=group).item()
+
+
 def choose_chunks(layer: nn.Module, x: torch.Tensor, candidates: tuple[int, ...] = (1, 2, 4),
                   repeats: int = 3) -> dict[int, float]:
     """Time forward + backward of an ExpertParallelMoE for each chunk count (the slowest
@@ -110,13 +123,8 @@ def choose_chunks(layer: nn.Module, x: torch.Tensor, candidates: tuple[int, ...]
     times = {}
     for chunks in candidates:
         layer.chunks = chunks
-        runs = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            layer(x).pow(2).mean().backward()
-            runs.append(time.perf_counter() - start)
-        seconds = torch.tensor([sorted(runs)[len(runs) // 2]])
-        times[chunks] = collectives.all_reduce(seconds, op="max").item()
+        times[chunks] = step_seconds(lambda: layer(x).pow(2).mean().backward(), repeats,
+                                     layer.group)
     layer.zero_grad(set_to_none=True)
     layer.chunks = min(times, key=times.get)
     return times

@@ -1,8 +1,10 @@
 """`minipar bench moe`'s second part: the systems papers' layers on the same tokens.
 
-On 4 ranks: expert parallelism with the flat all-to-all, pipelined in chunks, and
-hierarchical (as 2 nodes of 2), and Pipeline MoE (the experts inside one tensor-parallel
-group of 4, every rank holding all tokens). On one process: capacity-based MoE,
+On 4 ranks: expert parallelism with the flat all-to-all, pipelined in chunks,
+hierarchical (as 2 nodes of 2), and with the dropless, expert-choice and LSH-MoE
+routings; Tutel's adaptive layer at degree 1 (= EP) and 0 (experts gathered); Pipeline
+MoE (the experts inside one tensor-parallel group of 4, every rank holding all tokens).
+On one process: capacity-based MoE,
 dropless, expert choice and LSH-MoE, with what each would send through a dispatch.
 Then the raw exchange, flat vs hierarchical, with the messages that cross nodes
 counted."""
@@ -29,6 +31,8 @@ from .variants import DroplessMoE, ExpertChoiceMoE
 SHAPE = dict(hidden=128, ffn=256, experts=8, k=2)
 LAYERS = {"MoE, capacity 1.25": MoELayer, "dropless": DroplessMoE,
           "expert choice": ExpertChoiceMoE, "LSH-MoE, 4 bits": LSHMoE}
+EP_TWINS = {"EP, dropless": "dropless", "EP, expert choice": "expert choice",
+            "EP, LSH-MoE 4 bits": "LSH-MoE, 4 bits"}
 
 
 def _tokens(total: int, hidden: int) -> torch.Tensor:
@@ -51,11 +55,11 @@ def _step(kind: str, tokens: int, steps: int) -> dict:
     rows the dispatch carried (or would carry) per step."""
     k, me = world_size(), rank()
     x_all = _tokens(tokens, SHAPE["hidden"])
-    layer = _layer("dropless" if kind == "EP, dropless" else kind)
+    layer = _layer(kind)
     if kind == "EP, flat all-to-all":
         layer, x = ExpertParallelMoE(layer), x_all.chunk(k)[me]
-    elif kind == "EP, dropless":  # a DroplessMoE twin: every choice kept, row-wise
-        layer, x = ExpertParallelMoE(layer), x_all.chunk(k)[me]
+    elif kind in EP_TWINS:  # the twin's routing, expert-parallel, on the row-wise path
+        layer, x = ExpertParallelMoE(_layer(EP_TWINS[kind])), x_all.chunk(k)[me]
     elif kind.startswith("EP, pipelined"):
         chunks = int(kind.split("(")[1].split()[0])
         layer, x = ExpertParallelMoE(layer, chunks=chunks), x_all.chunk(k)[me]
@@ -112,7 +116,7 @@ def measure_systems(tokens: int = 2048, steps: int = 3) -> list[dict]:
     with Cluster(1, backend="gloo") as one, Cluster(4, backend="gloo") as four:
         for kind in ("EP, flat all-to-all", "EP, pipelined (1 chunk)",
                      "EP, pipelined (2 chunks)", "EP, pipelined (4 chunks)",
-                     "EP, dropless", "EP, hierarchical (2 nodes x 2)",
+                     *EP_TWINS, "EP, hierarchical (2 nodes x 2)",
                      "Tutel adaptive, r=1 (= EP)", "Tutel adaptive, r=0 (experts gathered)",
                      "Pipeline MoE (TP group of 4)", *LAYERS):
             progress(kind)

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from .. import collectives
+from ..runtime import rank, world_size
 from .layer import MoELayer
 from .routing import route
 
@@ -76,3 +78,29 @@ class ExpertChoiceMoE(MoELayer):
     def experts_per_token(self) -> torch.Tensor:
         """How many experts picked each token in the last call (0 = skipped entirely)."""
         return torch.bincount(self.last_picks.reshape(-1), minlength=self.last_tokens)
+
+
+def global_expert_choice(probs: torch.Tensor, k: int, capacity_factor: float, per_rank: int,
+                         group=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert choice over the tokens of every rank of `group` (rank 0's first), as
+    ExpertChoiceMoE picks on the concatenated batch. Expert e lives on rank e // per_rank:
+    each rank sends every owner its experts' probability columns, the owner takes each
+    expert's top C tokens of the whole batch and tells every rank which of its tokens
+    were picked. Returns this rank's picked (token, expert) pairs, grouped by owner."""
+    size, me = world_size(group), rank(group)
+    tokens, num_experts = probs.shape
+    everyone = collectives.all_gather(torch.tensor([tokens], device=probs.device), group)
+    total = int(everyone.sum())
+    cap = min(total, max(1, math.ceil(k * total / num_experts * capacity_factor)))
+    columns = probs.detach().reshape(tokens, size, per_rank).transpose(0, 1)  # [owner, T, L]
+    scores = collectives.all_to_all(columns.reshape(size * tokens, per_rank),
+                                    [tokens] * size, everyone.tolist(), group)  # [total, L]
+    picks = scores.t().topk(cap, dim=-1).indices  # [L, C]: global token ids
+    starts = everyone.cumsum(0) - everyone
+    source = torch.searchsorted(everyone.cumsum(0), picks.reshape(-1), right=True)
+    expert = (me * per_rank + torch.arange(per_rank, device=probs.device)).repeat_interleave(cap)
+    pairs = torch.stack([picks.reshape(-1) - starts[source], expert], dim=1)
+    order = torch.argsort(source, stable=True)
+    counts = torch.bincount(source, minlength=size).tolist()
+    mine = collectives.all_to_all(pairs[order], counts, None, group)
+    return mine[:, 0], mine[:, 1]
