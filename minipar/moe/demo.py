@@ -13,9 +13,11 @@ from .. import collectives
 from ..demo import Check, Context, Row
 from ..mesh import Mesh
 from ..runtime import device, rank, world_size
+from .adaptive import AdaptiveMoE
 from .expert_parallel import ExpertParallelMoE
 from .layer import MoELayer
 from .pipeline_moe import PipelineMoE
+from .variants import ExpertChoiceMoE
 
 EXPERTS, TOKENS_PER_RANK, HIDDEN = 4, 8, 16
 
@@ -27,7 +29,8 @@ def _twin() -> MoELayer:
 
 def demo() -> list[Check]:
     """On every rank: this rank's experts and tokens, against the whole layer on one process;
-    on 4 ranks also Tutel's hierarchical exchange (2 nodes x 2) and Pipeline MoE."""
+    on 4 ranks also Tutel's hierarchical exchange (2 nodes x 2), Pipeline MoE, Tutel's
+    adaptive parallelism at every degree and expert-parallel expert choice."""
     k = world_size()
     title = f"expert parallel MoE (E={EXPERTS}, k=2, shared expert), EP={k}"
     if EXPERTS % k:
@@ -36,7 +39,8 @@ def demo() -> list[Check]:
     checks = [_expert_parallel(title)]
     if k == 4:
         checks += [_expert_parallel("expert parallel MoE, hierarchical all-to-all (2 nodes x 2)",
-                                    hierarchical=True), _pipeline_moe()]
+                                    hierarchical=True), _pipeline_moe(), _adaptive(),
+                   _expert_choice()]
     return checks
 
 
@@ -46,9 +50,7 @@ def _expert_parallel(title: str, hierarchical: bool = False) -> Check:
     if hierarchical:
         groups = Mesh(node=2, local=k // 2).connect()
         hierarchy = (groups.local, groups.node)
-    twin = _twin()
-    tokens = torch.randn(TOKENS_PER_RANK * k, HIDDEN, dtype=torch.float64,
-                         generator=torch.Generator().manual_seed(12))
+    twin, tokens = _twin(), _tokens()
     reference = twin(tokens)[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK]
     layer = ExpertParallelMoE(twin, hierarchy=hierarchy).to(device())
     x = tokens[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK].to(device())
@@ -64,9 +66,7 @@ def _expert_parallel(title: str, hierarchical: bool = False) -> Check:
 
 def _pipeline_moe() -> Check:
     """Every rank holds all tokens (a tensor-parallel group); experts split, one all-reduce."""
-    twin = _twin()
-    tokens = torch.randn(TOKENS_PER_RANK * world_size(), HIDDEN, dtype=torch.float64,
-                         generator=torch.Generator().manual_seed(12))
+    twin, tokens = _twin(), _tokens()
     reference = twin(tokens)
     layer = PipelineMoE(twin).to(device())
     start = time.perf_counter()
@@ -77,6 +77,46 @@ def _pipeline_moe() -> Check:
                  bool(torch.allclose(y.cpu(), reference, rtol=1e-12)), seconds, m.sent_bytes,
                  note=f"index-slice dispatch, one all-reduce; rows on this rank "
                       f"{layer.rows_computed}")
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randn(TOKENS_PER_RANK * world_size(), HIDDEN, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(12))
+
+
+def _adaptive() -> Check:
+    """2 experts on the ranks, each split over K/2 of them: every degree from one layout."""
+    me, twin, tokens = rank(), MoELayer(HIDDEN, 32, num_experts=2, k=1, seed=11,
+                                        dtype=torch.float64), _tokens()
+    mine = slice(me * TOKENS_PER_RANK, (me + 1) * TOKENS_PER_RANK)
+    reference = twin(tokens)[mine]
+    layer = AdaptiveMoE(twin).to(device())
+    start, same, sent = time.perf_counter(), True, {}
+    with collectives.meter() as m:
+        for degree in layer.degrees:
+            y = layer(tokens[mine].to(device()), degree)
+            same &= bool(torch.allclose(y.cpu(), reference, rtol=1e-10, atol=1e-12))
+            sent[degree] = layer.last_traffic
+    parts = "; ".join(f"r={d}: {t['weights']:,} B weights, {t['rows']:,} B rows"
+                      for d, t in sent.items())
+    return Check(f"Tutel adaptive parallelism, 2 experts, degrees {layer.degrees}", same,
+                 time.perf_counter() - start, m.sent_bytes, note=f"this rank sent {parts}")
+
+
+def _expert_choice() -> Check:
+    """Experts pick their top tokens of the whole batch, each on its owner rank."""
+    me, tokens = rank(), _tokens()
+    twin = ExpertChoiceMoE(HIDDEN, 32, num_experts=EXPERTS, k=2, capacity_factor=0.75,
+                           seed=11, dtype=torch.float64)
+    reference = twin(tokens)[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK]
+    layer = ExpertParallelMoE(twin).to(device())
+    start = time.perf_counter()
+    with collectives.meter() as m:
+        y = layer(tokens[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK].to(device()))
+    return Check("expert-parallel expert choice (owners pick over the whole batch)",
+                 bool(torch.allclose(y.cpu(), reference, rtol=1e-12)),
+                 time.perf_counter() - start, m.sent_bytes,
+                 note=f"rows this rank's experts computed {layer.tokens_received}")
 
 
 def tour(ctx: Context) -> list[Row]:
