@@ -97,10 +97,10 @@ def _adaptive() -> Check:
             y = layer(tokens[mine].to(device()), degree)
             same &= bool(torch.allclose(y.cpu(), reference, rtol=1e-10, atol=1e-12))
             sent[degree] = layer.last_traffic
-    parts = "; ".join(f"r={d}: {t['weights']:,} B weights, {t['rows']:,} B rows"
-                      for d, t in sent.items())
-    return Check(f"Tutel adaptive parallelism, 2 experts, degrees {layer.degrees}", same,
-                 time.perf_counter() - start, m.sent_bytes, note=f"this rank sent {parts}")
+    parts = ", ".join(f"r={d} {t['weights']:,}/{t['rows']:,}" for d, t in sent.items())
+    return Check("Tutel adaptive parallelism, degrees " + "/".join(map(str, layer.degrees)),
+                 same, time.perf_counter() - start, m.sent_bytes,
+                 note=f"bytes of weights/rows this rank sent: {parts}")
 
 
 def _expert_choice() -> Check:
@@ -113,10 +113,11 @@ def _expert_choice() -> Check:
     start = time.perf_counter()
     with collectives.meter() as m:
         y = layer(tokens[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK].to(device()))
-    return Check("expert-parallel expert choice (owners pick over the whole batch)",
+    return Check("expert choice, expert-parallel",
                  bool(torch.allclose(y.cpu(), reference, rtol=1e-12)),
                  time.perf_counter() - start, m.sent_bytes,
-                 note=f"rows this rank's experts computed {layer.tokens_received}")
+                 note=f"owners pick over the whole batch; rows this rank computed "
+                      f"{layer.tokens_received}")
 
 
 def tour(ctx: Context) -> list[Row]:
