@@ -94,8 +94,9 @@ class ExpertParallelMoE(nn.Module):
     `hierarchy` = (node-local group, cross-node group) of a Mesh(node=, local=) over the
     same ranks, tokens travel by Tutel's hierarchical all-to-all. With `chunks` the experts
     run on the arrived rows directly (no capacity buffer) and the dispatch is cut into
-    that many chunks, each overlapped with the previous chunk's experts (Tutel's
-    pipelining; 1 = the same row-wise path without overlap).
+    that many chunks, the experts of each overlapped with the next chunk's dispatch and
+    the previous one's combine (Tutel's pipelining; 1 = the same row-wise path without
+    overlap).
 
     The twin's kind carries over, on the row-wise path: a `DroplessMoE` twin keeps every
     choice (no capacity); an `ExpertChoiceMoE` twin lets each expert pick its top tokens
@@ -180,9 +181,9 @@ class ExpertParallelMoE(nn.Module):
         recv_meta = _exchange(meta, send_counts, recv_counts, self.group, self.hierarchy,
                               matrix)
         self.tokens_received = int(recv_meta.shape[0])
-        if self.chunks is not None:
-            results = pipelined_experts(outgoing, recv_meta[:, 0], send_counts, recv_counts,
-                                        self.experts, self.chunks, self.group)
+        if self.chunks is not None:  # dispatch, experts and combine, chunk by chunk
+            returned = pipelined_experts(outgoing, recv_meta[:, 0], send_counts, recv_counts,
+                                         self.experts, self.chunks, self.group)
         else:
             with record("all_to_all", "dispatch", tokens=self.tokens_received):
                 arrived = _AllToAll.apply(outgoing, send_counts, recv_counts, self.group,
@@ -192,10 +193,10 @@ class ExpertParallelMoE(nn.Module):
             buffer = buffer.index_put((recv_meta[:, 0], recv_meta[:, 1]), arrived)
             with record("compute", "experts", tokens=self.tokens_received):
                 out = torch.stack([e(buffer[i]) for i, e in enumerate(self.experts)])
-            results = out[recv_meta[:, 0], recv_meta[:, 1]]
-        with record("all_to_all", "combine"):
-            returned = _AllToAll.apply(results, recv_counts, send_counts, self.group,
-                                       self.hierarchy, _transposed(matrix))
+            with record("all_to_all", "combine"):
+                returned = _AllToAll.apply(out[recv_meta[:, 0], recv_meta[:, 1]], recv_counts,
+                                           send_counts, self.group, self.hierarchy,
+                                           _transposed(matrix))
         returned = returned[torch.argsort(order)]  # back in the order of `rows`
         if which is not None:  # every token choice takes its bucket's output
             returned = centroid_outputs(returned, which, x[token], rows, self.lsh[1])

@@ -1,15 +1,15 @@
-"""Tutel-style pipelining, dispatch only: cut the dispatch all-to-all into chunks, so
-that the experts compute chunk c while chunk c+1 is still on the wire. (Tutel overlaps
-the combine too, and re-chooses its pipelining degree at run time as capacity changes;
-`choose_chunks` here measures once.)
+"""Tutel-style pipelining: cut the dispatch and the combine all-to-all into chunks, so
+that the experts compute chunk c while chunk c+1 is still arriving and chunk c-1's
+results are on their way back. (Tutel re-chooses its pipelining degree at run time as
+capacity changes; `choose_chunks` here measures once.)
 
 Each rank cuts the rows it sends to every peer into `chunks` equal parts (tensor_split,
-so sender and receiver agree on every part's size). Chunk c+1's exchange is posted with
-non-blocking sends and receives before the experts run on chunk c, and waited for after.
-The combine (the caller's) returns every chunk's results in one exchange. Gradients:
-each arrived chunk is linked to the rows that were sent by `_Arrive`, whose backward is
-the reverse exchange, so autograd sees an ordinary all-to-all per chunk (backward is not
-overlapped).
+so sender and receiver agree on every part's size). Chunk c+1's dispatch is posted with
+non-blocking sends and receives before the experts run on chunk c, and chunk c's
+combine right after; both sides post in the same order, so the messages between two
+ranks match. Gradients: each exchanged chunk is linked to the rows that were sent by
+`_Arrive`, whose backward is the reverse exchange, so autograd sees an ordinary
+all-to-all per chunk and direction (the backward is not overlapped).
 
 How many chunks is a measurement (`choose_chunks`): more chunks hide more of the exchange
 behind compute but pay more messages and smaller matmuls.
@@ -70,10 +70,11 @@ class _Arrive(torch.autograd.Function):
 def pipelined_experts(rows: torch.Tensor, local_expert: torch.Tensor, send_counts: list[int],
                       recv_counts: list[int], experts: nn.ModuleList, chunks: int,
                       group=None) -> torch.Tensor:
-    """Dispatch `rows` (grouped by destination rank) in `chunks`, overlapped with the
-    experts; returns the experts' outputs for the rows that arrived, grouped by source
-    rank in each source's order (what the combine all-to-all sends back). `local_expert`
-    is the arrived rows' expert index on this rank, in arrival order."""
+    """Dispatch `rows` (grouped by destination rank) in `chunks`, run the experts on each
+    chunk as it arrives and send its results straight back: while the experts compute
+    chunk c, chunk c+1's dispatch and chunk c-1's combine are on the wire. Returns the
+    experts' outputs for `rows`, in the order of `rows`. `local_expert` is the arriving
+    rows' expert index on this rank, in arrival order (grouped by source rank)."""
     k = world_size(group)
     out_parts = [_parts(n, chunks) for n in send_counts]  # [dest][chunk]
     in_parts = [_parts(n, chunks) for n in recv_counts]  # [source][chunk]
@@ -85,7 +86,7 @@ def pipelined_experts(rows: torch.Tensor, local_expert: torch.Tensor, send_count
             for c in range(chunks)]
     send_c = [[out_parts[d][c] for d in range(k)] for c in range(chunks)]
     recv_c = [[in_parts[s][c] for s in range(k)] for c in range(chunks)]
-    outputs = []
+    combines = []
     pending = start_exchange(sent[0].detach(), send_c[0], recv_c[0], group)
     for c in range(chunks):
         buffers, requests = pending
@@ -99,8 +100,15 @@ def pipelined_experts(rows: torch.Tensor, local_expert: torch.Tensor, send_count
             for i, expert in enumerate(experts):
                 (index,) = torch.nonzero(meta[c] == i, as_tuple=True)
                 out = out.index_put((index,), expert(arrived[index]))
-        outputs.append(torch.split(out, recv_c[c]))
-    return torch.cat([outputs[c][s] for s in range(k) for c in range(chunks)])
+        # chunk c's results go back now, during the next chunk's experts
+        combines.append((out, start_exchange(out.detach(), recv_c[c], send_c[c], group)))
+    returned = []
+    for c, (out, (buffers, requests)) in enumerate(combines):
+        for request in requests:
+            request.wait()
+        back = _Arrive.apply(out, torch.cat(buffers), recv_c[c], send_c[c], group)
+        returned.append(torch.split(back, send_c[c]))
+    return torch.cat([returned[c][d] for d in range(k) for c in range(chunks)])
 
 
 def step_seconds(step, repeats: int = 3, group=None) -> float:
