@@ -22,6 +22,10 @@ Empty chunks are not sent. Long chunks travel in segments of SEGMENT_BYTES, and 
 receiving rank reduces each segment as soon as it lands while later ones are still
 in flight.
 
+Slow links: inside ``slow_network(latency=, bandwidth=, links=)`` every message pays
+its link's time before it leaves (network.py), so a slow or uneven network is
+something a lesson can turn on.
+
 Checks: arguments are checked on every rank before any message is sent. With
 validation on (the default, see `validation`) the ranks also compare shapes,
 dtypes and arguments with one small all-gather of metadata (not metered, not part
@@ -41,6 +45,7 @@ from .comm import (
            split_bounds,
            validation,
 )
+from .network import Link, Network, slow_network
 from .p2p import (
     PendingRecv,
     PendingSend,
@@ -52,7 +57,8 @@ from .p2p import (
 )
 from .rooted import broadcast, gather, reduce, scatter
 
-__all__ = ["ALL_REDUCE_ALGORITHMS", "OPS", "ROOTED_ALGORITHMS", "SEGMENT_BYTES", "Meter",
-           "PendingRecv", "PendingSend", "Transfer", "all_gather", "all_reduce", "all_to_all",
-           "broadcast", "gather", "irecv", "isend", "meter", "recv", "recv_any", "reduce",
-           "reduce_scatter", "scatter", "send", "split_bounds", "swap_counts", "validation"]
+__all__ = ["ALL_REDUCE_ALGORITHMS", "OPS", "ROOTED_ALGORITHMS", "SEGMENT_BYTES", "Link",
+           "Meter", "Network", "PendingRecv", "PendingSend", "Transfer", "all_gather",
+           "all_reduce", "all_to_all", "broadcast", "gather", "irecv", "isend", "meter", "recv",
+           "recv_any", "reduce", "reduce_scatter", "scatter", "send", "slow_network",
+           "split_bounds", "swap_counts", "validation"]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import trace
+from .network import pay_for_sends
 
 OPS = ("sum", "avg", "max")
 ALL_REDUCE_ALGORITHMS = ("naive", "tree", "ring", "halving_doubling")
@@ -126,6 +127,8 @@ class _Comm:
                 recv_meta.append((index, a, b, peer, chunk, (b - a) * tensor.element_size()))
         if ops:
             start = trace.now()
+            pay_for_sends(dist.get_rank(), [(self.global_rank(peer), nbytes)
+                                            for peer, _, nbytes in send_meta])
             requests = dist.batch_isend_irecv(ops)
             for request, (index, a, b, peer, chunk, nbytes) in zip(
                     requests[first_recv:], recv_meta, strict=True):

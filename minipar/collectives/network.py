@@ -1,0 +1,94 @@
+"""Slow links on demand: an emulated network for ranks that share one machine.
+
+On loopback every link is fast and alike. Inside `slow_network(...)` (entered on every
+rank, around the code to slow down) each message minipar sends first costs its sender
+the link's time, latency + bytes / bandwidth, slept before the message is posted: a
+sender whose network card pushes the bytes out one message after another. Links are
+directed pairs of global ranks; `links={(0, 1): Link(...)}` slows both directions of
+that pair, and every other pair gets `latency` / `bandwidth`. Every minipar send goes
+through it: collectives, send / isend, the pipeline engine. (torch's own dist calls do
+not, and an isend sleeps before it returns: on this network it is non-blocking only
+after its bytes have left.)
+
+The same numbers are the alpha-beta model's: `Network.alpha_beta(src, dst)`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction of a link: seconds per message and bytes per second."""
+
+    latency: float = 0.0
+    bandwidth: float = math.inf
+
+    def __post_init__(self) -> None:
+        if not self.latency >= 0 or not self.bandwidth > 0:
+            raise ValueError(f"a link needs latency >= 0 seconds and bandwidth > 0 bytes/s; "
+                             f"got latency={self.latency!r}, bandwidth={self.bandwidth!r}")
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Network:
+    """Every link's latency and bandwidth: `links` by (src, dst) global rank, `default`
+    for the rest."""
+
+    default: Link = Link()
+    links: dict[tuple[int, int], Link] = field(default_factory=dict)
+
+    def link(self, src: int, dst: int) -> Link:
+        return self.links.get((src, dst), self.default)
+
+    def seconds(self, src: int, dst: int, nbytes: int) -> float:
+        """What sending `nbytes` from src to dst costs on this network."""
+        return self.link(src, dst).seconds(nbytes)
+
+    def alpha_beta(self, src: int, dst: int) -> tuple[float, float]:
+        """The link as the alpha-beta model takes it: (seconds per message, per byte)."""
+        link = self.link(src, dst)
+        return link.latency, 1 / link.bandwidth
+
+
+_active: list[Network] = []
+
+
+def active() -> Network | None:
+    """The network this rank emulates now (the innermost `slow_network`), if any."""
+    return _active[-1] if _active else None
+
+
+@contextmanager
+def slow_network(latency: float = 0.0, bandwidth: float = math.inf,
+                 links: dict[tuple[int, int], Link] | None = None) -> Iterator[Network]:
+    """Emulate a network on this rank: every pair of ranks `latency` seconds and
+    `bandwidth` bytes/s apart, except the pairs in `links` (a pair slows both ways)."""
+    both = {}
+    for (a, b), link in (links or {}).items():
+        if not isinstance(link, Link):
+            raise ValueError(f"links must map (rank, rank) pairs to Link(latency=, "
+                             f"bandwidth=); got {link!r} for {(a, b)}")
+        both[(a, b)] = both[(b, a)] = link
+    network = Network(Link(latency, bandwidth), both)
+    _active.append(network)
+    try:
+        yield network
+    finally:
+        _active.remove(network)
+
+
+def pay_for_sends(src: int, messages: list[tuple[int, int]]) -> None:
+    """Sleep what `messages` [(dst, bytes)] cost `src` on the active network, one after
+    another; nothing without one."""
+    network = active()
+    if network is not None and messages:
+        time.sleep(sum(network.seconds(src, dst, nbytes) for dst, nbytes in messages))
