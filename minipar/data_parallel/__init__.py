@@ -10,6 +10,9 @@
 - `parameter_server.py`: server ranks hold the weights, workers push gradients;
 - `relaxed.py`: local SGD, CO2-style overlapped averaging, Hogwild!;
 - `compression.py`: top-k, int8, PowerSGD and per-layer levels, with error feedback;
+- `gossip.py`: stochastic gradient push and grouped all-reduce with group swapping;
+- `checkpoint.py`: checkpoint and resume after a killed rank, on fewer ranks;
+  `elastic.py`: the same under torchrun --max-restarts;
 - `speedup.py`: the SpeedupLab's weak-scaling measurement and model;
 - `bench.py`, `exercises.py` (lesson 02's checks), `demo.py` (`python -m
   minipar.data_parallel`).
