@@ -9,8 +9,9 @@ rank that dies mid-write leaves the previous one in force.
 A run that starts reads `latest` and resumes there, on however many ranks it now has.
 Data-parallel state is the same on every rank, so any rank's file serves: each reads
 its own if it has one, else rank 0's. The global batch is re-sharded over the new
-world size; with equal shards the averaged gradient is the whole batch's whatever K
-is, so a resumed run equals an uninterrupted one (tested, momentum buffers included).
+world size, each rank's loss scaled by `shard_weight` as everywhere in the package, so
+the averaged gradient is the whole batch's whatever K is and a resumed run equals an
+uninterrupted one (tested, momentum buffers included, shards that do not divide).
 Under torchrun with `--max-restarts` the same code is the elastic path: the restarted
 workers find the checkpoint and go on (`python -m minipar.data_parallel.elastic`).
 """
@@ -29,7 +30,7 @@ from torch.nn.utils import parameters_to_vector
 
 from ..runtime import rank, world_size
 from ..trace import record
-from .ddp import average_gradients, shard
+from .ddp import average_gradients, shard, shard_weight
 
 
 def save_checkpoint(directory: str | Path, steps_done: int, model: nn.Module,
@@ -91,8 +92,9 @@ def train_resumable(model_fn: Callable[[], nn.Module],
         x, y = batches[step]
         with record("compute", "step", step=step):
             optimizer.zero_grad()
-            loss = loss_fn(model(shard(x)), shard(y))
-            loss.backward()
+            lx, ly = shard(x), shard(y)
+            loss = loss_fn(model(lx), ly)
+            (loss * shard_weight(len(lx), len(x))).backward()  # every sample counts once
         average_gradients(list(model.parameters()))
         optimizer.step()
         losses.append(loss.item())

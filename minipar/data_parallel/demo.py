@@ -17,16 +17,18 @@ from torch.nn.utils import parameters_to_vector
 from .. import collectives
 from ..demo import Check, Context, Row
 from ..models import mlp, regression_data
-from ..runtime import rank, world_size
+from ..runtime import RankError, launch, rank, world_size
+from .checkpoint import train_resumable
 from .compression import TopK, train_compressed
 from .ddp import DataParallel, shard, shard_weight, single_process_sgd
 from .fsdp import FullyShardedDataParallel
+from .gossip import train_gossip
 from .parameter_server import train_parameter_server
 from .relaxed import train_relaxed
 from .zero import ZeroDataParallel
 
 CASES = ("all_reduce", "zero1", "zero2", "zero3", "parameter_server", "local_sgd", "co2",
-         "hogwild", "top_k")
+         "hogwild", "top_k", "sgp_complete", "sgp", "grouped")
 STEPS, BATCH, LR = 4, 64, 0.05
 
 
@@ -157,11 +159,52 @@ def _top_k() -> Check:
                       f"{report.losses[-1]:.3f}")
 
 
+def _gossip(case: str) -> Check:
+    """SGP on the complete graph (exact), on the exponential graph, and grouped pairs."""
+    method, options, label = {
+        "sgp_complete": ("sgp", {"graph": "complete"}, "SGP, complete graph (exact average)"),
+        "sgp": ("sgp", {}, "SGP, exponential graph, one push a step"),
+        "grouped": ("grouped", {"group_size": 2, "swap_every": 2},
+                    "grouped all-reduce, pairs swapped every 2 steps")}[case]
+    batches = _batches(4 if case == "sgp_complete" else 24)
+    start = time.perf_counter()
+    report, params = train_gossip(method, _model, batches, _mse, LR, **options)
+    seconds = time.perf_counter() - start
+    if case == "sgp_complete":
+        return Check(label, _same(params, single_process_sgd(_model(), batches, _mse, LR)[1]),
+                     seconds, sum(report.sent_bytes), note="one push to everyone = all-reduce")
+    return Check(label, None, seconds, sum(report.sent_bytes),
+                 note=f"not exact by design; loss {report.losses[0]:.3f} -> "
+                      f"{report.losses[-1]:.3f}, consensus distance {report.consensus[-1]:.1e}")
+
+
+def _killed_and_resumed(ctx: Context) -> Row:
+    """Driver side: 4 ranks, rank 2 SIGKILLed at step 5, resumed on 3 ranks, against an
+    uninterrupted 3-rank run (fresh processes: a death ends a run's group)."""
+    folder = tempfile.mkdtemp(prefix="minipar-checkpoint-")
+    start = time.perf_counter()
+    try:
+        launch(train_resumable, 4, _model, _batches(8), _mse, LR, folder, 2, kill_at=(2, 5))
+        died = False
+    except RankError:
+        died = True
+    resumed = launch(train_resumable, 3, _model, _batches(8), _mse, LR, folder, 2)
+    seconds = time.perf_counter() - start
+    fresh = launch(train_resumable, 3, _model, _batches(8), _mse, LR,
+                   tempfile.mkdtemp(prefix="minipar-checkpoint-"), 2)
+    same = died and all(_same(a[1], b[1]) for a, b in zip(resumed, fresh, strict=True))
+    return Row("checkpoint, rank 2 killed, resumed on 3 of 4 ranks", 4, same, seconds,
+               note=f"SIGKILL at step 5; resumed from step {8 - len(resumed[0][0])} (the last "
+                    "checkpoint); final weights vs an uninterrupted 3-rank run")
+
+
 RUNS = {"all_reduce": _all_reduce_trainer, "zero1": lambda: _zero(1),
         "zero2": lambda: _zero(2), "zero3": lambda: _zero(3),
         "parameter_server": _parameter_server,
         "local_sgd": _local_sgd, "co2": lambda: _relaxed("co2"),
-        "hogwild": lambda: _relaxed("hogwild"), "top_k": _top_k}
+        "hogwild": lambda: _relaxed("hogwild"), "top_k": _top_k,
+        **{case: (lambda case=case: _gossip(case)) for case in ("sgp_complete", "sgp",
+                                                                 "grouped")}}
 
 
 def demo(cases: tuple[str, ...] = CASES) -> list[Check]:
@@ -175,4 +218,6 @@ def demo(cases: tuple[str, ...] = CASES) -> list[Check]:
 def tour(ctx: Context) -> list[Row]:
     return (ctx.checks(2, demo, ("all_reduce", "zero1", "zero2", "zero3"))
             + ctx.checks(4, demo, ("parameter_server",))
-            + ctx.checks(2, demo, ("local_sgd", "co2", "hogwild", "top_k")))
+            + ctx.checks(2, demo, ("local_sgd", "co2", "hogwild", "top_k"))
+            + ctx.checks(4, demo, ("sgp_complete", "sgp", "grouped"))
+            + [_killed_and_resumed(ctx)])
