@@ -6,6 +6,7 @@ Start with `minipar.launch(fn, world_size)`; see README.md for the lessons.
 from . import trace
 from .runtime import (
     Cluster,
+    RankDied,
     RankError,
     RankTimeout,
     Results,
@@ -20,6 +21,6 @@ from .trace import Event, Timeline, record
 __version__ = "0.1.0"
 
 __all__ = [
-    "Cluster", "Event", "RankError", "RankTimeout", "Results", "Timeline", "device", "launch",
-    "rank", "record", "synchronize", "trace", "world_size",
+    "Cluster", "Event", "RankDied", "RankError", "RankTimeout", "Results", "Timeline", "device",
+    "launch", "rank", "record", "synchronize", "trace", "world_size",
 ]

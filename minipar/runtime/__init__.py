@@ -30,9 +30,9 @@ The files, in the order a run passes through them: `device` (backend, device, ra
 
 from .cluster import DEFAULT_TIMEOUT, START_METHODS, Cluster, launch
 from .device import BACKENDS, device, gpu_count, rank, resolve_backend, synchronize, world_size
-from .errors import RankError, RankTimeout, Results
+from .errors import RankDied, RankError, RankTimeout, Results
 from .torchrun import under_torchrun
 
-__all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "START_METHODS", "Cluster", "RankError", "RankTimeout",
-           "Results", "device", "gpu_count", "launch", "rank", "resolve_backend", "synchronize",
-           "under_torchrun", "world_size"]
+__all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "START_METHODS", "Cluster", "RankDied", "RankError",
+           "RankTimeout", "Results", "device", "gpu_count", "launch", "rank", "resolve_backend",
+           "synchronize", "under_torchrun", "world_size"]

@@ -90,7 +90,7 @@ class Cluster:
         task = _serialize(fn, args, kwargs)
         return self._run(task, self.timeout if timeout is None else _check_timeout(timeout))
 
-    def _run(self, task: bytes, timeout: float) -> Results:
+    def _run(self, task: bytes, timeout: float, tolerate_deaths: bool = False) -> Results:
         if self._closed:
             raise RuntimeError("this Cluster is closed; create a new minipar.Cluster to run more")
         if self._group is None or not self._group.alive:
@@ -99,7 +99,7 @@ class Cluster:
         group = self._group
         started = time.perf_counter()
         try:
-            replies = group.run(task, timeout)
+            replies = group.run(task, timeout, tolerate_deaths)
         except BaseException:
             replay(group.take_output())
             group.stop()
@@ -146,11 +146,14 @@ class Cluster:
 
 
 def launch(fn: Callable, world_size: int, *args: Any, backend: str = "auto",
-           timeout: float = DEFAULT_TIMEOUT, **kwargs: Any) -> Results:
+           timeout: float = DEFAULT_TIMEOUT, tolerate_deaths: bool = False,
+           **kwargs: Any) -> Results:
     """Run `fn(*args, **kwargs)` on `world_size` fresh ranks; return their results in rank order.
 
-    Under torchrun (RANK and WORLD_SIZE set) this process joins that process group
-    and runs `fn` here instead; every process gets the full list of results.
+    A rank that dies ends the run with a RankError, unless `tolerate_deaths`: then its
+    result is a `RankDied` and the others finish (for code written to survive a dead
+    peer, as SWARM is). Under torchrun (RANK and WORLD_SIZE set) this process joins that
+    process group and runs `fn` here instead; every process gets the full list of results.
     """
     world_size = _check_world_size(world_size)
     timeout = _check_timeout(timeout)
@@ -158,4 +161,4 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str = "auto",
         return run_under_torchrun(fn, world_size, args, kwargs, backend, timeout)
     task = _serialize(fn, args, kwargs)  # fail on bad input before starting processes
     with Cluster(world_size, backend, timeout=timeout) as cluster:
-        return cluster._run(task, timeout)
+        return cluster._run(task, timeout, tolerate_deaths)

@@ -28,6 +28,17 @@ class RankTimeout(TimeoutError):
         super().__init__("\n".join(lines))
 
 
+class RankDied:
+    """In place of a result: this rank's process died before returning (a run started
+    with tolerate_deaths=True goes on without it)."""
+
+    def __init__(self, rank: int, exitcode: int | None) -> None:
+        self.rank, self.exitcode = rank, exitcode
+
+    def __repr__(self) -> str:
+        return f"RankDied(rank={self.rank}, exitcode={self.exitcode})"
+
+
 class Results(list):
     """Per-rank return values in rank order; `.timeline` and `.outputs` tell what happened."""
 

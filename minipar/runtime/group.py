@@ -21,7 +21,7 @@ from typing import Any
 import cloudpickle
 import torch.distributed as dist
 
-from .errors import RankError, RankTimeout
+from .errors import RankDied, RankError, RankTimeout
 from .worker import HOST, STARTUP_TIMEOUT, _worker_main, where_waiting
 
 
@@ -87,13 +87,15 @@ class RankGroup:
             self.conns.append(parent_end)
             self.procs.append(proc)
 
-    def run(self, task: bytes, timeout: float) -> list:
+    def run(self, task: bytes, timeout: float, tolerate_deaths: bool = False) -> list:
         for conn in self.conns:
             conn.send_bytes(task)
-        return self._collect(timeout)
+        return self._collect(timeout, tolerate_deaths=tolerate_deaths)
 
-    def _collect(self, timeout: float, starting: bool = False) -> list:
-        """Wait for every rank's reply; the first error or death ends the group."""
+    def _collect(self, timeout: float, starting: bool = False,
+                 tolerate_deaths: bool = False) -> list:
+        """Wait for every rank's reply; the first error or death ends the group (with
+        `tolerate_deaths` a death leaves a RankDied reply and the others go on)."""
         replies: list = [None] * self.size
         pending = set(range(self.size))
         deadline = time.monotonic() + timeout
@@ -122,6 +124,10 @@ class RankGroup:
                 if status == "died":
                     self.procs[r].join(timeout=1.0)
                     code = self.procs[r].exitcode
+                    if tolerate_deaths:
+                        replies[r] = (RankDied(r, code), [])
+                        pending.discard(r)
+                        continue
                     self.stop()
                     stderr = self.take_output()[r][1].strip()
                     raise RankError(r, f"exited with code {code} before returning "
