@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -234,3 +235,17 @@ def test_torchrun_mode_joins_the_process_group(module):
     assert "matches one process?" in done.stdout and " NO " not in done.stdout
     checked = re.search(r"(\d+)/(\d+) checked cases match one process", done.stdout)
     assert checked and checked.group(1) == checked.group(2) != "0", done.stdout
+
+
+def _one_dies():
+    if minipar.rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return minipar.rank()
+
+
+def test_tolerate_deaths_keeps_the_survivors_results():
+    results = minipar.launch(_one_dies, 3, backend="gloo", timeout=30, tolerate_deaths=True)
+    assert results[0] == 0 and results[2] == 2
+    assert isinstance(results[1], minipar.RankDied) and results[1].exitcode == -9
+    with pytest.raises(minipar.RankError, match="rank 1 exited with code -9"):
+        minipar.launch(_one_dies, 3, backend="gloo", timeout=30)
