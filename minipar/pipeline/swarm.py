@@ -1,0 +1,270 @@
+"""SWARM parallelism (Ryabinin et al. 2023): a pipeline whose stages are served by pools
+of unreliable workers of uneven speed.
+
+Rank 0 is the trainer: it holds the data and the loss, and routes every micro-batch
+through the stages. Each stage is served by a pool of ranks, each holding a whole
+replica of that stage. A micro-batch goes to one worker of each pool, picked at random
+with probability proportional to the worker's measured throughput (SWARM's stochastic
+wiring): a fast worker gets more micro-batches, a slow one fewer, and the workers of a
+pool compute theirs at the same time.
+
+A worker that dies takes with it what it held: the activations of its micro-batches
+and the gradients it accumulated for them. The trainer notices (a message to or from it
+fails), drops it from its pool, and sends those micro-batches through again on the
+survivors, so every micro-batch counts exactly once and a step with a death makes the
+same update as one without (tested against one process). At the end of a step each
+worker returns the summed gradient of its micro-batches that counted; the trainer
+averages per pool and sends the mean back, and every worker of the pool takes the same
+SGD step, so replicas stay equal. (SWARM averages inside a pool by all-reduce among its
+peers; the trainer does it here, a parameter-server shortcut that keeps the code small.)
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.utils import parameters_to_vector
+
+from .. import collectives
+from ..runtime import rank
+from ..trace import record
+from .engine import split_model
+
+FORWARD, BACKWARD, GRADS, UPDATE, STOP = range(1, 6)
+
+
+@dataclass
+class SwarmReport:
+    """The trainer's account: loss per step, micro-batches each worker served per step,
+    deaths as (step, rank), and micro-batches sent through again."""
+
+    losses: list[float] = field(default_factory=list)
+    served: list[dict[int, int]] = field(default_factory=list)
+    deaths: list[tuple[int, int]] = field(default_factory=list)
+    resent: int = 0
+
+
+def pick(weights: dict[int, float], rng: random.Random) -> int:
+    """A worker at random, with probability proportional to its weight (throughput)."""
+    workers = sorted(weights)
+    return rng.choices(workers, [weights[w] for w in workers])[0]
+
+
+def _send(op: int, mb: int, dst: int, payload: torch.Tensor | None = None) -> list:
+    rows, cols = (payload.shape[0], payload.shape[1]) if payload is not None and \
+        payload.dim() == 2 else (0 if payload is None else payload.numel(), 0)
+    pending = [collectives.isend(torch.tensor([op, mb, rows, cols]), dst)]
+    if payload is not None:
+        pending.append(collectives.isend(payload.contiguous(), dst))
+    return pending
+
+
+def _worker(module: nn.Module, lr: float, kill_after: int | None, slowdown: float) -> None:
+    """Serve the trainer's requests until STOP (or die at the `kill_after`-th forward)."""
+    params = list(module.parameters())
+    saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    grads: dict[int, torch.Tensor] = {}
+    forwards = 0
+    while True:
+        op, mb, rows, cols = collectives.recv(torch.zeros(4, dtype=torch.int64), 0).tolist()
+        dtype = params[0].dtype
+        if op == FORWARD:
+            x = collectives.recv(torch.zeros(rows, cols, dtype=dtype), 0)
+            forwards += 1
+            if forwards == kill_after:
+                os.kill(os.getpid(), signal.SIGKILL)  # a real death, mid-request
+            start = time.perf_counter()
+            with record("compute", f"F{mb}", microbatch=mb):
+                x.requires_grad_()
+                y = module(x)
+                time.sleep((slowdown - 1) * (time.perf_counter() - start))
+            saved[mb] = (x, y)
+            seconds = torch.tensor([time.perf_counter() - start], dtype=dtype)
+            collectives.send(torch.cat([y.detach().flatten(), seconds]), 0)
+        elif op == BACKWARD:
+            g = collectives.recv(torch.zeros(rows, cols, dtype=dtype), 0)
+            x, y = saved.pop(mb)
+            with record("compute", f"B{mb}", microbatch=mb):
+                dx, *dp = torch.autograd.grad(y, [x, *params], g)
+            grads[mb] = parameters_to_vector(dp)
+            collectives.send(dx, 0)
+        elif op == GRADS:
+            ids = collectives.recv(torch.zeros(rows, dtype=torch.int64), 0).tolist()
+            total = sum((grads[i] for i in ids), torch.zeros_like(grads[ids[0]])) if ids \
+                else parameters_to_vector(params).detach() * 0
+            collectives.send(total, 0)
+        elif op == UPDATE:
+            mean = collectives.recv(torch.zeros(rows, dtype=dtype), 0)
+            with torch.no_grad():
+                flat = parameters_to_vector(params) - lr * mean
+                torch.nn.utils.vector_to_parameters(flat, params)
+            grads.clear()
+            saved.clear()  # activations of micro-batches that did not count
+        elif op == STOP:
+            return
+
+
+class _Trainer:
+    """Rank 0's side: the routing, the deaths noticed, the per-pool averages."""
+
+    def __init__(self, pools: list[list[int]], stages: list[nn.Module], seed: int) -> None:
+        self.pools = pools
+        self.out_features = [_out_features(m) for m in stages]
+        self.sizes = [sum(p.numel() for p in m.parameters()) for m in stages]
+        self.dtype = next(stages[0].parameters()).dtype
+        self.speed = {w: 1.0 for pool in pools for w in pool}
+        self.dead: set[int] = set()
+        self.rng = random.Random(seed)
+        self.report = SwarmReport()
+
+    def _died(self, worker: int, step: int) -> None:
+        if worker not in self.dead:
+            self.dead.add(worker)
+            self.report.deaths.append((step, worker))
+
+    def _alive(self, stage: int) -> dict[int, float]:
+        alive = {w: self.speed[w] for w in self.pools[stage] if w not in self.dead}
+        if not alive:
+            raise RuntimeError(f"every worker of stage {stage} died; the swarm cannot go on")
+        return alive
+
+    def _wait(self, pending: list, worker: int, step: int) -> bool:
+        try:
+            for request in pending:
+                request.wait()
+            return True
+        except RuntimeError:
+            self._died(worker, step)
+            return False
+
+    def wave(self, todo: dict[int, tuple], step: int, loss_fn: Callable, served: dict,
+             route: dict[int, list[int]]) -> dict[int, float]:
+        """Every micro-batch in `todo` (mb -> (x, y)) through every stage and back; returns
+        the losses of those that made it (their workers alive at the end of the wave)."""
+        acts = {mb: x for mb, (x, _) in todo.items()}
+        route.update({mb: [] for mb in todo})
+        for s in range(len(self.pools)):
+            alive = self._alive(s)
+            chosen = {mb: pick(alive, self.rng) for mb in acts}
+            sends = {mb: _send(FORWARD, mb, w, acts[mb]) for mb, w in chosen.items()}
+            for mb, w in chosen.items():
+                if w in self.dead or not self._wait(sends[mb], w, step):
+                    continue
+                try:
+                    reply = collectives.recv(torch.zeros(
+                        acts[mb].shape[0] * self.out_features[s] + 1, dtype=acts[mb].dtype), w)
+                except RuntimeError:
+                    self._died(w, step)
+                    continue
+                rows = acts[mb].shape[0]
+                self.speed[w] = 0.5 * self.speed[w] + 0.5 * rows / max(float(reply[-1]), 1e-6)
+                acts[mb] = reply[:-1].view(rows, self.out_features[s])
+                route[mb].append(w)
+                served[w] = served.get(w, 0) + 1
+            acts = {mb: a for mb, a in acts.items() if all(w not in self.dead for w in
+                                                           route[mb]) and
+                    len(route[mb]) == s + 1}
+        losses, grads = {}, {}
+        for mb, out in acts.items():
+            out = out.clone().requires_grad_()
+            loss = loss_fn(out, todo[mb][1])
+            (grads[mb],) = torch.autograd.grad(loss, out)
+            losses[mb] = loss.item()
+        for s in reversed(range(len(self.pools))):
+            for mb in list(grads):
+                w = route[mb][s]
+                if w in self.dead or not self._wait(_send(BACKWARD, mb, w, grads[mb]), w, step):
+                    del grads[mb]
+                    continue
+                try:
+                    width = todo[mb][0].shape[1] if s == 0 else self.out_features[s - 1]
+                    grads[mb] = collectives.recv(torch.zeros(grads[mb].shape[0], width,
+                                                             dtype=grads[mb].dtype), w)
+                except RuntimeError:
+                    self._died(w, step)
+                    del grads[mb]
+        return {mb: losses[mb] for mb in grads}
+
+    def collect(self, counted: dict[int, float], route: dict[int, list[int]], step: int,
+                micro: int) -> list[torch.Tensor] | None:
+        """Each pool's mean gradient over the counted micro-batches, or None if a worker
+        died while reporting (its micro-batches then no longer count)."""
+        means = []
+        for s, pool in enumerate(self.pools):
+            total = None
+            for w in pool:
+                if w in self.dead:
+                    continue
+                ids = torch.tensor([mb for mb in counted if route[mb][s] == w], dtype=torch.int64)
+                if not self._wait(_send(GRADS, 0, w, ids), w, step):
+                    return None
+                try:
+                    part = collectives.recv(torch.zeros(self.sizes[s], dtype=self.dtype), w)
+                except RuntimeError:
+                    self._died(w, step)
+                    return None
+                total = part if total is None else total + part
+            means.append(total / micro)
+        return means
+
+
+def swarm(model_fn: Callable[[], nn.Sequential], pools: list[list[int]],
+          batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable, lr: float,
+          microbatches: int, boundaries: Sequence[int] | None = None,
+          kill: dict[int, int] | None = None, slowdown: dict[int, float] | None = None,
+          seed: int = 0) -> SwarmReport | torch.Tensor:
+    """Run on every rank: rank 0 trains, the ranks in `pools[s]` serve stage s of the
+    model cut by `split_model`. `kill={rank: n}`: that worker dies at its n-th forward;
+    `slowdown={rank: f}` makes it f times slower. The trainer returns a SwarmReport, a
+    worker its stage's final parameters (flat)."""
+    workers = [w for pool in pools for w in pool]
+    if 0 in workers or len(set(workers)) != len(workers):
+        raise ValueError(f"pools must list each worker rank once, without rank 0 (the "
+                         f"trainer); got {pools}")
+    stages = split_model(model_fn(), len(pools), boundaries)
+    if rank() != 0:
+        stage = next(s for s, pool in enumerate(pools) if rank() in pool)
+        _worker(stages[stage], lr, (kill or {}).get(rank()), (slowdown or {}).get(rank(), 1.0))
+        return parameters_to_vector(stages[stage].parameters()).detach()
+    trainer = _Trainer(pools, stages, seed)
+    for step, (x, y) in enumerate(batches):
+        parts = dict(enumerate(zip(x.chunk(microbatches), y.chunk(microbatches),
+                                   strict=True)))
+        counted, route, served = {}, {}, {}
+        while True:
+            while len(counted) < len(parts):
+                todo = {mb: parts[mb] for mb in parts if mb not in counted}
+                trainer.report.resent += sum(1 for mb in todo if mb in route)
+                counted.update(trainer.wave(todo, step, loss_fn, served, route))
+                counted = {mb: v for mb, v in counted.items()
+                           if all(w not in trainer.dead for w in route[mb])}
+            means = trainer.collect(counted, route, step, len(parts))
+            if means is not None:
+                break
+            counted = {mb: v for mb, v in counted.items()
+                       if all(w not in trainer.dead for w in route[mb])}
+        for s, pool in enumerate(pools):
+            for w in pool:
+                if w not in trainer.dead:
+                    trainer._wait(_send(UPDATE, 0, w, means[s]), w, step)
+        trainer.report.losses.append(sum(counted.values()) / len(counted))
+        trainer.report.served.append(served)
+    for w in workers:
+        if w not in trainer.dead:
+            trainer._wait(_send(STOP, 0, w), w, len(batches))
+    return trainer.report
+
+
+def _out_features(module: nn.Module) -> int:
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    if not linears:
+        raise ValueError("each stage must contain an nn.Linear (its last one sets the width "
+                         "of what the stage sends on)")
+    return linears[-1].out_features
