@@ -24,6 +24,9 @@ import torch.distributed as dist
 from .errors import RankDied, RankError, RankTimeout
 from .worker import HOST, STARTUP_TIMEOUT, _worker_main, where_waiting
 
+# what gloo says on a rank whose peer process has gone
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
 
 @contextmanager
 def _main_module_hidden() -> Iterator[None]:
@@ -128,29 +131,57 @@ class RankGroup:
                         replies[r] = (RankDied(r, code), [])
                         pending.discard(r)
                         continue
-                    self.stop()
-                    stderr = self.take_output()[r][1].strip()
-                    raise RankError(r, f"exited with code {code} before returning "
-                                    "(crashed or killed)"
-                                    + (f"; its last output:\n{stderr[-2000:]}" if stderr else ""))
+                    self._raise_death(r)
                 if status == "error":
+                    if not tolerate_deaths and any(words in value for words in PEER_GONE):
+                        dead = self._dead_peer(pending - {r})
+                        if dead is not None:  # report the cause, not its echo
+                            self._raise_death(dead)
                     self.stop()
                     raise RankError(r, f"raised {value.strip().splitlines()[-1]}", value)
                 replies[r] = value
                 pending.discard(r)
         return replies
 
+    def _dead_peer(self, ranks: set[int]) -> int | None:
+        """A rank among `ranks` whose process has exited (waiting briefly: a peer's
+        "connection closed" error arrives as the dead rank's process goes)."""
+        sentinels = {self.procs[r].sentinel: r for r in ranks}
+        for handle in wait_for(list(sentinels), timeout=0.5):
+            return sentinels[handle]
+        return None
+
+    def _raise_death(self, r: int) -> None:
+        self.procs[r].join(timeout=1.0)
+        code = self.procs[r].exitcode
+        self.stop()
+        stderr = self.take_output()[r][1].strip()
+        raise RankError(r, f"exited with code {code} before returning (crashed or killed)"
+                        + (f"\nits last output:\n{stderr[-2000:]}" if stderr else ""))
+
     def _where_waiting(self, ranks: set[int]) -> dict[int, str]:
+        """Ask each rank for its stack (SIGUSR1) and read where it waits; a rank on a
+        busy machine gets up to 3 s to write it."""
         if not hasattr(signal, "SIGUSR1"):
             return {r: "still running" for r in ranks}
-        for r in ranks:
-            if self.procs[r].is_alive():
-                os.kill(self.procs[r].pid, signal.SIGUSR1)
-        time.sleep(0.3)
+        paths = {r: os.path.join(self.io_dir, f"{r}.stack") for r in ranks}
+
+        def size(r: int) -> int:
+            return os.path.getsize(paths[r]) if os.path.exists(paths[r]) else 0
+
+        before = {r: size(r) for r in ranks}
+        asked = {r for r in ranks if self.procs[r].is_alive()}
+        for r in asked:
+            os.kill(self.procs[r].pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline and any(size(r) == before[r] for r in asked):
+            time.sleep(0.05)
+        time.sleep(0.05)  # let a dump that has started finish
         found = {}
         for r in ranks:
             try:
-                with open(os.path.join(self.io_dir, f"{r}.stack")) as f:
+                with open(paths[r]) as f:
+                    f.seek(before[r])
                     found[r] = where_waiting(f.read())
             except OSError:
                 found[r] = "still running (no stack available)"
