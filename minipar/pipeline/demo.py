@@ -10,12 +10,15 @@ import time
 import torch
 
 from .. import collectives
+from ..data_parallel import single_process_sgd
 from ..demo import Check, Context, Row, combine
-from ..models import linear_stack, regression_data
-from ..runtime import world_size
+from ..models import linear_stack, mlp, regression_data
+from ..runtime import RankDied, launch, world_size
 from .engine import Pipeline, split_model
 from .schedules import schedule
 from .simulate import simulate
+from .skippipe import one_process_paths, plan_paths, skip_model, train_paths
+from .swarm import swarm
 
 CASES = (("gpipe", 8, 1), ("1f1b", 8, 1), ("zb_h1", 8, 1), ("interleaved_1f1b", 8, 2),
          ("looped_bfs", 8, 2))
@@ -57,6 +60,55 @@ def demo(cases: tuple[tuple[str, int, int], ...] = CASES) -> list[Check]:
     return [_case(*case) for case in cases]
 
 
+def _batches(steps: int, features: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = regression_data(steps * 16, features, seed=5, dtype=torch.float64)
+    return list(zip(x.split(16), y.split(16), strict=True))
+
+
+def _swarm_model() -> torch.nn.Sequential:
+    return mlp([8, 32, 32, 1], seed=5, dtype=torch.float64)
+
+
+def _swarm_row() -> Row:
+    """Driver side, fresh processes (a death ends a run's group): SWARM on pools of 2,
+    rank 4 SIGKILLed at its 5th forward, against one process."""
+    batches, pools = _batches(4, 8), [[1, 2], [3, 4]]
+    start = time.perf_counter()
+    run = launch(swarm, 5, _swarm_model, pools, batches, _mse, 0.1, 4, kill={4: 5},
+                 tolerate_deaths=True)
+    seconds = time.perf_counter() - start
+    reference = _swarm_model()
+    single_process_sgd(reference, batches, _mse, 0.1)  # the micro-batches' mean loss
+    halves = [torch.nn.utils.parameters_to_vector(h.parameters()) for h in
+              split_model(reference, 2)]
+    same = isinstance(run[4], RankDied) and all(
+        torch.allclose(run[w], halves[s], rtol=1e-10) for s, pool in enumerate(pools)
+        for w in pool if w != 4)
+    return Row("SWARM: pools of 2 per stage, a worker killed", 5, same, seconds,
+               note=f"rank 4 SIGKILLed; {run[0].resent} micro-batch(es) sent again; "
+                    "survivors vs one process")
+
+
+def _skippipe_row(ctx: Context) -> Row:
+    """SkipPipe on 5 stages, each micro-batch skipping one middle stage."""
+    steps = _batches(3, 4)
+    plans = [plan_paths(5, 4, skip=1, speeds=[1.0, 1.0, 0.25, 1.0, 1.0])] * len(steps)
+    start = time.perf_counter()
+    run = ctx.cluster(5).run(train_paths, lambda: skip_model(4, 16, 5), steps, plans, _mse,
+                             0.1)
+    seconds = time.perf_counter() - start
+    reference = skip_model(4, 16, 5)
+    losses = one_process_paths(reference, steps, plans, _mse, 0.1)
+    same = all(math.isclose(a, b, rel_tol=1e-10) for a, b in zip(run[-1][0], losses,
+                                                                  strict=True))
+    same = same and all(torch.allclose(p, torch.nn.utils.parameters_to_vector(
+        reference[r].parameters()), rtol=1e-10) for r, (_, p) in enumerate(run))
+    visits = sum(2 in path for path in plans[0])
+    return Row("SkipPipe: paths skip and reorder middle stages", 5, same, seconds,
+               note=f"slow stage 2 on {visits} of {len(plans[0])} paths; vs the same paths "
+                    "on one process")
+
+
 def tour(ctx: Context) -> list[Row]:
     """The tour's pipeline rows, each with a Chrome trace of the real run."""
     rows = []
@@ -70,4 +122,4 @@ def tour(ctx: Context) -> list[Row]:
         (row,) = combine(run)
         row.note += f"; trace: {trace_name}"
         rows.append(row)
-    return rows
+    return rows + [_swarm_row(), _skippipe_row(ctx)]
