@@ -75,16 +75,18 @@ def load_checkpoint(directory: str | Path, model: nn.Module,
 def train_resumable(model_fn: Callable[[], nn.Module],
                     batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable,
                     lr: float, directory: str | Path, every: int = 2, momentum: float = 0.9,
-                    kill_at: tuple[int, int] | None = None) -> tuple[list[float], torch.Tensor]:
-    """Data-parallel SGD with momentum that resumes from `directory` and checkpoints every
-    `every` steps. `kill_at=(rank, step)`: that rank dies by SIGKILL when it reaches that
-    step (a real death: no exception, no cleanup). Returns this run's losses and the
-    final parameters."""
+                    kill_at: tuple[int, int] | None = None,
+                    load: Callable = load_checkpoint) -> tuple[list[float], torch.Tensor]:
+    """Data-parallel SGD with momentum that resumes from `directory` (by `load(directory,
+    model, optimizer) -> steps done`; lesson 10's exercise passes the learner's) and
+    checkpoints every `every` steps. `kill_at=(rank, step)`: that rank dies by SIGKILL
+    when it reaches that step (a real death: no exception, no cleanup). Returns this
+    run's losses and the final parameters."""
     if every < 1:
         raise ValueError(f"every must be >= 1 (steps between checkpoints); got {every}")
     model = model_fn()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-    start = load_checkpoint(directory, model, optimizer)
+    start = load(directory, model, optimizer)
     losses = []
     for step in range(start, len(batches)):
         if kill_at == (rank(), step):
