@@ -283,3 +283,23 @@ def test_exchange_picture_counts_links_inside_and_across_nodes():
     assert _links(sent, 2) == (4, 5, 3, 6)
     with pytest.raises(ValueError, match="stage must be in 0..1 for flat"):
         render_exchange(sent, 2, 2, "flat", 2)
+
+
+@pytest.mark.slow
+def test_network_lab_runs_real_ranks_and_swarm_survives_a_kill():
+    from minipar.data_parallel.lab import network_run
+    from minipar.widgets import NetworkLab
+
+    lab = NetworkLab("all-reduce", latency_ms=0.0, steps=4)
+    assert lab.kill.disabled and "cannot go on without a rank" in lab.status.value
+    lab.run()
+    assert bytes(lab.image.value).startswith(b"\x89PNG") and "ms per step" in lab.status.value
+    lab.method.value = "SWARM"
+    assert not lab.kill.disabled
+    lab.kill.value = "rank 3"
+    result = lab.run()
+    assert result["died"] is not None and result["died"][1] == 3
+    assert len(result["losses"]) == 4 and "died at step" in lab.status.value
+    assert len(lab.runs) == 2  # both runs on the plot, to compare
+    with pytest.raises(ValueError, match="kill must be None, or with method='SWARM'"):
+        network_run("SGP", kill=2)

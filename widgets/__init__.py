@@ -40,7 +40,8 @@ _LAZY = {"TimelineViewer": "timeline_viewer", "RouterExplorer": "router_explorer
          "MeshViewer": "mesh_explorer", "PlannerExplorer": "mesh_explorer",
          "render_mesh": "mesh_view", "render_plans": "mesh_view",
          "RingAnimator": "ring_animator", "render_ring": "ring_view",
-         "AllToAllAnimator": "exchange_animator", "render_exchange": "exchange_view"}
+         "AllToAllAnimator": "exchange_animator", "render_exchange": "exchange_view",
+         "NetworkLab": "network_lab", "render_network_runs": "network_lab"}
 
 
 def __getattr__(name: str):
@@ -52,9 +53,10 @@ def __getattr__(name: str):
 
 
 __all__ = ["AllToAllAnimator", "CollectiveAnimator", "CollectiveRecording", "MemoryExplorer",
-           "MeshViewer", "PlannerExplorer", "record_all_reduce", "render_all_to_all",
-           "render_collective_frame", "render_collective_strip", "render_exchange",
-           "render_memory", "render_mesh", "render_pipeline", "render_plans", "render_ring",
-           "render_routing", "render_schedule_gallery", "render_speedup", "render_split",
-           "RingAnimator", "RouterExplorer", "ScheduleExplorer", "show", "SpeedupLab",
-           "split_frames", "SPLIT_KINDS", "split_viewer", "TimelineViewer"]
+           "MeshViewer", "NetworkLab", "PlannerExplorer", "record_all_reduce",
+           "render_all_to_all", "render_collective_frame", "render_collective_strip",
+           "render_exchange", "render_memory", "render_mesh", "render_network_runs",
+           "render_pipeline", "render_plans", "render_ring", "render_routing",
+           "render_schedule_gallery", "render_speedup", "render_split", "RingAnimator",
+           "RouterExplorer", "ScheduleExplorer", "show", "SpeedupLab", "split_frames",
+           "SPLIT_KINDS", "split_viewer", "TimelineViewer"]

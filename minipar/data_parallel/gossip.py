@@ -21,6 +21,7 @@ measures how far apart the ranks are.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -40,10 +41,12 @@ GRAPHS = ("exponential", "complete")
 
 @dataclass
 class GossipReport(RelaxedReport):
-    """RelaxedReport plus, per step, the consensus distance and the bytes this rank sent."""
+    """RelaxedReport plus, per step, the consensus distance, the bytes this rank sent and
+    the step's wall-clock seconds."""
 
     consensus: list[float] = field(default_factory=list)
     sent_bytes: list[int] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
 
 
 def out_peers(me: int, size: int, step: int, graph: str = "exponential") -> list[int]:
@@ -98,12 +101,15 @@ def _gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Calla
 
 
 def sgp(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        loss_fn: Callable, lr: float, graph: str = "exponential") -> GossipReport:
-    """Stochastic gradient push on this rank's shard of every batch (see the module)."""
+        loss_fn: Callable, lr: float, graph: str = "exponential",
+        report: GossipReport | None = None) -> GossipReport:
+    """Stochastic gradient push on this rank's shard of every batch (see the module).
+    Pass `report` to keep the steps done if a later step fails."""
     me, size = rank(), world_size()
-    report = GossipReport()
+    report = GossipReport() if report is None else report
     x, w = parameters_to_vector(model.parameters()).detach().clone(), 1.0
     for step, (xb, yb) in enumerate(batches):
+        start = time.perf_counter()
         loss, grad = _gradient(model, xb, yb, loss_fn, step)
         report.losses.append(loss)
         peers = out_peers(me, size, step, graph)
@@ -114,6 +120,7 @@ def sgp(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
             vector_to_parameters(x / w, model.parameters())
         report.rounds += 1
         report.sent_bytes.append(m.sent_bytes)
+        report.seconds.append(time.perf_counter() - start)
         report.consensus.append(consensus_distance(x / w))
     return report
 
@@ -134,10 +141,10 @@ def butterfly_groups(size: int, group_size: int) -> list[list[list[int]]]:
 
 
 def grouped(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-            loss_fn: Callable, lr: float, group_size: int = 2,
-            swap_every: int = 1) -> GossipReport:
+            loss_fn: Callable, lr: float, group_size: int = 2, swap_every: int = 1,
+            report: GossipReport | None = None) -> GossipReport:
     """SGD whose parameters are averaged inside groups every step; the groups move to the
-    next butterfly phase every `swap_every` steps."""
+    next butterfly phase every `swap_every` steps. Pass `report` as for `sgp`."""
     if isinstance(swap_every, bool) or not isinstance(swap_every, int) or swap_every < 1:
         raise ValueError(f"swap_every must be an int >= 1 (steps between group swaps); "
                          f"got {swap_every!r}")
@@ -149,8 +156,9 @@ def grouped(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor
             group = dist.new_group(members)
             if me in members:
                 mine.append(group)
-    report = GossipReport()
+    report = GossipReport() if report is None else report
     for step, (xb, yb) in enumerate(batches):
+        start = time.perf_counter()
         loss, grad = _gradient(model, xb, yb, loss_fn, step)
         report.losses.append(loss)
         group = mine[(step // swap_every) % len(mine)]
@@ -161,6 +169,7 @@ def grouped(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor
             vector_to_parameters(flat, model.parameters())
         report.rounds += 1
         report.sent_bytes.append(m.sent_bytes)
+        report.seconds.append(time.perf_counter() - start)
         report.consensus.append(consensus_distance(flat))
     return report
 

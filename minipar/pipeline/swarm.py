@@ -42,10 +42,11 @@ FORWARD, BACKWARD, GRADS, UPDATE, STOP = range(1, 6)
 
 @dataclass
 class SwarmReport:
-    """The trainer's account: loss per step, micro-batches each worker served per step,
-    deaths as (step, rank), and micro-batches sent through again."""
+    """The trainer's account: loss and seconds per step, micro-batches each worker served
+    per step, deaths as (step, rank), and micro-batches sent through again."""
 
     losses: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
     served: list[dict[int, int]] = field(default_factory=list)
     deaths: list[tuple[int, int]] = field(default_factory=list)
     resent: int = 0
@@ -235,6 +236,7 @@ def swarm(model_fn: Callable[[], nn.Sequential], pools: list[list[int]],
         return parameters_to_vector(stages[stage].parameters()).detach()
     trainer = _Trainer(pools, stages, seed)
     for step, (x, y) in enumerate(batches):
+        started = time.perf_counter()
         parts = dict(enumerate(zip(x.chunk(microbatches), y.chunk(microbatches),
                                    strict=True)))
         counted, route, served = {}, {}, {}
@@ -255,6 +257,7 @@ def swarm(model_fn: Callable[[], nn.Sequential], pools: list[list[int]],
                 if w not in trainer.dead:
                     trainer._wait(_send(UPDATE, 0, w, means[s]), w, step)
         trainer.report.losses.append(sum(counted.values()) / len(counted))
+        trainer.report.seconds.append(time.perf_counter() - started)
         trainer.report.served.append(served)
     for w in workers:
         if w not in trainer.dead:
