@@ -286,12 +286,12 @@ def test_exchange_picture_counts_links_inside_and_across_nodes():
 
 
 @pytest.mark.slow
-def test_network_lab_runs_real_ranks_and_swarm_survives_a_kill():
+def test_network_lab_runs_real_ranks_and_survives_a_kill():
     from minipar.data_parallel.lab import network_run
     from minipar.widgets import NetworkLab
 
     lab = NetworkLab("all-reduce", latency_ms=0.0, steps=4)
-    assert lab.kill.disabled and "cannot go on without a rank" in lab.status.value
+    assert lab.kill.disabled and "every step needs every rank" in lab.status.value
     lab.run()
     assert bytes(lab.image.value).startswith(b"\x89PNG") and "ms per step" in lab.status.value
     lab.method.value = "SWARM"
@@ -301,5 +301,9 @@ def test_network_lab_runs_real_ranks_and_swarm_survives_a_kill():
     assert result["died"] is not None and result["died"][1] == 3
     assert len(result["losses"]) == 4 and "died at step" in lab.status.value
     assert len(lab.runs) == 2  # both runs on the plot, to compare
-    with pytest.raises(ValueError, match="kill must be None, or with method='SWARM'"):
-        network_run("SGP", kill=2)
+    with pytest.raises(ValueError, match="with a method other than 'all-reduce'"):
+        network_run("all-reduce", kill=2)
+    for method in ("SGP", "grouped pairs"):  # gossip goes on past a dead peer
+        survived = network_run(method, steps=6, kill=2, kill_step=2)
+        assert survived["died"] == (2, 2) and len(survived["losses"]) == 6, method
+        assert survived["losses"][-1] < survived["losses"][0]

@@ -32,9 +32,9 @@ def render_network_runs(runs: dict[str, dict]) -> Figure:
 
 
 class NetworkLab(w.VBox):
-    """Pick a method, a latency per message, one slower link and (SWARM only) a worker to
-    kill; "run" trains on real ranks (a few seconds) and adds the run to the plot, so
-    runs can be compared; "clear" starts over."""
+    """Pick a method, a latency per message, one slower link and a worker to kill (not with
+    the all-reduce, which cannot go on without it); "run" trains on real ranks (a few
+    seconds) and adds the run to the plot, so runs can be compared; "clear" starts over."""
 
     def __init__(self, method: str = "SGP", latency_ms: float = 2.0, steps: int = 12) -> None:
         self.method = w.Dropdown(options=METHODS, value=method, description="method")
@@ -58,14 +58,16 @@ class NetworkLab(w.VBox):
                           self.status, self.image])
 
     def _method_changed(self) -> None:
-        swarm = self.method.value == "SWARM"
-        self.kill.disabled = not swarm
-        if not swarm:
+        method = self.method.value
+        self.kill.disabled = method == "all-reduce"
+        if self.kill.disabled:
             self.kill.value = "nobody"
-        self.status.value = ("SWARM: rank 0 trains, ranks 1-2 and 3-4 serve the two stages; "
-                             "kill one and it goes on" if swarm else
-                             f"{self.method.value} on 4 ranks; an all-reduce or gossip run "
-                             "cannot go on without a rank (lesson 10, section 5: checkpoints)")
+        self.status.value = {
+            "SWARM": "SWARM on 5 ranks: rank 0 trains, ranks 1-2 and 3-4 serve the two "
+                     "stages; a killed worker's micro-batches go through again",
+            "all-reduce": "all-reduce on 4 ranks: every step needs every rank, so no kill "
+                          "here (lesson 10, section 5: checkpoints)",
+        }.get(method, f"{method} on 4 ranks: a killed rank's peers skip it and go on")
 
     def _clear(self) -> None:
         self.runs = {}

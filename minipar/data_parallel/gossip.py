@@ -62,22 +62,37 @@ def out_peers(me: int, size: int, step: int, graph: str = "exponential") -> list
     return [(me + 2 ** (step % hops)) % size]
 
 
-def push_sum(x: torch.Tensor, w: float, peers: list[int], sources: list[int]
-             ) -> tuple[torch.Tensor, float]:
+def push_sum(x: torch.Tensor, w: float, peers: list[int], sources: list[int],
+             survive: bool = False) -> tuple[torch.Tensor, float]:
     """One push-sum gossip step: keep 1/(d+1) of (x, w), send 1/(d+1) to each of the d
-    `peers`, add what arrives from `sources`. Returns the new (x, w)."""
+    `peers`, add what arrives from `sources`. Returns the new (x, w). With `survive`, a
+    peer that has died (its connection closed) is skipped: the share meant for it stays
+    here, and nothing arrives from it."""
     share = 1.0 / (len(peers) + 1)
     message = torch.cat([x * share, x.new_tensor([w * share])])
     incoming = [torch.empty_like(message) for _ in sources]
-    pending = [collectives.irecv(buffer, src) for buffer, src in zip(incoming, sources,
-                                                                        strict=True)]
-    sends = [collectives.isend(message, dst) for dst in peers]
+    pending = [_attempt(lambda b=b, s=s: collectives.irecv(b, s), survive)
+               for b, s in zip(incoming, sources, strict=True)]
+    sends = [_attempt(lambda d=d: collectives.isend(message, d), survive) for d in peers]
     total = message.clone()
     for request in pending:
-        total += request.wait()
+        if request is not None and _attempt(request.wait, survive) is not None:
+            total += request.tensor
     for request in sends:
-        request.wait()
+        if request is None or _attempt(request.wait, survive, done=True) is None:
+            total += message  # the dead peer's share stays here: no mass is lost
     return total[:-1], float(total[-1])
+
+
+def _attempt(call: Callable, survive: bool, done: bool = False):
+    """call(); with `survive`, a dead peer's error (gloo: connection closed) gives None."""
+    try:
+        result = call()
+        return True if done else result
+    except RuntimeError:
+        if not survive:
+            raise
+        return None
 
 
 def consensus_distance(z: torch.Tensor) -> float:
@@ -102,9 +117,12 @@ def _gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Calla
 
 def sgp(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         loss_fn: Callable, lr: float, graph: str = "exponential",
-        report: GossipReport | None = None) -> GossipReport:
+        report: GossipReport | None = None, survive: bool = False,
+        measure: bool = True) -> GossipReport:
     """Stochastic gradient push on this rank's shard of every batch (see the module).
-    Pass `report` to keep the steps done if a later step fails."""
+    Pass `report` to keep the steps done if a later step fails. `survive`: go on past
+    dead peers (push_sum); `measure=False` skips the consensus distance, a global
+    all-reduce that a dead rank would block."""
     me, size = rank(), world_size()
     report = GossipReport() if report is None else report
     x, w = parameters_to_vector(model.parameters()).detach().clone(), 1.0
@@ -115,13 +133,14 @@ def sgp(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         peers = out_peers(me, size, step, graph)
         sources = [r for r in range(size) if me in out_peers(r, size, step, graph)]
         with collectives.meter() as m, record("comm", "push-sum", step=step):
-            x, w = push_sum(x - lr * grad, w, peers, sources)
+            x, w = push_sum(x - lr * grad, w, peers, sources, survive)
         with torch.no_grad():
             vector_to_parameters(x / w, model.parameters())
         report.rounds += 1
         report.sent_bytes.append(m.sent_bytes)
         report.seconds.append(time.perf_counter() - start)
-        report.consensus.append(consensus_distance(x / w))
+        if measure:
+            report.consensus.append(consensus_distance(x / w))
     return report
 
 
@@ -142,9 +161,15 @@ def butterfly_groups(size: int, group_size: int) -> list[list[list[int]]]:
 
 def grouped(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
             loss_fn: Callable, lr: float, group_size: int = 2, swap_every: int = 1,
-            report: GossipReport | None = None) -> GossipReport:
+            report: GossipReport | None = None, survive: bool = False,
+            measure: bool = True) -> GossipReport:
     """SGD whose parameters are averaged inside groups every step; the groups move to the
-    next butterfly phase every `swap_every` steps. Pass `report` as for `sgp`."""
+    next butterfly phase every `swap_every` steps. `report`, `measure` as for `sgp`;
+    `survive` (pairs only: a bigger group's survivors would wait on each other): a rank
+    whose partner has died keeps its own parameters that step."""
+    if survive and group_size != 2:
+        raise ValueError(f"survive needs group_size=2 (a pair's survivor can go on alone); "
+                         f"got group_size={group_size}")
     if isinstance(swap_every, bool) or not isinstance(swap_every, int) or swap_every < 1:
         raise ValueError(f"swap_every must be an int >= 1 (steps between group swaps); "
                          f"got {swap_every!r}")
@@ -163,14 +188,17 @@ def grouped(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor
         report.losses.append(loss)
         group = mine[(step // swap_every) % len(mine)]
         with collectives.meter() as m, record("all_reduce", "group average", step=step):
-            flat = parameters_to_vector(model.parameters()).detach() - lr * grad
-            flat = collectives.all_reduce(flat, op="avg", group=group)
+            updated = parameters_to_vector(model.parameters()).detach() - lr * grad
+            flat = _attempt(lambda u=updated, g=group: collectives.all_reduce(
+                u.clone(), op="avg", group=g), survive)
+            flat = updated if flat is None else flat  # a dead partner: go on alone
         with torch.no_grad():
             vector_to_parameters(flat, model.parameters())
         report.rounds += 1
         report.sent_bytes.append(m.sent_bytes)
         report.seconds.append(time.perf_counter() - start)
-        report.consensus.append(consensus_distance(flat))
+        if measure:
+            report.consensus.append(consensus_distance(flat))
     return report
 
 
