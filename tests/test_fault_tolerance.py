@@ -3,7 +3,6 @@ complete checkpoint on fewer ranks and ends where an uninterrupted run ends; und
 torchrun --max-restarts the restarted workers do the same."""
 
 import os
-import re
 import subprocess
 import sys
 
@@ -45,15 +44,14 @@ def test_forgetting_the_optimizer_state_would_show(tmp_path):
 def test_torchrun_restarts_the_workers_and_they_resume(tmp_path):
     ckpt = tmp_path / "ckpt"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", "--max-restarts", "2", "-m",
+               "--nproc-per-node", "2", "--max-restarts", "1", "-m",
                "minipar.data_parallel.elastic", "--dir", str(ckpt), "--steps", str(STEPS),
                "--kill-at", "1:5"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=150, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    # the first attempt dies at step 5 (checkpoint at 4); a later one runs steps 4-7. (Two
-    # restarts allowed: on a loaded machine gloo's reconnect after a restart can time out.)
-    assert re.search(r"attempt [23]: ran 4 steps", done.stdout), done.stdout
+    # the first attempt dies at step 5 (checkpoint at 4); the restarted one runs steps 4-7
+    assert "attempt 2: ran 4 steps" in done.stdout, done.stdout
     fresh = minipar.launch(train_resumable, 2, model, batches(STEPS), mse, 0.05,
                            tmp_path / "fresh", 2, backend="gloo", timeout=30)
     assert torch.allclose(torch.load(ckpt / "final.pt"), fresh[0][1], rtol=1e-12, atol=1e-14)

@@ -146,10 +146,13 @@ def _post(dst: int, kind: int, mb: int, data: torch.Tensor) -> list:
 
 def train_paths(model_fn: Callable[[], nn.ModuleList], steps: Sequence[tuple], plans:
                 Sequence[Sequence[Path]], loss_fn: Callable, lr: float,
-                slowdown: Sequence[float] | None = None) -> tuple[list[float], torch.Tensor]:
+                forward_seconds: Sequence[float] | None = None
+                ) -> tuple[list[float], torch.Tensor]:
     """On every rank (rank r = stage r): each step's micro-batches along their planned
     paths, in the order the simulator gives each stage; SGD on the mean micro-batch loss.
-    `slowdown[r]` makes stage r that many times slower. Returns (the last stage's losses,
+    `forward_seconds[r]`: stage r's forward lasts at least that long and its backward
+    twice that (a sleep: devices of different speeds, as the simulator's costs). Returns
+    (the last stage's losses,
     this stage's final parameters)."""
     me, stages = rank(), world_size()
     stage = model_fn()[me]
@@ -161,7 +164,7 @@ def train_paths(model_fn: Callable[[], nn.ModuleList], steps: Sequence[tuple], p
     for (x, y), paths in zip(steps, plans, strict=True):
         micro = len(paths)
         xs, ys = x.chunk(micro), y.chunk(micro)
-        costs = list(slowdown) if slowdown else [1.0] * stages  # plan with the speeds
+        costs = list(forward_seconds) if forward_seconds else [1.0] * stages  # the speeds
         order = stage_orders(simulate_paths(paths, costs))[me]
         saved, step_loss = {}, 0.0
         grads = [torch.zeros_like(p) for p in params]
@@ -190,8 +193,9 @@ def train_paths(model_fn: Callable[[], nn.ModuleList], steps: Sequence[tuple], p
                         acc += d
                     if where > 0:
                         pending += _post(path[where - 1], 1, mb, found[0])
-                if slowdown:
-                    time.sleep((slowdown[me] - 1) * (time.perf_counter() - start))
+                if forward_seconds:
+                    wanted = forward_seconds[me] * (2 if kind == "B" else 1)
+                    time.sleep(max(wanted - (time.perf_counter() - start), 0.0))
         with torch.no_grad():
             for p, g in zip(params, grads, strict=True):
                 p -= lr * g

@@ -31,6 +31,23 @@ def _leave_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _attempt_store(timeout: float) -> dict:
+    """After torchrun restarts its workers (--max-restarts), the rendezvous store can still
+    hold the addresses the dead attempt's ranks published, and a new rank may connect to
+    one of them (refused, or a hang). Keys under a prefix per attempt keep attempts apart.
+    Returns init_process_group's store=, rank=, world_size= (nothing outside elastic)."""
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "MASTER_ADDR" not in os.environ:
+        return {}
+    me, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size,
+                          is_master=not agent_hosts and me == 0,
+                          timeout=datetime.timedelta(seconds=timeout))
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    return {"store": dist.PrefixStore(f"minipar/attempt-{attempt}", store), "rank": me,
+            "world_size": size}
+
+
 def run_under_torchrun(fn: Callable, size: int, args: tuple, kwargs: dict, backend: str,
                         timeout: float) -> Results:
     env_size = int(os.environ["WORLD_SIZE"])
@@ -44,7 +61,8 @@ def run_under_torchrun(fn: Callable, size: int, args: tuple, kwargs: dict, backe
         _bind_device(backend, local_rank)
         if backend == "gloo":
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout, 60)))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout, 60)),
+                                **_attempt_store(max(timeout, 60)))
         atexit.register(_leave_process_group)
     started = time.perf_counter()
     dist.barrier()
