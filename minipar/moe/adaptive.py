@@ -39,9 +39,10 @@ from .. import collectives
 from ..runtime import rank, world_size
 from ..tensor_parallel.mappings import gather_from_sequence_parallel_region
 from ..trace import record
-from .expert_parallel import _AllToAll, global_routing
+from .expert_parallel import global_routing
 from .layer import MoELayer
-from .pipelining import step_seconds
+from .pipeline_moe import partial_output
+from .pipelining import pipelined_experts, step_seconds
 
 
 def valid_degrees(experts: int, ranks: int) -> tuple[int, ...]:
@@ -175,36 +176,31 @@ class AdaptiveMoE(nn.Module):
                                  x.element_size())
             degree = min(costs, key=costs.get)
         self.last_degree = degree
+        with collectives.meter() as gathered:
+            params = self.weights(degree)
+        # this rank's experts (all of them at degree 0) as functions of their rows
+        experts = [lambda rows, i=i: _ffn(rows, *(p[i] for p in params[:3]),
+                                         params[3][i] / max(degree, 1))
+                   for i in range(len(params[0]))]
+        with collectives.meter() as exchanged:
+            if degree == 0:  # every expert is here: each kept choice runs where its token is
+                with record("compute", "experts (all gathered)"):
+                    y, self.rows_computed = partial_output(
+                        x, routing.expert, routing.weight, routing.kept, experts, 0)
+            else:
+                y = self._exchanged(x, routing, degree, experts)
+        self.last_traffic = {"weights": gathered.sent_bytes, "rows": exchanged.sent_bytes}
+        return y + self.shared(x) if self.shared is not None else y
+
+    def _exchanged(self, x, routing, degree: int, experts: list) -> torch.Tensor:
+        """Degree r >= 1: each kept choice goes to the r slices of its expert (to one of
+        the s/r copies of each, by its position among this rank's rows for the expert),
+        and the r partial outputs come back and add up at the token. Each slice adds 1/r
+        of the output bias."""
         kept = routing.kept
         token = torch.arange(x.shape[0], device=x.device).unsqueeze(1).expand_as(
             routing.expert)[kept]
         expert, weight = routing.expert[kept], routing.weight[kept]
-        with collectives.meter() as gathered:
-            up_w, up_b, down_w, down_b = self.weights(degree)
-        with collectives.meter() as exchanged:
-            if degree == 0:
-                y = self._locally(x, token, expert, weight, (up_w, up_b, down_w, down_b))
-            else:
-                y = self._exchanged(x, token, expert, weight, degree,
-                                    (up_w, up_b, down_w, down_b))
-        self.last_traffic = {"weights": gathered.sent_bytes, "rows": exchanged.sent_bytes}
-        return y + self.shared(x) if self.shared is not None else y
-
-    def _locally(self, x, token, expert, weight, params) -> torch.Tensor:
-        """Degree 0: every expert is here; each kept choice runs where its token is."""
-        y = x.new_zeros(x.shape)
-        self.rows_computed = len(token)
-        with record("compute", "experts (all gathered)"):
-            for e in range(self.num_experts):
-                (rows,) = torch.nonzero(expert == e, as_tuple=True)
-                out = _ffn(x[token[rows]], *(p[e] for p in params))
-                y = y.index_add(0, token[rows], out * weight[rows].unsqueeze(-1))
-        return y
-
-    def _exchanged(self, x, token, expert, weight, degree: int, params) -> torch.Tensor:
-        """Degree r >= 1: each kept choice goes to the r slices of its expert (to one of
-        the s/r copies of each, by its position among this rank's rows for the expert),
-        and the r partial outputs come back and add up at the token."""
         size, g = world_size(self.group), self.s // degree
         position = (nn.functional.one_hot(expert, self.num_experts).cumsum(0) - 1).gather(
             1, expert.unsqueeze(1)).squeeze(1)
@@ -219,17 +215,8 @@ class AdaptiveMoE(nn.Module):
         recv = collectives.swap_counts(send, self.group)
         arrived_local = collectives.all_to_all(local, send, recv, self.group)
         self.rows_computed = len(arrived_local)
-        with record("all_to_all", "dispatch"):
-            arrived = _AllToAll.apply(x[token], send, recv, self.group, None, None)
-        results = arrived.new_zeros(arrived.shape)
-        with record("compute", f"experts (slice 1/{degree})"):
-            for i in range(self.per_rank):
-                (rows,) = torch.nonzero(arrived_local == i, as_tuple=True)
-                up_w, up_b, down_w, down_b = (p[i] for p in params)
-                out = _ffn(arrived[rows], up_w, up_b, down_w, down_b / degree)
-                results = results.index_put((rows,), out)
-        with record("all_to_all", "combine"):
-            returned = _AllToAll.apply(results, recv, send, self.group, None, None)
+        returned = pipelined_experts(x[token], arrived_local, send, recv, experts, 1,
+                                     self.group)
         return x.new_zeros(x.shape).index_add(0, token, returned * weight.unsqueeze(-1))
 
     def twin_slices(self, twin: MoELayer, grad: bool = False) -> dict[str, torch.Tensor]:

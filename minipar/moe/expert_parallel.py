@@ -160,10 +160,11 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         token, expert, slot, weight = self._choices(x)
-        rows, which = x[token], None
+        chosen = x[token]
+        rows, which = chosen, None
         if self.lsh is not None:  # one row per (expert, bucket): its tokens' mean
-            rows, pairs, which = bucket_means(x[token], expert, lsh_buckets(x.detach(),
-                                                                            self.lsh[0])[token])
+            rows, pairs, which = bucket_means(chosen, expert, lsh_buckets(x.detach(),
+                                                                          self.lsh[0])[token])
             expert, slot = pairs[:, 0], torch.zeros_like(pairs[:, 0])
         owner = expert // self.per_rank
         order = torch.argsort(owner, stable=True)  # group outgoing rows by destination rank
@@ -199,6 +200,6 @@ class ExpertParallelMoE(nn.Module):
                                            _transposed(matrix))
         returned = returned[torch.argsort(order)]  # back in the order of `rows`
         if which is not None:  # every token choice takes its bucket's output
-            returned = centroid_outputs(returned, which, x[token], rows, self.lsh[1])
+            returned = centroid_outputs(returned, which, chosen, rows, self.lsh[1])
         y = x.new_zeros(x.shape).index_add(0, token, returned * weight.unsqueeze(-1))
         return y + self.shared(x) if self.shared is not None else y

@@ -18,6 +18,7 @@ behind compute but pay more messages and smaller matmuls.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -68,13 +69,14 @@ class _Arrive(torch.autograd.Function):
 
 
 def pipelined_experts(rows: torch.Tensor, local_expert: torch.Tensor, send_counts: list[int],
-                      recv_counts: list[int], experts: nn.ModuleList, chunks: int,
+                      recv_counts: list[int], experts: Sequence[Callable], chunks: int,
                       group=None) -> torch.Tensor:
     """Dispatch `rows` (grouped by destination rank) in `chunks`, run the experts on each
     chunk as it arrives and send its results straight back: while the experts compute
     chunk c, chunk c+1's dispatch and chunk c-1's combine are on the wire. Returns the
     experts' outputs for `rows`, in the order of `rows`. `local_expert` is the arriving
-    rows' expert index on this rank, in arrival order (grouped by source rank)."""
+    rows' expert index on this rank, in arrival order (grouped by source rank); `experts`
+    are this rank's experts (modules, or functions of their rows)."""
     k = world_size(group)
     out_parts = [_parts(n, chunks) for n in send_counts]  # [dest][chunk]
     in_parts = [_parts(n, chunks) for n in recv_counts]  # [source][chunk]
