@@ -127,8 +127,7 @@ class _Comm:
                 recv_meta.append((index, a, b, peer, chunk, (b - a) * tensor.element_size()))
         if ops:
             start = trace.now()
-            pay_for_sends(dist.get_rank(), [(self.global_rank(peer), nbytes)
-                                            for peer, _, nbytes in send_meta])
+            pay_for_sends((self.global_rank(peer), nbytes) for peer, _, nbytes in send_meta)
             requests = dist.batch_isend_irecv(ops)
             for request, (index, a, b, peer, chunk, nbytes) in zip(
                     requests[first_recv:], recv_meta, strict=True):

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -86,9 +88,13 @@ def slow_network(latency: float = 0.0, bandwidth: float = math.inf,
         _active.remove(network)
 
 
-def pay_for_sends(src: int, messages: list[tuple[int, int]]) -> None:
-    """Sleep what `messages` [(dst, bytes)] cost `src` on the active network, one after
-    another; nothing without one."""
+def pay_for_sends(messages: Iterable[tuple[int, int]]) -> None:
+    """Sleep what `messages` [(destination global rank, bytes)] cost this rank on the
+    active network, one after another. Without one it returns at once, before reading
+    `messages` (pass a generator: the hot path builds nothing)."""
     network = active()
-    if network is not None and messages:
-        time.sleep(sum(network.seconds(src, dst, nbytes) for dst, nbytes in messages))
+    if network is not None:
+        me = dist.get_rank()
+        seconds = sum(network.seconds(me, dst, nbytes) for dst, nbytes in messages)
+        if seconds:
+            time.sleep(seconds)

@@ -58,7 +58,7 @@ def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None
     peer = dst if group is None else dist.get_global_rank(group, dst)
     start = trace.now()
     segments = [(a, b) for a, b in _segments(data) if b > a]
-    pay_for_sends(dist.get_rank(), [(peer, (b - a) * data.element_size()) for a, b in segments])
+    pay_for_sends((peer, (b - a) * data.element_size()) for a, b in segments)
     # the same segments and tags as exchange(), so a plain recv() on the other side matches
     works = [dist.isend(data[a:b], peer, group, tag) for tag, (a, b) in enumerate(segments)]
     return PendingSend(works, data, dst, start, label, fields)

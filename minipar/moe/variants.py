@@ -96,8 +96,9 @@ def global_expert_choice(probs: torch.Tensor, k: int, capacity_factor: float, pe
     scores = collectives.all_to_all(columns.reshape(size * tokens, per_rank),
                                     [tokens] * size, everyone.tolist(), group)  # [total, L]
     picks = scores.t().topk(cap, dim=-1).indices  # [L, C]: global token ids
-    starts = everyone.cumsum(0) - everyone
-    source = torch.searchsorted(everyone.cumsum(0), picks.reshape(-1), right=True)
+    ends = everyone.cumsum(0)
+    starts = ends - everyone
+    source = torch.searchsorted(ends, picks.reshape(-1), right=True)
     expert = (me * per_rank + torch.arange(per_rank, device=probs.device)).repeat_interleave(cap)
     pairs = torch.stack([picks.reshape(-1) - starts[source], expert], dim=1)
     order = torch.argsort(source, stable=True)
