@@ -116,15 +116,13 @@ def _gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Calla
 
 
 def sgp(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-        loss_fn: Callable, lr: float, graph: str = "exponential",
-        report: GossipReport | None = None, survive: bool = False,
+        loss_fn: Callable, lr: float, graph: str = "exponential", survive: bool = False,
         measure: bool = True) -> GossipReport:
     """Stochastic gradient push on this rank's shard of every batch (see the module).
-    Pass `report` to keep the steps done if a later step fails. `survive`: go on past
-    dead peers (push_sum); `measure=False` skips the consensus distance, a global
-    all-reduce that a dead rank would block."""
+    `survive`: go on past dead peers (push_sum); `measure=False` skips the consensus
+    distance, a global all-reduce that a dead rank would block."""
     me, size = rank(), world_size()
-    report = GossipReport() if report is None else report
+    report = GossipReport()
     x, w = parameters_to_vector(model.parameters()).detach().clone(), 1.0
     for step, (xb, yb) in enumerate(batches):
         start = time.perf_counter()
@@ -161,10 +159,9 @@ def butterfly_groups(size: int, group_size: int) -> list[list[list[int]]]:
 
 def grouped(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
             loss_fn: Callable, lr: float, group_size: int = 2, swap_every: int = 1,
-            report: GossipReport | None = None, survive: bool = False,
-            measure: bool = True) -> GossipReport:
+            survive: bool = False, measure: bool = True) -> GossipReport:
     """SGD whose parameters are averaged inside groups every step; the groups move to the
-    next butterfly phase every `swap_every` steps. `report`, `measure` as for `sgp`;
+    next butterfly phase every `swap_every` steps. `measure` as for `sgp`;
     `survive` (pairs only: a bigger group's survivors would wait on each other): a rank
     whose partner has died keeps its own parameters that step."""
     if survive and group_size != 2:
@@ -181,7 +178,7 @@ def grouped(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor
             group = dist.new_group(members)
             if me in members:
                 mine.append(group)
-    report = GossipReport() if report is None else report
+    report = GossipReport()
     for step, (xb, yb) in enumerate(batches):
         start = time.perf_counter()
         loss, grad = _gradient(model, xb, yb, loss_fn, step)
