@@ -25,7 +25,7 @@ BATCH, FEATURES = 20, 8  # 20 rows: 5 per rank on 4, uneven on 3
 
 
 def model() -> torch.nn.Module:
-    """The small regression MLP every fault-tolerance run trains (float64)."""
+    """The small regression MLP the fault-tolerance and network-lab runs train (float64)."""
     return mlp([FEATURES, 16, 1], seed=0, dtype=torch.float64)
 
 

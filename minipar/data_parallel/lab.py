@@ -16,29 +16,14 @@ import os
 import signal
 from collections.abc import Sequence
 
-import torch
-
 from ..collectives import Link, slow_network
-from ..models import mlp, regression_data
 from ..pipeline.swarm import swarm
 from ..runtime import RankDied, launch, rank
+from .elastic import batches, model, mse
 from .gossip import GossipReport, grouped, sgp
 
 METHODS = ("all-reduce", "SGP", "grouped pairs", "SWARM")
-BATCH, FEATURES, LR, MICRO = 32, 8, 0.1, 4
-
-
-def _model() -> torch.nn.Sequential:
-    return mlp([FEATURES, 32, 32, 1], seed=0, dtype=torch.float64)
-
-
-def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((out - target) ** 2).mean()
-
-
-def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    x, y = regression_data(steps * BATCH, FEATURES, seed=1, dtype=torch.float64)
-    return list(zip(x.split(BATCH), y.split(BATCH), strict=True))
+LR, MICRO = 0.1, 4
 
 
 class _DiesAt(Sequence):
@@ -65,15 +50,15 @@ def _averaging(method: str, steps: int, latency: float, slow_link, slow_latency:
                victim: int | None, kill_step: int) -> GossipReport:
     train, options = {"all-reduce": (grouped, {"group_size": 4}), "SGP": (sgp, {}),
                       "grouped pairs": (grouped, {"group_size": 2, "swap_every": 2})}[method]
-    batches = _DiesAt(_batches(steps), victim, kill_step)
+    dying = _DiesAt(batches(steps), victim, kill_step)
     with _network(latency, slow_link, slow_latency):
-        return train(_model(), batches, _mse, LR, survive=victim is not None, measure=False,
+        return train(model(), dying, mse, LR, survive=victim is not None, measure=False,
                      **options)
 
 
 def _swarm(steps: int, latency: float, slow_link, slow_latency: float, kill: dict | None):
     with _network(latency, slow_link, slow_latency):
-        return swarm(_model, [[1, 2], [3, 4]], _batches(steps), _mse, LR, MICRO, kill=kill)
+        return swarm(model, [[1, 2], [3, 4]], batches(steps), mse, LR, MICRO, kill=kill)
 
 
 def network_run(method: str, steps: int = 12, latency: float = 0.0,

@@ -136,6 +136,10 @@ class _Trainer:
             raise RuntimeError(f"every worker of stage {stage} died; the swarm cannot go on")
         return alive
 
+    def intact(self, mbs: dict, route: dict[int, list[int]]) -> dict:
+        """The micro-batches of `mbs` none of whose workers has died."""
+        return {mb: v for mb, v in mbs.items() if all(w not in self.dead for w in route[mb])}
+
     def _wait(self, pending: list, worker: int, step: int) -> bool:
         try:
             for request in pending:
@@ -169,9 +173,8 @@ class _Trainer:
                 acts[mb] = reply[:-1].view(rows, self.out_features[s])
                 route[mb].append(w)
                 served[w] = served.get(w, 0) + 1
-            acts = {mb: a for mb, a in acts.items() if all(w not in self.dead for w in
-                                                           route[mb]) and
-                    len(route[mb]) == s + 1}
+            acts = {mb: a for mb, a in self.intact(acts, route).items()
+                    if len(route[mb]) == s + 1}
         losses, grads = {}, {}
         for mb, out in acts.items():
             out = out.clone().requires_grad_()
@@ -239,19 +242,15 @@ def swarm(model_fn: Callable[[], nn.Sequential], pools: list[list[int]],
         started = time.perf_counter()
         parts = dict(enumerate(zip(x.chunk(microbatches), y.chunk(microbatches),
                                    strict=True)))
-        counted, route, served = {}, {}, {}
-        while True:
+        counted, route, served, means = {}, {}, {}, None
+        while means is None:  # until every micro-batch counted and every pool reported
             while len(counted) < len(parts):
                 todo = {mb: parts[mb] for mb in parts if mb not in counted}
                 trainer.report.resent += sum(1 for mb in todo if mb in route)
                 counted.update(trainer.wave(todo, step, loss_fn, served, route))
-                counted = {mb: v for mb, v in counted.items()
-                           if all(w not in trainer.dead for w in route[mb])}
+                counted = trainer.intact(counted, route)
             means = trainer.collect(counted, route, step, len(parts))
-            if means is not None:
-                break
-            counted = {mb: v for mb, v in counted.items()
-                       if all(w not in trainer.dead for w in route[mb])}
+            counted = trainer.intact(counted, route)  # a worker may have died reporting
         for s, pool in enumerate(pools):
             for w in pool:
                 if w not in trainer.dead:
