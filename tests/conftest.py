@@ -85,3 +85,19 @@ def value_errors(*calls) -> list[str]:
         except ValueError as err:
             messages.append(str(err))
     return messages
+
+
+def grad_mismatches(layer, twin, first_expert: int) -> list[str]:
+    """Names of `layer`'s parameters whose gradient differs from the one-process twin's,
+    this rank's experts renumbered from `first_expert` (float64 tolerances)."""
+    import torch
+
+    want = dict(twin.named_parameters())
+    wrong = []
+    for name, p in layer.named_parameters():
+        if name.startswith("experts."):
+            index, rest = name.split(".", 2)[1:]
+            name = f"experts.{first_expert + int(index)}.{rest}"
+        if not torch.allclose(p.grad, want[name].grad, rtol=1e-10, atol=1e-12):
+            wrong.append(name)
+    return wrong

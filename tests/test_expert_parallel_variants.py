@@ -3,6 +3,7 @@ ExpertChoiceMoE on the whole batch; LSH-MoE compresses each rank's own dispatch.
 
 import pytest
 import torch
+from conftest import grad_mismatches
 
 import minipar
 from minipar import collectives
@@ -27,15 +28,7 @@ def _grads(layer, twin, first):
     shared expert's summed over ranks first)."""
     for p in [*layer.gate.parameters(), *layer.shared.parameters()]:
         collectives.all_reduce(p.grad)
-    want = dict(twin.named_parameters())
-    wrong = []
-    for name, p in layer.named_parameters():
-        if name.startswith("experts."):
-            index, rest = name.split(".", 2)[1:]
-            name = f"experts.{first + int(index)}.{rest}"
-        if not torch.allclose(p.grad, want[name].grad, rtol=1e-10, atol=1e-12):
-            wrong.append(name)
-    return wrong
+    return grad_mismatches(layer, twin, first)
 
 
 def _expert_choice():

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import grad_mismatches
 
 from minipar import collectives
 from minipar.moe import MoELayer
@@ -27,14 +28,7 @@ def _on_rank():
     (twin(ref_x) * w).sum().backward()
     for p in layer.replicated_parameters():  # each rank holds its share: sum them
         p.grad = collectives.all_reduce(p.grad if p.grad is not None else torch.zeros_like(p))
-    twin_params = dict(twin.named_parameters())
-    wrong = []
-    for name, p in layer.named_parameters():
-        if name.startswith("experts."):
-            index, rest = name.split(".", 2)[1:]
-            name = f"experts.{layer.first + int(index)}.{rest}"
-        if not torch.allclose(p.grad, twin_params[name].grad, rtol=1e-10, atol=1e-12):
-            wrong.append(name)
+    wrong = grad_mismatches(layer, twin, layer.first)
     return {"output": torch.allclose(y, twin(x), rtol=1e-10, atol=1e-12),
             "input_grad": torch.allclose(mine.grad, ref_x.grad, rtol=1e-10, atol=1e-12),
             "wrong": wrong, "rows": layer.rows_computed, "calls": dict(m.calls),
