@@ -20,13 +20,14 @@ def render_network_runs(runs: dict[str, dict]) -> Figure:
     for label, run in runs.items():
         steps = range(len(run["losses"]))
         (line,) = loss_ax.plot(steps, run["losses"], marker=".", label=label)
-        time_ax.plot(steps, [s * 1e3 for s in run["seconds"]], marker=".",
-                     color=line.get_color())
+        time_ax.plot(steps[1:], [s * 1e3 for s in run["seconds"][1:]], marker=".",
+                     color=line.get_color())  # step 0 also connects the ranks
         if run["died"] is not None:
             for ax in (loss_ax, time_ax):
                 ax.axvline(run["died"][0], color=line.get_color(), linestyle=":")
     loss_ax.set(xlabel="step", ylabel="training loss", yscale="log")
-    time_ax.set(xlabel="step", ylabel="step time (ms)", ylim=(0, None))
+    time_ax.set(xlabel="step (from 1: step 0 also connects the ranks)",
+                ylabel="step time (ms)", ylim=(0, None))
     loss_ax.legend(fontsize=7)
     return fig
 
@@ -47,9 +48,9 @@ class NetworkLab(w.VBox):
         self.button = w.Button(description="run", button_style="primary")
         self.clear = w.Button(description="clear")
         self.status = w.HTML()
-        self.image = w.Image(format="png")
+        self.image = w.Image(format="png", layout=w.Layout(display="none"))  # until a run
         self.runs: dict[str, dict] = {}
-        self.button.on_click(lambda _: self.run())
+        self.button.on_click(lambda _: self._run_clicked())
         self.clear.on_click(lambda _: self._clear())
         self.method.observe(lambda _: self._method_changed(), "value")
         self._method_changed()
@@ -72,7 +73,15 @@ class NetworkLab(w.VBox):
     def _clear(self) -> None:
         self.runs = {}
         self.image.value = b""
+        self.image.layout.display = "none"
         self._method_changed()
+
+    def _run_clicked(self) -> None:
+        """The button's run: a failure is shown in the widget, not lost in a log."""
+        try:
+            self.run()
+        except Exception as error:  # noqa: BLE001 - any failure is the learner's to see
+            self.status.value = f"the run failed: {str(error).splitlines()[0]}"
 
     def run(self) -> dict:
         """Train now with the current choices, add the run to the plot and return it."""
@@ -85,6 +94,7 @@ class NetworkLab(w.VBox):
         label += f", rank {kill} killed" if kill else ""
         self.runs[label] = result
         self.image.value = to_png(render_network_runs(self.runs))
+        self.image.layout.display = None
         mean = sum(result["seconds"][1:]) / max(len(result["seconds"]) - 1, 1)
         died = (f"; rank {result['died'][1]} died at step {result['died'][0]} and the run went "
                 "on" if result["died"] else "")

@@ -140,7 +140,35 @@ class _Trainer:
         """The micro-batches of `mbs` none of whose workers has died."""
         return {mb: v for mb, v in mbs.items() if all(w not in self.dead for w in route[mb])}
 
-    def _wait(self, pending: list, worker: int, step: int) -> bool:
+    def post(self, op: int, mb: int, worker: int, step: int,
+             payload: torch.Tensor | None = None) -> list | None:
+        """Start sending a request to `worker`; None (the worker marked dead) if it has
+        gone, which gloo may say as soon as the send is posted."""
+        if worker in self.dead:
+            return None
+        try:
+            return _send(op, mb, worker, payload)
+        except RuntimeError:
+            self._died(worker, step)
+            return None
+
+    def deliver(self, op: int, mb: int, worker: int, step: int,
+                payload: torch.Tensor | None = None) -> bool:
+        """Send a request and wait until it has left; False if the worker has gone."""
+        return self._wait(self.post(op, mb, worker, step, payload), worker, step)
+
+    def fetch(self, shape: tuple[int, ...], worker: int, step: int) -> torch.Tensor | None:
+        """Receive a reply of `shape` from `worker`; None (the worker marked dead) if it
+        has gone."""
+        try:
+            return collectives.recv(torch.zeros(shape, dtype=self.dtype), worker)
+        except RuntimeError:
+            self._died(worker, step)
+            return None
+
+    def _wait(self, pending: list | None, worker: int, step: int) -> bool:
+        if pending is None:
+            return False
         try:
             for request in pending:
                 request.wait()
@@ -158,17 +186,14 @@ class _Trainer:
         for s in range(len(self.pools)):
             alive = self._alive(s)
             chosen = {mb: pick(alive, self.rng) for mb in acts}
-            sends = {mb: _send(FORWARD, mb, w, acts[mb]) for mb, w in chosen.items()}
+            sends = {mb: self.post(FORWARD, mb, w, step, acts[mb]) for mb, w in chosen.items()}
             for mb, w in chosen.items():
-                if w in self.dead or not self._wait(sends[mb], w, step):
-                    continue
-                try:
-                    reply = collectives.recv(torch.zeros(
-                        acts[mb].shape[0] * self.out_features[s] + 1, dtype=acts[mb].dtype), w)
-                except RuntimeError:
-                    self._died(w, step)
+                if not self._wait(sends[mb], w, step):
                     continue
                 rows = acts[mb].shape[0]
+                reply = self.fetch((rows * self.out_features[s] + 1,), w, step)
+                if reply is None:
+                    continue
                 self.speed[w] = 0.5 * self.speed[w] + 0.5 * rows / max(float(reply[-1]), 1e-6)
                 acts[mb] = reply[:-1].view(rows, self.out_features[s])
                 route[mb].append(w)
@@ -184,16 +209,15 @@ class _Trainer:
         for s in reversed(range(len(self.pools))):
             for mb in list(grads):
                 w = route[mb][s]
-                if w in self.dead or not self._wait(_send(BACKWARD, mb, w, grads[mb]), w, step):
+                if not self.deliver(BACKWARD, mb, w, step, grads[mb]):
                     del grads[mb]
                     continue
-                try:
-                    width = todo[mb][0].shape[1] if s == 0 else self.out_features[s - 1]
-                    grads[mb] = collectives.recv(torch.zeros(grads[mb].shape[0], width,
-                                                             dtype=grads[mb].dtype), w)
-                except RuntimeError:
-                    self._died(w, step)
+                width = todo[mb][0].shape[1] if s == 0 else self.out_features[s - 1]
+                dx = self.fetch((grads[mb].shape[0], width), w, step)
+                if dx is None:
                     del grads[mb]
+                else:
+                    grads[mb] = dx
         return {mb: losses[mb] for mb in grads}
 
     def collect(self, counted: dict[int, float], route: dict[int, list[int]], step: int,
@@ -207,12 +231,10 @@ class _Trainer:
                 if w in self.dead:
                     continue
                 ids = torch.tensor([mb for mb in counted if route[mb][s] == w], dtype=torch.int64)
-                if not self._wait(_send(GRADS, 0, w, ids), w, step):
+                if not self.deliver(GRADS, 0, w, step, ids):
                     return None
-                try:
-                    part = collectives.recv(torch.zeros(self.sizes[s], dtype=self.dtype), w)
-                except RuntimeError:
-                    self._died(w, step)
+                part = self.fetch((self.sizes[s],), w, step)
+                if part is None:
                     return None
                 total = part if total is None else total + part
             means.append(total / micro)
@@ -253,14 +275,12 @@ def swarm(model_fn: Callable[[], nn.Sequential], pools: list[list[int]],
             counted = trainer.intact(counted, route)  # a worker may have died reporting
         for s, pool in enumerate(pools):
             for w in pool:
-                if w not in trainer.dead:
-                    trainer._wait(_send(UPDATE, 0, w, means[s]), w, step)
+                trainer.deliver(UPDATE, 0, w, step, means[s])
         trainer.report.losses.append(sum(counted.values()) / len(counted))
         trainer.report.seconds.append(time.perf_counter() - started)
         trainer.report.served.append(served)
     for w in workers:
-        if w not in trainer.dead:
-            trainer._wait(_send(STOP, 0, w), w, len(batches))
+        trainer.deliver(STOP, 0, w, len(batches))
     return trainer.report
 
 
