@@ -5,6 +5,7 @@ this module only prints and saves them."""
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -52,3 +53,19 @@ def human_seconds(seconds: float) -> str:
 def human_bytes(nbytes: int) -> str:
     """4 KiB, 16 MiB: the sizes benchmarks sweep."""
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+
+
+def spread(values: list[float], unit: str = "x", digits: int = 2) -> str:
+    """median (min-max) of repeated measurements: a ratio with the machine's noise beside it."""
+    ordered = sorted(values)
+    return (f"{statistics.median(ordered):.{digits}f}{unit} "
+            f"({ordered[0]:.{digits}f}-{ordered[-1]:.{digits}f})")
+
+
+def ratio_cell(values: list[float], ceiling: float | None = None) -> str:
+    """`spread` of per-round ratios; a median above the physical `ceiling` (say a speedup
+    above 2m/(m+1)) is no result but noise (the baseline had a slow round), and says so."""
+    text = spread(values)
+    if ceiling is not None and statistics.median(values) > ceiling * 1.001:
+        return f"noise: {text} > ceiling {ceiling:.2f}x"
+    return text

@@ -45,7 +45,7 @@ def single_process(kind, accumulate=1):
     return history
 
 
-def data_parallel(kind, bucket_bytes, overlap, accumulate=1):
+def data_parallel(kind, bucket_bytes, overlap, accumulate=1, set_to_none=True):
     model = _model(kind)
     with torch.no_grad():  # replicas start different: DataParallel must make them equal
         for p in model.parameters():
@@ -69,7 +69,7 @@ def data_parallel(kind, bucket_bytes, overlap, accumulate=1):
             losses.append(reported.item() / minipar.world_size())
         history.append((losses, [p.grad.clone() for p in model.parameters() if p.requires_grad]))
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)  # False: .grad stays a view, zeroed in place
     return history
 
 
@@ -80,6 +80,7 @@ CONFIGS = [("mlp", None, False), ("mlp", 64, True), ("mlp", 1 << 20, False),
 def _all_configs():
     runs = {config: data_parallel(*config) for config in CONFIGS}
     runs["accumulate"] = data_parallel("mlp", 64, True, accumulate=2)
+    runs["views kept"] = data_parallel("mlp", 64, True, accumulate=2, set_to_none=False)
     return runs
 
 
@@ -87,14 +88,33 @@ def _all_configs():
 def test_equals_single_process_every_step(world_size):
     results = minipar.launch(_all_configs, world_size, backend="gloo", timeout=90)
     for name in results[0]:
-        reference = single_process(name[0] if name != "accumulate" else "mlp",
-                                   accumulate=2 if name == "accumulate" else 1)
+        reference = single_process(name[0] if isinstance(name, tuple) else "mlp",
+                                   accumulate=1 if isinstance(name, tuple) else 2)
         for r in range(world_size):
             for step, ((losses, grads), (ref_losses, ref_grads)) in enumerate(
                     zip(results[r][name], reference, strict=True)):
                 assert losses == pytest.approx(ref_losses, rel=1e-12, abs=1e-14), (name, r, step)
                 for g, ref in zip(grads, ref_grads, strict=True):
                     assert torch.allclose(g, ref, rtol=1e-10, atol=1e-13), (name, r, step)
+
+
+def _views(overlap):
+    model = _model("mlp")
+    ddp = DataParallel(model, bucket_bytes=64, overlap=overlap)
+    found = []
+    for _ in range(2):
+        _loss(ddp, shard(_batches()[0])).backward()
+        found.append([any(p.grad.data_ptr() == v.data_ptr() for b in ddp.buckets
+                          for v in b.views.values()) for p in model.parameters()])
+    return found
+
+
+def test_gradients_are_views_into_the_buckets(cluster2):
+    """No copy out after the all-reduce: each .grad is its bucket's slice (DDP's
+    gradient_as_bucket_view), and stays one while backward accumulates into it."""
+    for overlap in (False, True):
+        for found in cluster2.run(_views, overlap):
+            assert all(all(step) for step in found), (overlap, found)
 
 
 def test_overlap_shows_in_the_timeline(cluster2):

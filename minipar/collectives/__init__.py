@@ -45,6 +45,7 @@ from .comm import (
            split_bounds,
            validation,
 )
+from .fit import fit_machine
 from .network import Link, Network, slow_network
 from .p2p import (
     PendingRecv,
@@ -59,6 +60,6 @@ from .rooted import broadcast, gather, reduce, scatter
 
 __all__ = ["ALL_REDUCE_ALGORITHMS", "OPS", "ROOTED_ALGORITHMS", "SEGMENT_BYTES", "Link",
            "Meter", "Network", "PendingRecv", "PendingSend", "Transfer", "all_gather",
-           "all_reduce", "all_to_all", "broadcast", "gather", "irecv", "isend", "meter", "recv",
-           "recv_any", "reduce", "reduce_scatter", "scatter", "send", "slow_network",
-           "split_bounds", "swap_counts", "validation"]
+           "all_reduce", "all_to_all", "broadcast", "fit_machine", "gather", "irecv", "isend",
+           "meter", "recv", "recv_any", "reduce", "reduce_scatter", "scatter", "send",
+           "slow_network", "split_bounds", "swap_counts", "validation"]

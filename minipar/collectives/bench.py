@@ -1,9 +1,8 @@
 """`minipar bench collectives`: every all-reduce algorithm against torch's built-in, on
-2 and 4 CPU ranks, beside the alpha-beta-gamma model fitted from a ping-pong."""
+2 and 4 CPU ranks, beside the machine model (`minipar.machine`) fitted in the same run."""
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from pathlib import Path
@@ -12,14 +11,12 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives, trace
-from ..cost import all_reduce_cost, fit_alpha_beta
 from ..report import format_table, human_bytes, progress, save_results
-from ..runtime import Cluster, rank
+from ..runtime import Cluster
+from .fit import fit_machine
 
-COLLECTIVE_SIZES = [4 << 10 << (2 * i) for i in range(8)]  # 4 KiB ... 64 MiB
-
-
-PINGPONG_SIZES = [4, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
+COLLECTIVE_SIZES = [1 << 10 << (2 * i) for i in range(9)]  # 1 KiB ... 64 MiB
+WITHIN = 0.25  # the model's goal: every algorithm's median within 25% of its prediction
 
 
 def _time_round_robin(algorithms: list[str], nbytes: int, rounds: int) -> dict[str, list[float]]:
@@ -45,51 +42,14 @@ def _time_round_robin(algorithms: list[str], nbytes: int, rounds: int) -> dict[s
     return times
 
 
-def reduce_seconds_per_byte(nbytes: int = 16 << 20, repeats: int = 5) -> float:
-    """gamma: seconds per byte for an in-place add, on one thread."""
-    a, b = torch.zeros(nbytes // 4), torch.ones(nbytes // 4)
-    best = math.inf
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a.add_(b)
-        best = min(best, time.perf_counter() - start)
-    return best / nbytes
-
-
-def pingpong(sizes: list[int], repeats: int = 5) -> list[float]:
-    """One-way seconds for each message size between ranks 0 and 1 (half a round trip)."""
-    one_way = []
-    for nbytes in sizes:
-        buffer = torch.zeros(max(nbytes // 4, 1))
-        best = math.inf
-        for _ in range(repeats + 1):
-            dist.barrier()
-            start = time.perf_counter()
-            if rank() == 0:
-                dist.send(buffer, 1)
-                dist.recv(buffer, 1)
-            elif rank() == 1:
-                dist.recv(buffer, 0)
-                dist.send(buffer, 0)
-            best = min(best, time.perf_counter() - start)
-        one_way.append(best / 2)
-    return one_way
-
-
-def fit_machine(cluster: Cluster, sizes: list[int] = PINGPONG_SIZES) -> tuple[float, float, float]:
-    """alpha (seconds per message) and beta (seconds per byte) from a ping-pong between
-    ranks 0 and 1 of `cluster`, and gamma (seconds per byte added) from one rank."""
-    one_way = cluster.run(pingpong, sizes)[0]
-    alpha, beta = fit_alpha_beta(sizes, one_way)
-    return alpha, beta, cluster.run(reduce_seconds_per_byte)[0]
-
-
 def measure(world_sizes: tuple[int, ...] = (2, 4),
-                      sizes: list[int] | None = None) -> list[dict]:
-    """All-reduce time and bus bandwidth per algorithm, size and K, with torch's for scale.
+            sizes: list[int] | None = None) -> list[dict]:
+    """All-reduce time per algorithm, size and K, with torch's for scale, and the fitted
+    model's prediction for each.
 
-    Per (K, size) the algorithms take turns for several rounds; a rank-round's time is
-    the slowest rank's; rows report medians, and ring vs torch as the median of the
+    The machine is fitted first on the same ranks (and saved for the other models). Per
+    (K, size) the algorithms take turns for several rounds; a round's time is the slowest
+    rank's; rows keep the median with min and max, and ring vs torch as the median of the
     per-round ratios with their spread (the machine's noise, measured).
     """
 
@@ -99,7 +59,7 @@ def measure(world_sizes: tuple[int, ...] = (2, 4),
     for k in world_sizes:
         with Cluster(k, backend="gloo") as cluster:
             progress(f"K={k}: fitting alpha, beta (ping-pong) and gamma (additions)")
-            alpha, beta, gamma = fit_machine(cluster)
+            machine = fit_machine(cluster)
             for nbytes in sizes:
                 rounds = 15 if nbytes <= 1 << 20 else 7 if nbytes <= 16 << 20 else 5
                 progress(f"K={k}, {human_bytes(nbytes)}: {rounds} rounds of "
@@ -111,25 +71,23 @@ def measure(world_sizes: tuple[int, ...] = (2, 4),
                                                       strict=True))
                 for a in algorithms:
                     seconds = statistics.median(slowest[a])
-                    model = None if a == "torch" else \
-                        all_reduce_cost(a, k, nbytes, alpha, beta, gamma).seconds
+                    model = None if a == "torch" else machine.all_reduce_seconds(a, k, nbytes)
                     rows.append({"world_size": k, "bytes": nbytes, "algorithm": a,
-                                 "seconds": seconds, "rounds": rounds,
+                                 "seconds": seconds, "seconds_range": [min(slowest[a]),
+                                                                       max(slowest[a])],
+                                 "rounds": rounds,
                                  "algbw_GBps": nbytes / seconds / 1e9,
                                  "busbw_GBps": nbytes / seconds / 1e9 * 2 * (k - 1) / k,
-                                 "model_seconds": model, "alpha": alpha, "beta": beta,
-                                 "gamma": gamma,
+                                 "model_seconds": model,
+                                 "model_error": None if model is None else seconds / model - 1,
+                                 "alpha": machine.alpha, "beta": machine.beta,
+                                 "gamma": machine.gamma, "cores": machine.cores,
                                  "ring_vs_torch": statistics.median(ratios),
                                  "ring_vs_torch_range": [ratios[0], ratios[-1]]})
     return rows
 
 
-def report(rows: list[dict], out_dir: Path) -> str:
-    """Bus bandwidth per algorithm (GB/s), ring vs torch, ring vs model; JSON and a plot."""
-    from matplotlib.figure import Figure
-
-    algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
-    world_sizes = sorted({r["world_size"] for r in rows})
+def _bandwidth_table(rows: list[dict], algorithms: list[str], world_sizes: list[int]) -> str:
     by_key = {(r["world_size"], r["bytes"], r["algorithm"]): r for r in rows}
     table = []
     for k in world_sizes:
@@ -140,32 +98,85 @@ def report(rows: list[dict], out_dir: Path) -> str:
             ring = by_key[(k, nbytes, "ring")]
             low, high = ring["ring_vs_torch_range"]
             line["ring/torch"] = f"{ring['ring_vs_torch']:.2f}x ({low:.2f}-{high:.2f})"
-            line["ring/model"] = f"{ring['seconds'] / ring['model_seconds']:.2f}"
             table.append(line)
-    fig = Figure(figsize=(10, 4), layout="constrained")
+    columns = [("K", "K"), ("size", "size")] + [(a, a) for a in algorithms] + [
+        ("ring/torch", "ring vs torch (min-max)")]
+    return format_table(table, columns)
+
+
+def _prediction_table(rows: list[dict], world_sizes: list[int]) -> tuple[str, str]:
+    modelled = [r for r in rows if r["model_seconds"] is not None]
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in modelled))
+    by_key = {(r["world_size"], r["bytes"], r["algorithm"]): r for r in modelled}
+    table = []
+    for k in world_sizes:
+        for nbytes in sorted({r["bytes"] for r in modelled if r["world_size"] == k}):
+            line = {"K": k, "size": human_bytes(nbytes)}
+            for a in algorithms:
+                r = by_key[(k, nbytes, a)]
+                line[a] = (f"{r['seconds'] * 1e3:.2f} / {r['model_seconds'] * 1e3:.2f} "
+                           f"{r['model_error']:+.0%}")
+            table.append(line)
+    errors = sorted(abs(r["model_error"]) for r in modelled)
+    inside = sum(e <= WITHIN for e in errors)
+    verdict = (f"model vs measured: {inside} of {len(errors)} within {WITHIN:.0%}; median "
+               f"|error| {statistics.median(errors):.0%}, largest {errors[-1]:.0%}")
+    return format_table(table, [("K", "K"), ("size", "size")] + [(a, a) for a in algorithms]), \
+        verdict
+
+
+def report(rows: list[dict], out_dir: Path) -> str:
+    """Bus bandwidth per algorithm, ring vs torch, and measured vs predicted time per
+    algorithm; JSON and a plot (bandwidth, and predicted against measured)."""
+    from matplotlib.figure import Figure
+
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
+    world_sizes = sorted({r["world_size"] for r in rows})
+    fig = Figure(figsize=(12, 4), layout="constrained")
     for i, k in enumerate(world_sizes):
-        ax = fig.add_subplot(1, len(world_sizes), i + 1)
+        ax = fig.add_subplot(1, len(world_sizes) + 1, i + 1)
         for a in algorithms:
             mine = sorted((r for r in rows if r["world_size"] == k and r["algorithm"] == a),
                           key=lambda r: r["bytes"])
             ax.plot([r["bytes"] for r in mine], [r["busbw_GBps"] for r in mine], marker="o",
                     label=a, linestyle="--" if a == "torch" else "-")
-        ring = sorted((r for r in rows if r["world_size"] == k and r["algorithm"] == "ring"),
-                      key=lambda r: r["bytes"])
-        ax.plot([r["bytes"] for r in ring],
-                [r["bytes"] / r["model_seconds"] / 1e9 * 2 * (k - 1) / k for r in ring],
-                color="black", linewidth=0.8, label="ring, alpha-beta model")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tensor size (bytes)")
         ax.set_ylabel("bus bandwidth (GB/s)")
         ax.set_title(f"all-reduce on {k} CPU ranks (gloo)", fontsize=10)
         ax.legend(fontsize=7)
+    plot_predictions(fig.add_subplot(1, len(world_sizes) + 1, len(world_sizes) + 1), rows)
     save_results(rows, fig, out_dir, "collectives")
-    alpha, beta, gamma = rows[0]["alpha"], rows[0]["beta"], rows[0]["gamma"]
-    columns = [("K", "K"), ("size", "size")] + [(a, a) for a in algorithms] + [
-        ("ring/torch", "ring vs torch (range)"), ("ring/model", "ring time / model")]
-    return (f"bus bandwidth in GB/s = size/time x 2(K-1)/K (higher is better); K={world_sizes[0]}: "
-            f"alpha = {alpha * 1e6:.0f} us, 1/beta = {1 / beta / 1e9:.2f} GB/s (ping-pong), "
-            f"1/gamma = {1 / gamma / 1e9:.1f} GB/s (additions)\n"
-            "ring vs torch: median of per-round time ratios (min-max over rounds)\n"
-            + format_table(table, columns))
+    first = rows[0]
+    table, verdict = _prediction_table(rows, world_sizes)
+    return (f"fitted: alpha = {first['alpha'] * 1e6:.0f} us per message, 1/beta = "
+            f"{1 / first['beta'] / 1e9:.2f} GB/s (ping-pong), 1/gamma = "
+            f"{1 / first['gamma'] / 1e9:.1f} GB/s (additions), {first['cores']} cores\n"
+            "bus bandwidth in GB/s = size/time x 2(K-1)/K (higher is better); ring vs torch: "
+            "median of per-round time ratios (min-max over rounds)\n"
+            + _bandwidth_table(rows, algorithms, world_sizes)
+            + "\nmeasured / predicted ms (median of rounds, slowest rank) and the error\n"
+            + table + "\n" + verdict)
+
+
+def plot_predictions(ax, rows: list[dict]) -> None:
+    """Measured against predicted seconds, log-log, one colour per algorithm, with the
+    line where they agree and the band of the 25% goal."""
+    modelled = [r for r in rows if r["model_seconds"] is not None]
+    for a in dict.fromkeys(r["algorithm"] for r in modelled):
+        for k, marker in zip(sorted({r["world_size"] for r in modelled}), "os^D", strict=False):
+            mine = [r for r in modelled if r["algorithm"] == a and r["world_size"] == k]
+            ax.scatter([r["model_seconds"] for r in mine], [r["seconds"] for r in mine],
+                       s=14, marker=marker, label=f"{a}, K={k}")
+    low = min(min(r["model_seconds"], r["seconds"]) for r in modelled)
+    high = max(max(r["model_seconds"], r["seconds"]) for r in modelled)
+    line = [low, high]
+    ax.plot(line, line, color="black", linewidth=0.8)
+    ax.fill_between(line, [v * (1 - WITHIN) for v in line], [v * (1 + WITHIN) for v in line],
+                    color="grey", alpha=0.2, label=f"within {WITHIN:.0%}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("predicted (s)")
+    ax.set_ylabel("measured (s)")
+    ax.set_title("all-reduce: measured vs the fitted model", fontsize=10)
+    ax.legend(fontsize=6, ncol=2)

@@ -44,6 +44,15 @@ class PendingSend:
         _account(Transfer("isend", "p2p", 0, "send", self.dst, None, nbytes), self.start,
                  trace.now(), messages=len(self.works), label=self.label, **self.fields)
 
+    def poll(self) -> bool:
+        """Meter the send now and return True if its data has left, else return False at
+        once: a caller that polls between its own work stamps a send's end close to when
+        it really finished, rather than when it finally waited."""
+        if not all(work.is_completed() for work in self.works):
+            return False
+        self.wait()
+        return True
+
 
 def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None,
           label: str | None = None, **fields: int) -> PendingSend:
@@ -66,25 +75,31 @@ def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None
 
 class PendingRecv:
     """A receive in flight; `wait()` blocks until the data has landed in the tensor, meters
-    it and returns the tensor."""
+    it and returns the tensor. Its Timeline event spans only the time `wait()` was
+    blocked: a receive posted early whose data is already there costs (nearly) nothing."""
 
-    def __init__(self, works: list, tensor: torch.Tensor, src: int, start: float) -> None:
-        self.works, self.tensor, self.src, self.start = works, tensor, src, start
+    def __init__(self, works: list, tensor: torch.Tensor, src: int,
+                 label: str | None = None, fields: dict | None = None) -> None:
+        self.works, self.tensor, self.src = works, tensor, src
+        self.label, self.fields = label, fields or {}
 
     def wait(self) -> torch.Tensor:
+        start = trace.now()
         for work in self.works:
             work.wait()
         nbytes = self.tensor.numel() * self.tensor.element_size()
-        _account(Transfer("irecv", "p2p", 0, "recv", self.src, None, nbytes), self.start,
-                 trace.now(), messages=len(self.works))
+        _account(Transfer("irecv", "p2p", 0, "recv", self.src, None, nbytes), start,
+                 trace.now(), messages=len(self.works), label=self.label, **self.fields)
         return self.tensor
 
 
-def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None
-          ) -> PendingRecv:
+def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None,
+          label: str | None = None, **fields: int) -> PendingRecv:
     """Start receiving into `tensor` (contiguous) from `src` without waiting, so that a
-    transfer overlaps computation (ring attention posts it before the block's math).
-    Matches an `isend` or `send` of the same size; `.wait()` before reading `tensor`."""
+    transfer overlaps computation (ring attention posts it before the block's math; the
+    pipeline engine posts its next receives before each compute action). Matches an
+    `isend` or `send` of the same size; `.wait()` before reading `tensor`. `label` and
+    `fields` name the message in the Timeline, as for `isend`."""
     _check_tensor(tensor)
     if not tensor.is_contiguous():
         raise ValueError("irecv needs a contiguous tensor to receive into; pass "
@@ -95,7 +110,7 @@ def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None
     peer = src if group is None else dist.get_global_rank(group, src)
     works = [dist.irecv(data[a:b], peer, group, tag) for tag, (a, b) in enumerate(_segments(data))
              if b > a]
-    return PendingRecv(works, tensor, src, trace.now())
+    return PendingRecv(works, tensor, src, label, fields)
 
 
 def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None,

@@ -82,34 +82,35 @@ def single_process_sgd(model: nn.Module, batches, loss_fn, lr: float
 
 
 class _Bucket:
-    """Parameters whose gradients travel together in one flat tensor."""
+    """Parameters whose gradients travel together in one flat tensor. Each parameter's
+    .grad becomes a view into it (as DDP's gradient_as_bucket_view): backward then adds
+    into the bucket directly and the all-reduced average is already in .grad, so no
+    gradient is copied in or out, unless something replaced .grad (zero_grad() sets it
+    to None), when it is copied in once and made a view again."""
 
     def __init__(self, index: int, params: list[nn.Parameter]) -> None:
         self.index, self.params = index, params
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
                                 device=params[0].device)
+        self.views, offset = {}, 0  # id(parameter) -> its slice of flat
+        for p in params:
+            self.views[id(p)] = self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
         self.waiting = len(params)
 
-    def pack(self) -> None:
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            if p.grad is None:
-                self.flat[offset:offset + n].zero_()
+    def adopt(self, param: nn.Parameter) -> None:
+        """Make param.grad its view into the bucket (copying the gradient in if it is not)."""
+        view = self.views[id(param)]
+        if param.grad is None or param.grad.data_ptr() != view.data_ptr():
+            if param.grad is None:
+                view.zero_()
             else:
-                self.flat[offset:offset + n].copy_(p.grad.reshape(-1))
-            offset += n
+                view.copy_(param.grad)
+            param.grad = view
 
-    def unpack(self) -> None:
-        offset = 0
+    def pack(self) -> None:
         for p in self.params:
-            n = p.numel()
-            averaged = self.flat[offset:offset + n].view_as(p)
-            if p.grad is None:
-                p.grad = averaged.clone()
-            else:
-                p.grad.copy_(averaged)
-            offset += n
+            self.adopt(p)
 
 
 class DataParallel(nn.Module):
@@ -189,6 +190,7 @@ class DataParallel(nn.Module):
             self._started = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         bucket = self._bucket_of[param]
+        bucket.adopt(param)
         bucket.waiting -= 1
         if bucket.waiting == 0 and self.overlap:
             self._ready.add(bucket.index)
@@ -222,7 +224,6 @@ class DataParallel(nn.Module):
             except Exception as error:
                 raise RuntimeError(f"gradient all-reduce failed on rank {rank()}: {error}"
                                    ) from error
-        for bucket in self.buckets:
-            bucket.unpack()
+        for bucket in self.buckets:  # the averages are in .grad already: it views them
             bucket.waiting = len(bucket.params)
         self._started, self._next, self._ready = False, 0, set()

@@ -10,7 +10,7 @@ import time
 import torch
 
 from .. import trace
-from ..collectives.bench import PINGPONG_SIZES, fit_machine
+from ..collectives import fit_machine
 from ..cost import all_reduce_cost
 from ..models import mlp
 from ..runtime import Cluster, world_size
@@ -73,7 +73,9 @@ def measure_speedup(max_ranks: int, width: int, per_rank: int, bucket_bytes: int
     for k in range(1, max_ranks + 1):
         with Cluster(k, backend="gloo") as cluster:
             if k == 2:
-                alpha, beta, gamma = fit_machine(cluster, PINGPONG_SIZES[:5])
+                fitted = fit_machine(cluster, save=False, sizes=[4, 4 << 10, 64 << 10, 1 << 20,
+                                                                 4 << 20])
+                alpha, beta, gamma = fitted.alpha, fitted.beta, fitted.gamma
             result = cluster.run(_lab_steps, width, per_rank, bucket_bytes, compression, steps)
         measured = [e for e in result.timeline if (e.step or 0) >= 1 or e.kind != "compute"]
         first = min(e.start for e in result.timeline if e.label == "forward+backward"

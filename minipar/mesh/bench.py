@@ -19,7 +19,7 @@ import torch
 from matplotlib.figure import Figure
 
 from .. import cost
-from ..collectives.bench import fit_machine
+from ..collectives import fit_machine
 from ..models import TinyGPT
 from ..report import format_table, progress, save_results
 from ..runtime import Cluster as Ranks
@@ -132,7 +132,8 @@ def measure(world_sizes: tuple[int, ...] = (4, 8), steps: int = 3) -> list[dict]
     for k in world_sizes:
         with Ranks(k, backend="gloo", timeout=120) as ranks:
             progress(f"K={k}: fitting alpha and beta (ping-pong) and the compute rates")
-            alpha, beta, _ = fit_machine(ranks)
+            fitted = fit_machine(ranks, save=False)
+            alpha, beta = fitted.alpha, fitted.beta
             flops, bandwidth = ranks.run(_on_rank_0, compute_rates)[0]
             machine = this_machine(k, flops, bandwidth, alpha, beta)
             for dp, pp, tp in configurations(k):

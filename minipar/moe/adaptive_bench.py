@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..collectives.bench import fit_machine
+from ..collectives import fit_machine
 from ..report import format_table, progress
 from ..runtime import Cluster, rank
 from .adaptive import AdaptiveMoE, degree_costs, time_degrees
@@ -38,7 +38,8 @@ def measure_adaptive(tokens_per_rank: tuple[int, ...] = (16, 256, 4096), repeats
     rows = []
     with Cluster(4, backend="gloo") as four:
         progress("adaptive parallelism: fitting alpha, beta")
-        alpha, beta, _ = fit_machine(four)
+        fitted = fit_machine(four, save=False)
+        alpha, beta = fitted.alpha, fitted.beta
         for tokens in tokens_per_rank:
             progress(f"adaptive parallelism, {tokens} tokens per rank")
             result = four.run(_degrees, tokens, alpha, beta, repeats)[0]

@@ -1,6 +1,8 @@
 """`minipar bench pipeline`: two stages on two ranks against one process running both,
-the measured bubble beside the simulator fed the run's own costs, and the activation
-memory each rank really held under GPipe and 1F1B."""
+measured in turns; the measured bubble and step time beside the simulator's prediction
+(fed the run's own per-rank F / B costs, the fitted machine's message time and the
+engine's measured overhead per action); and the activation memory each rank really held
+under GPipe and 1F1B."""
 
 from __future__ import annotations
 
@@ -9,59 +11,92 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from .. import trace
+from ..collectives import fit_machine
 from ..models import linear_stack
-from ..report import format_table, progress, save_results
-from ..runtime import Cluster, world_size
+from ..report import format_table, progress, ratio_cell, save_results, spread
+from ..runtime import Cluster, rank, world_size
 from . import Pipeline, peak_in_flight, schedule, simulate, split_model
+
+BUBBLE_WITHIN, STEP_WITHIN = 0.05, 0.15  # the simulator's goals against a measured run
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
 
 
 def schedule_step_seconds(name: str, microbatches: int, virtual: int, width: int, batch: int,
-                    layers_per_stage: int, steps: int) -> float:
+                          layers_per_stage: int, steps: int) -> float:
     """Median seconds per training step of this schedule on this rank (Timeline recorded):
     `virtual` x `layers_per_stage` blocks of width `width` per rank, a batch of `batch`."""
-
     k = world_size()
     model = linear_stack(width, k * virtual * layers_per_stage)
     pipe = Pipeline(split_model(model, k * virtual), schedule(name, k, microbatches, virtual))
     x, y = torch.randn(batch, width), torch.randn(batch, width)
     times = []
     for step in range(steps + 1):
-        torch.distributed.barrier()
+        dist.barrier()
         start = time.perf_counter()
-        pipe.train_step(x, y, lambda out, t: ((out - t) ** 2).mean())
+        pipe.train_step(x, y, _mse)
         if step:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def _one_process_pipeline_model(stages: int, width: int, batch: int, layers_per_stage: int,
-                                steps: int) -> float:
-    torch.set_num_threads(1)
-    model = linear_stack(width, stages * layers_per_stage)
+def _in_turns(name: str, microbatches: int, width: int, batch: int, layers_per_stage: int,
+              rounds: int) -> dict:
+    """Rounds of [one process runs both stages on rank 0 while rank 1 waits; the pipeline
+    runs one step]: both see the same machine. Returns this rank's times per round."""
+    torch.manual_seed(0)
+    k = world_size()
+    model = linear_stack(width, k * layers_per_stage)
+    single = linear_stack(width, k * layers_per_stage)
+    pipe = Pipeline(split_model(model, k), schedule(name, k, microbatches))
     x, y = torch.randn(batch, width), torch.randn(batch, width)
-    times = []
-    for step in range(steps + 1):
+    one, steps = [], []
+    for _ in range(rounds + 1):  # round 0 warms up (and sends the shape headers)
+        dist.barrier()
+        if rank() == 0:
+            start = time.perf_counter()
+            _mse(single(x), y).backward()
+            one.append(time.perf_counter() - start)
+        dist.barrier()
         start = time.perf_counter()
-        ((model(x) - y) ** 2).mean().backward()
-        if step:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        pipe.train_step(x, y, _mse)
+        steps.append(time.perf_counter() - start)
+    return {"one": one[1:], "steps": steps[1:], "actions": len(pipe.plan.actions[rank()])}
 
 
-def measured_vs_ideal(timeline: trace.Timeline, plan) -> dict:
-    """Bubble of a real run's Timeline beside the simulator's for the same schedule fed the
-    run's own median F / B (/ I / W) costs."""
-    last_step = max((e.step or 0) for e in timeline) if timeline.events else 0
-    costs = {}
+def last_step(timeline: trace.Timeline) -> trace.Timeline:
+    """The events of a run's final step: those from its last "0F0" on."""
+    cut = sorted(e.start for e in timeline if e.label == "0F0")[-1]
+    return trace.Timeline(e for e in timeline if e.start >= cut)
+
+
+def predicted_vs_measured(timeline: trace.Timeline, plan, step_seconds: list[float],
+                          actions: list[int], p2p: float) -> dict:
+    """The simulator fed a measured step's own costs (median F / B / I / W per rank), the
+    fitted message time `p2p` and the engine's overhead per action on each rank (its step
+    time less computing and waiting, over its actions), beside what was measured."""
+    costs: dict = {"p2p": p2p, "overhead": []}
     for kind in ("F", "B", "I", "W"):
-        durations = [e.duration for e in timeline if e.kind == kind]
-        if durations:
-            costs[kind] = statistics.median(durations)
-    ideal = simulate(plan, costs).summary(plan.ranks).bubble_fraction
-    measured = timeline.summary(plan.ranks).bubble_fraction
-    return {"measured": measured, "ideal": ideal, "costs": costs, "steps": last_step}
+        per_rank = [[e.duration for e in timeline.for_rank(r) if e.kind == kind]
+                    for r in range(plan.ranks)]
+        if all(per_rank):
+            costs[kind] = [statistics.median(d) for d in per_rank]
+    for r in range(plan.ranks):
+        mine = [e for e in timeline.for_rank(r) if e.track == "compute" or e.kind == "recv"]
+        busy = sum(e.duration for e in mine)
+        costs["overhead"].append(max(step_seconds[r] - busy, 0.0) / actions[r])
+    predicted = simulate(plan, costs)
+    return {"bubble_measured": timeline.summary(plan.ranks).bubble_fraction,
+            "bubble_predicted": predicted.summary(plan.ranks).bubble_fraction,
+            "bubble_ideal": simulate(plan, {k: v for k, v in costs.items()
+                                            if k in ("F", "B", "I", "W")}
+                                     ).summary(plan.ranks).bubble_fraction,
+            "step_predicted": predicted.makespan, "costs": costs}
 
 
 def _activation_peak(name: str, microbatches: int, width: int, batch: int,
@@ -77,39 +112,39 @@ def _activation_peak(name: str, microbatches: int, width: int, batch: int,
 
 
 def measure(microbatches: tuple[int, ...] = (1, 2, 4, 8, 16), width: int = 512,
-                   batch: int = 2048, layers_per_stage: int = 4, steps: int = 2) -> list[dict]:
-    """Two pipeline stages vs one process running both, for each micro-batch count; and,
-    at the largest count, the activation memory each rank really held (GPipe vs 1F1B).
+            batch: int = 2048, layers_per_stage: int = 4, steps: int = 5) -> list[dict]:
+    """Two pipeline stages vs one process running both, for each micro-batch count, in
+    `steps` rounds each; the prediction for each; and, at the largest count, the
+    activation memory each rank really held (GPipe vs 1F1B).
 
     The batch is large enough (2048 rows) that even 16 micro-batches keep matrix
     products efficient; with small micro-batches per-op overhead eats the gain.
     """
     rows = []
-    progress("one process running both stages")
-    single = min(_one_process_pipeline_model(2, width, batch, layers_per_stage, steps)
-                 for _ in range(2))
     with Cluster(2, backend="gloo") as cluster:
+        progress("fitting the machine (message time)")
+        machine = fit_machine(cluster, save=False)
+        p2p = machine.p2p_seconds(batch * width * 4 / max(microbatches))
         for name in ("gpipe", "1f1b"):
             for m in microbatches:
-                progress(f"{name}, m={m}")
-                best = None
-                for _ in range(2):
-                    run = cluster.run(schedule_step_seconds, name, m, 1, width, batch,
-                                      layers_per_stage, steps)
-                    if best is None or max(run) < max(best):
-                        best = run
-                seconds = max(best)
-                last = trace.Timeline(e for e in best.timeline if e.kind in ("F", "B"))
-                # keep the final (measured, not warm-up) step: events after the last barrier
-                cut = sorted(e.start for e in last if e.label == "0F0")[-1]
-                compared = measured_vs_ideal(trace.Timeline(e for e in best.timeline
-                                                            if e.start >= cut),
-                                             schedule(name, 2, m))
-                rows.append({"schedule": name, "microbatches": m, "seconds": seconds,
-                             "speedup": single / seconds, "ceiling": 2 * m / (m + 1),
-                             "bubble_measured": compared["measured"],
-                             "bubble_ideal": compared["ideal"],
-                             "bubble_formula": 1 / (m + 1)})
+                progress(f"{name}, m={m}: {steps} rounds, one process and pipeline in turns")
+                run = cluster.run(_in_turns, name, m, width, batch, layers_per_stage, steps)
+                per_round = [max(times) for times in zip(*(r["steps"] for r in run),
+                                                         strict=True)]
+                speedups = [one / step for one, step in zip(run[0]["one"], per_round,
+                                                            strict=True)]
+                last = [r["steps"][-1] for r in run]
+                p2p = machine.p2p_seconds(batch * width * 4 / m)
+                compared = predicted_vs_measured(last_step(run.timeline), schedule(name, 2, m),
+                                                 last, [r["actions"] for r in run], p2p)
+                rows.append({"schedule": name, "microbatches": m,
+                             "seconds": statistics.median(per_round), "seconds_last": max(last),
+                             "speedups": speedups, "speedup": statistics.median(speedups),
+                             "ceiling": 2 * m / (m + 1), "bubble_formula": 1 / (m + 1),
+                             "overhead_per_action": compared["costs"]["overhead"],
+                             "p2p_seconds": p2p, **{k: v for k, v in compared.items()
+                                                    if k != "costs"},
+                             "costs": compared["costs"]})
         m = max(microbatches)
         progress(f"activation memory, m={m}")
         for name in ("gpipe", "1f1b"):
@@ -122,7 +157,8 @@ def measure(microbatches: tuple[int, ...] = (1, 2, 4, 8, 16), width: int = 512,
 
 
 def report(rows: list[dict], out_dir: Path) -> str:
-    """Speedup and bubble per micro-batch count; JSON and a plot against 2m/(m+1)."""
+    """Speedup (median and spread over rounds) and bubble and step time, measured and
+    predicted, per micro-batch count; JSON and a plot against 2m/(m+1)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 3.5), layout="constrained")
@@ -132,35 +168,56 @@ def report(rows: list[dict], out_dir: Path) -> str:
             label="ceiling 2m/(m+1)")
     for name in dict.fromkeys(r["schedule"] for r in rows):
         mine = [r for r in rows if r["schedule"] == name]
-        ax.plot([r["microbatches"] for r in mine], [r["speedup"] for r in mine], marker="o",
-                label=f"{name}, measured")
+        ax.errorbar([r["microbatches"] for r in mine], [r["speedup"] for r in mine],
+                    yerr=[[r["speedup"] - min(r["speedups"]) for r in mine],
+                          [max(r["speedups"]) - r["speedup"] for r in mine]],
+                    marker="o", capsize=3, label=f"{name}, measured (median, min-max)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches m")
     ax.set_ylabel("speedup over one process")
     ax.set_title("2 pipeline stages on 2 CPU ranks", fontsize=10)
     ax.legend(fontsize=8)
     save_results(rows, fig, out_dir, "pipeline")
-    shown = [{"schedule": r["schedule"], "m": r["microbatches"],
-              "speedup": f"{r['speedup']:.2f}x", "ceiling": f"{r['ceiling']:.2f}x",
-              "measured": f"{r['bubble_measured']:.3f}", "ideal": f"{r['bubble_ideal']:.3f}",
-              "formula": f"{r['bubble_formula']:.3f}"} for r in rows]
+    shown = []
+    for r in rows:
+        error = r["seconds_last"] / r["step_predicted"] - 1
+        shown.append({"schedule": r["schedule"], "m": r["microbatches"],
+                      "speedup": ratio_cell(r["speedups"], r["ceiling"]),
+                      "ceiling": f"{r['ceiling']:.2f}x",
+                      "bubble": f"{r['bubble_measured']:.3f} / {r['bubble_predicted']:.3f} "
+                                f"({r['bubble_ideal']:.3f})",
+                      "step": f"{r['seconds_last'] * 1e3:.0f} / {r['step_predicted'] * 1e3:.0f}"
+                              f" ms {error:+.0%}",
+                      "overhead": spread([o * 1e6 for o in r["overhead_per_action"]], " us", 0)})
+    bubble_errors = [abs(r["bubble_measured"] - r["bubble_predicted"]) for r in rows]
+    step_errors = [abs(r["seconds_last"] / r["step_predicted"] - 1) for r in rows]
+    verdict = (f"simulator vs measured: bubble within {BUBBLE_WITHIN} in "
+               f"{sum(e <= BUBBLE_WITHIN for e in bubble_errors)} of {len(rows)} (largest "
+               f"{max(bubble_errors):.3f}); step time within {STEP_WITHIN:.0%} in "
+               f"{sum(e <= STEP_WITHIN for e in step_errors)} of {len(rows)} (largest "
+               f"{max(step_errors):.0%})")
     memory = [r for r in rows if "activation_peak_bytes" in r]
     lines = []
     if len(memory) == 2:
         gpipe, one_f = memory
-        for rank in range(2):
-            measured = gpipe["activation_peak_bytes"][rank] / one_f["activation_peak_bytes"][rank]
-            counted = gpipe["in_flight"][rank] / one_f["in_flight"][rank]
-            lines.append(f"  rank {rank}: GPipe {gpipe['activation_peak_bytes'][rank] / 2**20:.1f}"
-                         f" MiB, 1F1B {one_f['activation_peak_bytes'][rank] / 2**20:.1f} MiB: "
+        for r in range(2):
+            measured = gpipe["activation_peak_bytes"][r] / one_f["activation_peak_bytes"][r]
+            counted = gpipe["in_flight"][r] / one_f["in_flight"][r]
+            lines.append(f"  rank {r}: GPipe {gpipe['activation_peak_bytes'][r] / 2**20:.1f}"
+                         f" MiB, 1F1B {one_f['activation_peak_bytes'][r] / 2**20:.1f} MiB: "
                          f"{measured:.2f}x measured, {counted:.2f}x by the simulator's counts "
-                         f"({gpipe['in_flight'][rank]} vs {one_f['in_flight'][rank]} "
+                         f"({gpipe['in_flight'][r]} vs {one_f['in_flight'][r]} "
                          "micro-batches)")
-    return ("bubble: measured from the run's Timeline; ideal = the simulator fed the run's own "
-            "median F and B times; formula = (p-1)/(m+p-1)\n"
+    return ("speedup: one process / pipeline step, per round (one process and pipeline take "
+            "turns), median (min-max); bubble and step: measured in the last round / "
+            "predicted by the simulator with messages and engine overhead (and without them,"
+            " in brackets); overhead: the engine's time per action, rank 0 and 1\n"
             + format_table(shown, [("schedule", "schedule"), ("m", "m"),
-                                   ("speedup", "speedup"), ("ceiling", "ceiling 2m/(m+1)"),
-                                   ("measured", "bubble measured"), ("ideal", "simulated"),
-                                   ("formula", "formula")])
+                                   ("speedup", "speedup (min-max)"),
+                                   ("ceiling", "ceiling 2m/(m+1)"),
+                                   ("bubble", "bubble meas. / pred. (ideal)"),
+                                   ("step", "step meas. / pred."),
+                                   ("overhead", "overhead/action")])
+            + "\n" + verdict
             + (f"\npeak activation memory at m={memory[0]['microbatches']} (autograd's saved "
                "tensors):\n" + "\n".join(lines) if lines else ""))

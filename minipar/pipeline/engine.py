@@ -35,7 +35,7 @@ from ..runtime import rank, world_size
 from ..trace import record
 from .plan import Action, Schedule
 
-_HEADER = 9  # ndim + up to 8 dimensions, sent before each activation
+_HEADER = 9  # ndim + up to 8 dimensions, sent before an activation of unknown shape
 
 
 def split_model(model: nn.Sequential | Sequence[nn.Module], stages: int,
@@ -149,6 +149,8 @@ class Pipeline:
                           torch.float32)
         self.activations = SavedActivationMeter({p.untyped_storage().data_ptr()
                                                  for p in self.parameters()})
+        self.post_ahead = True
+        self._shapes: dict = {}  # (batch shape, dtype, sizes) -> message shapes (_StepState)
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for s in sorted(self.modules) for p in self.modules[s].parameters()]
@@ -171,34 +173,68 @@ class Pipeline:
         inputs = torch.split(batch, list(sizes)) if sizes else torch.tensor_split(batch, m)
         targets = torch.split(target, list(sizes)) if sizes else torch.tensor_split(target, m)
         weights = [len(x) / len(batch) for x in inputs]
-        state = _StepState()
-        for action in self.plan.actions[self.rank]:
+        key = (tuple(batch.shape), batch.dtype, tuple(sizes) if sizes else None)
+        state = _StepState(self._shapes.get(key))
+        actions = self.plan.actions[self.rank]
+        for index, action in enumerate(actions):
+            if not state.headers and self.post_ahead:
+                self._post_receives(actions, index, state)
             self._run(action, inputs, targets, weights, loss_fn, state)
+            state.sends = [pending for pending in state.sends if not pending.poll()]
         for pending in state.sends:
             pending.wait()
+        self._shapes[key] = state.shapes
         return sum(state.losses) if state.losses else None
+
+    def _post_receives(self, actions: Sequence[Action], index: int, st: _StepState) -> None:
+        """Post (irecv) every receive up to the second compute action from `index`, so each
+        message lands while this rank computes the action before it. Receives are posted in
+        plan order, the order the peer sends in, so messages match as they did blocking."""
+        computes, end = 0, index
+        while end < len(actions) and computes < 2:
+            computes += not actions[end].kind.startswith(("SEND", "RECV"))
+            end += 1
+        for a in actions[st.posted:end]:
+            if a.kind.startswith("RECV"):
+                self._post(a, st)
+        st.posted = max(st.posted, end)
+
+    def _post(self, a: Action, st: _StepState) -> None:
+        shape, dtype = st.shapes[(a.kind, a.stage, a.microbatch)]
+        peer = a.stage - 1 if a.kind == "RECV_F" else a.stage + 1
+        st.pending[(a.kind, a.stage, a.microbatch)] = collectives.irecv(
+            torch.empty(shape, dtype=dtype), self.plan.rank_of(peer), self.group,
+            label=str(a), stage=a.stage, microbatch=a.microbatch)
 
     def _run(self, a: Action, inputs, targets, weights, loss_fn, st: _StepState) -> None:
         key, last = (a.stage, a.microbatch), self.plan.stages - 1
         if a.kind.startswith(("SEND", "RECV")):  # labelled as the plan and the simulator do
             tag = {"label": str(a), "stage": a.stage, "microbatch": a.microbatch}
-        if a.kind == "RECV_F":
+        if a.kind.startswith("RECV") and not st.headers:  # shape known: no header
+            if (a.kind, *key) not in st.pending:  # not posted ahead
+                self._post(a, st)
+            store = st.incoming if a.kind == "RECV_F" else st.grads
+            store[key] = st.pending.pop((a.kind, *key)).wait()
+        elif a.kind == "RECV_F":  # first step with this batch shape: the shape comes first
             src = self.plan.rank_of(a.stage - 1)
             header = collectives.recv(torch.zeros(_HEADER, dtype=torch.int64), src, self.group,
                                       **tag)
             shape = header[1:1 + int(header[0])].tolist()
+            st.shapes[(a.kind, *key)] = (shape, self.dtype)
             st.incoming[key] = collectives.recv(torch.empty(shape, dtype=self.dtype), src,
                                                 self.group, **tag)
         elif a.kind == "SEND_F":
             out = st.outputs[key].detach()
-            header = torch.zeros(_HEADER, dtype=torch.int64)
-            header[0] = out.dim()
-            header[1:1 + out.dim()] = torch.tensor(out.shape)
             dst = self.plan.rank_of(a.stage + 1)
-            st.sends += [collectives.isend(header, dst, self.group, **tag),
-                         collectives.isend(out, dst, self.group, **tag)]
+            if st.headers:
+                header = torch.zeros(_HEADER, dtype=torch.int64)
+                header[0] = out.dim()
+                header[1:1 + out.dim()] = torch.tensor(out.shape)
+                st.sends.append(collectives.isend(header, dst, self.group, **tag))
+            st.sends.append(collectives.isend(out, dst, self.group, **tag))
         elif a.kind == "RECV_B":
             grad = torch.empty_like(st.outputs[key])
+            st.shapes[(a.kind, *key)] = (grad.shape, grad.dtype)
             st.grads[key] = collectives.recv(grad, self.plan.rank_of(a.stage + 1), self.group,
                                              **tag)
         elif a.kind == "SEND_B":
@@ -289,15 +325,29 @@ class Pipeline:
 
 
 def _accumulate(params: list[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
+    """Add each gradient into .grad in place (as backward() does); a gradient that shares
+    memory with another one of this call is copied first, so no two .grads alias."""
+    taken: set[int] = set()
     for p, g in zip(params, grads, strict=True):
-        if g is not None:
-            p.grad = g if p.grad is None else p.grad + g
+        if g is None:
+            continue
+        if p.grad is not None:
+            p.grad.add_(g)
+        else:
+            p.grad = g.clone() if g.untyped_storage().data_ptr() in taken else g
+            taken.add(g.untyped_storage().data_ptr())
 
 
 class _StepState:
     """What one train_step keeps between actions, keyed by (stage, micro-batch)."""
 
-    def __init__(self) -> None:
+    def __init__(self, shapes: dict | None) -> None:
+        # message shapes, learnt from headers on the first step with a batch shape; after
+        # that no headers are sent and receives are posted ahead
+        self.headers = shapes is None
+        self.shapes: dict = {} if shapes is None else shapes
+        self.pending: dict = {}  # posted receives, by (kind, stage, micro-batch)
+        self.posted = 0  # actions up to here have had their receives posted
         self.incoming: dict = {}
         self.outputs: dict = {}
         self.stage_inputs: dict = {}

@@ -1,11 +1,15 @@
-"""Replay a schedule with modelled costs: the ideal Timeline of a pipeline.
+"""Replay a schedule with modelled costs: the ideal Timeline of a pipeline, and, given a
+machine's communication and engine costs, the Timeline a real run should have.
 
-Each rank runs its actions in order. A compute action takes its kind's cost; a send
-costs nothing to the sender and its message lands `costs["p2p"]` seconds later; a
-receive waits until its message has landed. Events carry the plan's labels (`1F0`,
-`1SEND_F0`, `2RECV_F0`) and kinds (F, B, I, W, send, recv), as the engine records them,
-so a simulated and a measured Timeline can be compared action by action, drawn and
-summarized alike.
+Each rank runs its actions in order. A compute action takes its kind's cost (one figure
+for every rank, or one per rank: the last stage also computes the loss, the first has no
+input gradient to send back). A message lands `costs["p2p"]` seconds after it is sent
+(latency plus bytes over bandwidth, e.g. from a fitted `cost.Machine`); a receive waits
+until its message has landed. `costs["overhead"]` is the engine's own time per action
+(Python, posting a message), paid by every action on its rank. Events carry the plan's
+labels (`1F0`, `1SEND_F0`, `2RECV_F0`) and kinds (F, B, I, W, send, recv), as the engine
+records them, so a simulated and a measured Timeline can be compared action by action,
+drawn and summarized alike.
 """
 
 from __future__ import annotations
@@ -14,15 +18,27 @@ from ..trace import Event, Timeline
 from .plan import Schedule, check_structure
 
 
-def simulate(plan: Schedule, costs: dict[str, float]) -> Timeline:
-    """The Timeline of `plan` when F, B, I, W take costs[kind] and a message costs["p2p"].
+def _per_rank(costs: dict, kind: str, ranks: int, default: float) -> list[float]:
+    value = costs.get(kind, default)
+    values = [float(v) for v in value] if isinstance(value, (list, tuple)) else [value] * ranks
+    if len(values) != ranks:
+        raise ValueError(f"costs[{kind!r}] must be one number or one per rank ({ranks}); "
+                         f"got {len(values)}")
+    if any(v < 0 for v in values):
+        raise ValueError(f"costs[{kind!r}] must be >= 0 seconds; got {value!r}")
+    return values
+
+
+def simulate(plan: Schedule, costs: dict[str, float | list[float]]) -> Timeline:
+    """The Timeline of `plan` when F, B, I, W take costs[kind] (seconds; one number, or a
+    list with one per rank), a message takes costs["p2p"] to land and every action costs
+    its rank costs["overhead"] more.
 
     Raises ValueError naming the stuck ranks and their next actions on a deadlock.
     """
-    p2p = costs.get("p2p", 0.0)
-    for kind in ("F", "B", "I", "W"):
-        if costs.get(kind, 1.0) < 0:
-            raise ValueError(f"costs[{kind!r}] must be >= 0 seconds; got {costs[kind]!r}")
+    p2p = _per_rank(costs, "p2p", plan.ranks, 0.0)[0]
+    overhead = _per_rank(costs, "overhead", plan.ranks, 0.0)
+    compute = {kind: _per_rank(costs, kind, plan.ranks, 1.0) for kind in ("F", "B", "I", "W")}
     clock = [0.0] * plan.ranks
     position = [0] * plan.ranks
     landed: dict[tuple[str, int, int], float] = {}  # (direction, stage sent to, mb) -> time
@@ -37,6 +53,7 @@ def simulate(plan: Schedule, costs: dict[str, float]) -> Timeline:
                     key = (a.kind[-1], a.stage, a.microbatch)
                     if key not in landed:
                         break
+                    clock[r] += overhead[r]
                     start = max(clock[r], landed[key])
                     if start > clock[r]:  # blocked in the receive, as a real rank records it
                         source = a.stage - 1 if a.kind == "RECV_F" else a.stage + 1
@@ -46,13 +63,15 @@ def simulate(plan: Schedule, costs: dict[str, float]) -> Timeline:
                     clock[r] = start
                 elif a.kind.startswith("SEND"):
                     target = a.stage + 1 if a.kind == "SEND_F" else a.stage - 1
+                    clock[r] += overhead[r]
                     landed[(a.kind[-1], target, a.microbatch)] = clock[r] + p2p
                     if p2p:
                         events.append(Event(r, "send", str(a), clock[r], clock[r] + p2p,
                                             stage=a.stage, microbatch=a.microbatch,
                                             peer=plan.rank_of(target)))
                 else:
-                    cost = costs.get(a.kind, 1.0)
+                    cost = compute[a.kind][r]
+                    clock[r] += overhead[r]
                     events.append(Event(r, a.kind, str(a), clock[r], clock[r] + cost,
                                         stage=a.stage, microbatch=a.microbatch))
                     clock[r] += cost
