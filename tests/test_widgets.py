@@ -99,8 +99,12 @@ def test_schedule_explorer_simulates_reports_and_measures():
     explorer.name.value, explorer.stages.value = "gpipe", 2
     measured = explorer.measure()
     assert sorted({e.kind for e in measured} & {"F", "B"}) == ["B", "F"]
-    assert "measured bubble" in explorer.status.value
-    assert render_pipeline(explorer.ideal, measured).axes
+    assert "measured bubble" in explorer.status.value and "predicted" in explorer.status.value
+    # the prediction from the run's own costs is drawn on the measured run's time axis
+    assert {e.label for e in explorer.predicted if e.track == "compute"} == \
+        {e.label for e in measured if e.track == "compute"}
+    figure = render_pipeline(explorer.ideal, measured, predicted=explorer.predicted)
+    assert len(figure.axes) == 4 and figure.axes[1].get_xlim() == figure.axes[2].get_xlim()
 
 
 def test_split_frames_render_for_every_kind_and_size():

@@ -42,20 +42,33 @@ def render_speedup(rows: list[dict], title: str = "") -> Figure:
 
 
 def render_pipeline(ideal: Timeline, measured: Timeline | None = None, upto: float | None = None,
-                    split_backward: bool = False, title: str = "") -> Figure:
-    """The simulated schedule as a Gantt (and the measured run under it, on its own time
-    axis), with the micro-batches each rank holds activations for over time."""
-    panels = 3 if measured is not None else 2
+                    split_backward: bool = False, title: str = "",
+                    predicted: Timeline | None = None) -> Figure:
+    """The simulated schedule as a Gantt, with the micro-batches each rank holds
+    activations for over time; with a measured run, also the simulator's prediction from
+    that run's own costs (messages and engine overhead included) and the run itself,
+    those two on one time axis so they compare bar for bar."""
+    extra = [t for t in (predicted, measured) if t is not None]
+    panels = 2 + len(extra)
     ranks = max(len(ideal.ranks), 1)
     fig = Figure(figsize=(10, 0.45 * ranks * (panels - 1) + 2.6), layout="constrained")
     axes = fig.subplots(panels, 1, height_ratios=[ranks] * (panels - 1) + [max(ranks * 0.7, 2)])
     bubble = ideal.summary(ranks).bubble_fraction
     render_timeline(ideal, upto=upto, ax=axes[0],
                     title=title or f"ideal (simulated): bubble {bubble:.1%}")
-    if measured is not None:
-        real = Timeline(e for e in measured if e.kind in ("F", "B", "I", "W", "recv", "send"))
+    shown = [("predicted from the measured costs", predicted),
+             ("measured on real ranks", measured)]
+    shared = max((t.makespan for t in extra), default=0.0) * 1e3 * 1.02
+    ax_index = 1
+    for label, timeline in shown:
+        if timeline is None:
+            continue
+        real = Timeline(e for e in timeline if e.kind in ("F", "B", "I", "W", "recv", "send"))
         got = real.summary(ranks).bubble_fraction
-        render_timeline(real, ax=axes[1], title=f"measured on real ranks: bubble {got:.1%}")
+        render_timeline(real, ax=axes[ax_index], title=f"{label}: bubble {got:.1%}, step "
+                                                        f"{real.makespan * 1e3:.0f} ms")
+        axes[ax_index].set_xlim(0, shared)
+        ax_index += 1
     curve_ax = axes[-1]
     for rank, points in in_flight_over_time(ideal, split_backward).items():
         xs = [p[0] * 1e3 for p in points if upto is None or p[0] <= upto]

@@ -14,7 +14,8 @@ class ScheduleExplorer(w.VBox):
     """Controls for schedule, stages, micro-batches, virtual stages and F/B/W costs; an
     animated Gantt of the simulated run with activations held over time; "measure" runs
     the schedule on a Cluster (balanced synthetic stages) and draws the real Timeline
-    under the ideal one; "fill bubbles" packs PipeFisher-style extra work into idle time."""
+    under the ideal one, with the simulator's prediction from the run's own costs on the
+    same time axis; "fill bubbles" packs PipeFisher-style extra work into idle time."""
 
     def __init__(self, name: str = "1f1b", stages: int = 4, microbatches: int = 8) -> None:
         self.name = w.Dropdown(options=list(SCHEDULES), value=name, description="schedule")
@@ -36,7 +37,7 @@ class ScheduleExplorer(w.VBox):
         self.measure_button = w.Button(description="measure", button_style="primary")
         self.status = w.HTML()
         self.image = w.Image(format="png")
-        self.measured = None
+        self.measured = self.predicted = None
         self._cache: dict[int, bytes] = {}
         for control in (self.name, self.stages, self.microbatches, self.virtual, self.backward,
                         self.weight_share, self.fill):
@@ -57,7 +58,7 @@ class ScheduleExplorer(w.VBox):
 
     def update(self) -> None:
         """Rebuild the schedule from the controls and redraw (errors shown, not raised)."""
-        self.measured, self._cache = None, {}
+        self.measured, self.predicted, self._cache = None, None, {}
         try:
             virtual = self.virtual.value if self.name.value in ("interleaved_1f1b",
                                                                  "looped_bfs") else 1
@@ -85,22 +86,34 @@ class ScheduleExplorer(w.VBox):
         if frame not in self._cache:
             upto = None if frame >= self.time.max else self.ideal.makespan * frame / self.time.max
             self._cache[frame] = to_png(render_pipeline(self.ideal, self.measured, upto,
-                                                        self.plan.split_backward))
+                                                        self.plan.split_backward,
+                                                        predicted=self.predicted))
         self.image.value = self._cache[frame]
 
     def measure(self):
-        """Run the current schedule on real ranks and draw its Timeline under the ideal."""
-        from minipar.pipeline.bench import schedule_step_seconds
+        """Run the current schedule on real ranks and draw its Timeline under the ideal,
+        beside the simulator's prediction from the run's own costs on the same time axis
+        (message time from the fitted machine, if `minipar bench collectives` saved one)."""
+        from minipar.machine import Machine
+        from minipar.pipeline.bench import last_step, predicted_vs_measured, schedule_step_seconds
         from minipar.runtime import launch
 
         before = self.status.value
         self.status.value = "measuring on real ranks..."
+        width, batch = 512, 2048
         run = launch(schedule_step_seconds, self.plan.ranks, self.plan.name, self.plan.microbatches,
-                     self.plan.virtual, 512, 2048, 4, 1, backend="gloo", timeout=120)
-        first = sorted(e.start for e in run.timeline if e.label == "0F0")[-1]
-        self.measured = type(run.timeline)(e for e in run.timeline if e.start >= first)
+                     self.plan.virtual, width, batch, 4, 1, backend="gloo", timeout=120)
+        self.measured = last_step(run.timeline)
+        try:
+            p2p = Machine.load("gloo").p2p_seconds(batch * width * 4 / self.plan.microbatches)
+            fitted = ""
+        except FileNotFoundError:
+            p2p, fitted = 0.0, " (messages not priced: run `minipar bench collectives` to fit them)"
+        compared = predicted_vs_measured(self.measured, self.plan, list(run),
+                                         [len(a) for a in self.plan.actions], p2p)
+        self.predicted = simulate(self.plan, compared["costs"])
         self._cache = {}
         self._show(self.time.value)
-        measured = self.measured.summary(self.plan.ranks).bubble_fraction
-        self.status.value = f"{before}; measured bubble {measured:.1%} (drawn below)"
+        self.status.value = (f"{before}; measured bubble {compared['bubble_measured']:.1%}, "
+                             f"predicted {compared['bubble_predicted']:.1%}{fitted}")
         return self.measured

@@ -4,6 +4,7 @@ event in the Timeline; arguments are checked on every rank before anything moves
 
 from __future__ import annotations
 
+import threading
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,7 +22,7 @@ ROOTED_ALGORITHMS = ("naive", "tree", "binary")
 SEGMENT_BYTES = 1 << 20  # ring segments: small enough to overlap, large enough to stream
 
 _meters: list[Meter] = []
-_validate = True
+_validation = threading.local()  # per thread: a communication thread sets its own
 
 
 # ------------------------------------------------------------------- the meter ---
@@ -70,18 +71,19 @@ def meter(snapshots: bool = False) -> Iterator[Meter]:
 
 @contextmanager
 def validation(enabled: bool) -> Iterator[None]:
-    """Switch the cross-rank shape/argument handshake on or off inside the block."""
-    global _validate
-    previous, _validate = _validate, enabled
+    """Switch the cross-rank shape/argument handshake on or off inside the block, for the
+    calling thread (a trainer's communication thread keeps its own setting)."""
+    previous = validating()
+    _validation.enabled = enabled
     try:
         yield
     finally:
-        _validate = previous
+        _validation.enabled = previous
 
 
 def validating() -> bool:
-    """Whether the cross-rank handshake is on (see `validation`)."""
-    return _validate
+    """Whether the cross-rank handshake is on in this thread (see `validation`)."""
+    return getattr(_validation, "enabled", True)
 
 
 # ------------------------------------------------------------------- one step ---
@@ -211,7 +213,7 @@ _CODES = {name: i for i, name in enumerate(
 def _agree(comm: _Comm, tensor: torch.Tensor, op: str = "-", algorithm: str = "-",
            root: int = -1, dim0_may_differ: bool = False) -> None:
     """Every rank checks that all ranks called with matching tensors and arguments."""
-    if not _validate or comm.size == 1:
+    if not validating() or comm.size == 1:
         return
     shape = list(tensor.shape)
     if dim0_may_differ and shape:

@@ -44,15 +44,6 @@ class PendingSend:
         _account(Transfer("isend", "p2p", 0, "send", self.dst, None, nbytes), self.start,
                  trace.now(), messages=len(self.works), label=self.label, **self.fields)
 
-    def poll(self) -> bool:
-        """Meter the send now and return True if its data has left, else return False at
-        once: a caller that polls between its own work stamps a send's end close to when
-        it really finished, rather than when it finally waited."""
-        if not all(work.is_completed() for work in self.works):
-            return False
-        self.wait()
-        return True
-
 
 def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None,
           label: str | None = None, **fields: int) -> PendingSend:

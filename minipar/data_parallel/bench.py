@@ -11,7 +11,7 @@ import torch
 
 from .. import trace
 from ..models import mlp, mlp_parameters
-from ..report import format_table, progress, save_results
+from ..report import format_table, progress, ratio_cell, save_results
 from ..runtime import Cluster, world_size
 from .ddp import DataParallel
 
@@ -66,55 +66,72 @@ def _dp_throughput(variant: str, sizes: list[int], per_rank: int, steps: int) ->
             if variant not in ("one process", "torch DDP") else None}
 
 
-def measure(world_size: int = 2, steps: int = 8, rounds: int = 3) -> list[dict]:
+def measure(world_size: int = 2, steps: int = 8, rounds: int = 5) -> list[dict]:
     """Samples/s for one process and K ranks under each trainer, at two model sizes.
 
-    The variants take turns for `rounds` rounds and each keeps its best round (noise
-    on a shared machine only ever adds time); a round's time is its slowest rank's.
+    The variants take turns for `rounds` rounds, so each round compares them on the same
+    machine; a round's time is its slowest rank's median step. Rows keep the median
+    round and the per-round ratios to one process and to DDP, whose spread is the noise.
     """
     rows = []
     with Cluster(world_size, backend="gloo") as cluster:
         for name, (sizes, per_rank) in DP_SIZES.items():
             params = mlp_parameters(sizes)
-            best: dict[str, dict] = {}
+            runs: dict[str, list[dict]] = {v: [] for v in DP_VARIANTS}
             for round_index in range(rounds):
                 for variant in DP_VARIANTS:
                     progress(f"{name}: {variant}, round {round_index + 1}/{rounds}")
                     result = cluster.run(_dp_throughput, variant, sizes, per_rank, steps)
-                    slowest = max(result, key=lambda r: r["seconds"])
-                    if variant not in best or slowest["seconds"] < best[variant]["seconds"]:
-                        best[variant] = slowest
-            rows += [{"size": name, "params": params, "per_rank": per_rank, "variant": v,
-                      **best[v]} for v in DP_VARIANTS]
+                    runs[variant].append(max(result, key=lambda r: r["seconds"]))
+            for variant in DP_VARIANTS:
+                seconds = [r["seconds"] for r in runs[variant]]
+                middle = sorted(runs[variant], key=lambda r: r["seconds"])[len(seconds) // 2]
+                shares = [r["comm_share"] for r in runs[variant] if r["comm_share"] is not None]
+                rows.append({
+                    "size": name, "params": params, "per_rank": per_rank, "variant": variant,
+                    "world_size": world_size, "seconds": middle["seconds"],
+                    "seconds_range": [min(seconds), max(seconds)],
+                    "samples_per_s": middle["samples_per_s"],
+                    "comm_share": statistics.median(shares) if shares else None,
+                    "speedups": [one["seconds"] / mine["seconds"] for one, mine  # same samples
+                                 in zip(runs["one process"], runs[variant], strict=True)],
+                    "vs_ddps": [ddp["seconds"] / mine["seconds"] for ddp, mine
+                                in zip(runs["torch DDP"], runs[variant], strict=True)]})
     for row in rows:
-        base = next(r for r in rows if r["size"] == row["size"] and r["variant"] == "one process")
-        ddp = next(r for r in rows if r["size"] == row["size"] and r["variant"] == "torch DDP")
-        row["speedup"] = row["samples_per_s"] / base["samples_per_s"]
-        row["vs_ddp"] = row["samples_per_s"] / ddp["samples_per_s"]
+        row["speedup"] = statistics.median(row["speedups"])
+        row["vs_ddp"] = statistics.median(row["vs_ddps"])
     return rows
 
 
 def report(rows: list[dict], out_dir: Path) -> str:
-    """Samples/s, speedup over one process, ratio to DDP, communication share; JSON, plot."""
+    """Samples/s, speedup over one process and ratio to DDP (median and min-max over
+    rounds; a speedup above K is flagged as noise), communication share; JSON, plot."""
     from matplotlib.figure import Figure
 
     shown = [{"size": f"{r['size']} ({r['params'] / 1e6:.1f}M params, {r['per_rank']}/rank)",
               "variant": r["variant"], "samples/s": f"{r['samples_per_s']:.0f}",
-              "speedup": f"{r['speedup']:.2f}x", "vs DDP": f"{r['vs_ddp']:.2f}x",
+              "speedup": ratio_cell(r["speedups"], float(r["world_size"])),
+              "vs DDP": ratio_cell(r["vs_ddps"]),
               "comm": "" if r["comm_share"] is None else f"{r['comm_share']:.0%}"} for r in rows]
     fig = Figure(figsize=(8, 3.5), layout="constrained")
     ax = fig.add_subplot()
     names = list(dict.fromkeys(r["size"] for r in rows))
     width = 0.8 / len(DP_VARIANTS)
     for i, variant in enumerate(DP_VARIANTS):
-        values = [next(r["speedup"] for r in rows if r["size"] == n and r["variant"] == variant)
-                  for n in names]
-        ax.bar([j + i * width for j in range(len(names))], values, width, label=variant)
+        mine = [next(r for r in rows if r["size"] == n and r["variant"] == variant)
+                for n in names]
+        ax.bar([j + i * width for j in range(len(names))], [r["speedup"] for r in mine], width,
+               yerr=[[r["speedup"] - min(r["speedups"]) for r in mine],
+                     [max(r["speedups"]) - r["speedup"] for r in mine]],
+               capsize=2, label=variant)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
     ax.set_ylabel("speedup over one process")
+    ax.set_title(f"data parallelism on {rows[0]['world_size']} CPU ranks (median, min-max)",
+                 fontsize=10)
     ax.legend(fontsize=7)
     save_results(rows, fig, out_dir, "data_parallel")
-    return format_table(shown, [("size", "model"), ("variant", "trainer"),
-                                ("samples/s", "samples/s"), ("speedup", "vs one process"),
-                                ("vs DDP", "vs torch DDP"), ("comm", "all-reduce share")])
+    return ("per round the trainers take turns; ratios are per round, median (min-max)\n"
+            + format_table(shown, [("size", "model"), ("variant", "trainer"),
+                                   ("samples/s", "samples/s"), ("speedup", "vs one process"),
+                                   ("vs DDP", "vs torch DDP"), ("comm", "all-reduce share")]))

@@ -125,10 +125,15 @@ class SavedActivationMeter:
 
 class Pipeline:
     """This rank's stages of a model and the schedule that drives them. With `group` (a
-    mesh's pipeline dimension) the schedule's ranks are the ranks of that group."""
+    mesh's pipeline dimension) the schedule's ranks are the ranks of that group.
+
+    Messages: the first step with a given batch shape sends each activation's shape
+    ahead of it; later steps know every message's shape, send none, and (with
+    `post_receives_ahead`) post each receive before the compute action it follows, so
+    the data lands while the rank computes instead of while it waits."""
 
     def __init__(self, stage_modules: Sequence[nn.Module], plan: Schedule,
-                 lr: float | None = None, group=None) -> None:
+                 lr: float | None = None, group=None, post_receives_ahead: bool = True) -> None:
         if len(stage_modules) != plan.stages:
             raise ValueError(f"the schedule has {plan.stages} stages but {len(stage_modules)} "
                              "stage modules were given; split the model into that many")
@@ -149,7 +154,7 @@ class Pipeline:
                           torch.float32)
         self.activations = SavedActivationMeter({p.untyped_storage().data_ptr()
                                                  for p in self.parameters()})
-        self.post_ahead = True
+        self.post_ahead = post_receives_ahead
         self._shapes: dict = {}  # (batch shape, dtype, sizes) -> message shapes (_StepState)
 
     def parameters(self) -> list[nn.Parameter]:
@@ -180,7 +185,6 @@ class Pipeline:
             if not state.headers and self.post_ahead:
                 self._post_receives(actions, index, state)
             self._run(action, inputs, targets, weights, loss_fn, state)
-            state.sends = [pending for pending in state.sends if not pending.poll()]
         for pending in state.sends:
             pending.wait()
         self._shapes[key] = state.shapes
