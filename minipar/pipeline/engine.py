@@ -155,7 +155,16 @@ class Pipeline:
         self.activations = SavedActivationMeter({p.untyped_storage().data_ptr()
                                                  for p in self.parameters()})
         self.post_ahead = post_receives_ahead
+        self._bubble_work: Callable[[float], float] | None = None
+        self._budgets: dict[int, float] = {}
         self._shapes: dict = {}  # (batch shape, dtype, sizes) -> message shapes (_StepState)
+
+    def fill_bubbles(self, work: Callable[[float], float] | None,
+                     budgets: dict[int, float] | None = None) -> None:
+        """Before each of this rank's actions whose index is in `budgets`, call
+        work(seconds): extra work (PipeFisher's K-FAC, `KFAC.work`) in the time the rank
+        would otherwise wait there (`bubble_budgets` finds it). None turns it off."""
+        self._bubble_work, self._budgets = work, dict(budgets or {})
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for s in sorted(self.modules) for p in self.modules[s].parameters()]
@@ -184,6 +193,8 @@ class Pipeline:
         for index, action in enumerate(actions):
             if not state.headers and self.post_ahead:
                 self._post_receives(actions, index, state)
+            if self._bubble_work is not None and self._budgets.get(index, 0.0) > 0:
+                self._bubble_work(self._budgets[index])
             self._run(action, inputs, targets, weights, loss_fn, state)
         for pending in state.sends:
             pending.wait()

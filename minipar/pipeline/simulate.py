@@ -104,6 +104,18 @@ def in_flight_over_time(timeline: Timeline, split_backward: bool = False
     return curves
 
 
+def bubble_budgets(plan: Schedule, costs: dict) -> dict[int, dict[int, float]]:
+    """Per rank, {action index: seconds the rank waits before that action} in the
+    simulated run: where a bubble is and how long, the slots PipeFisher fills with work."""
+    budgets: dict[int, dict[int, float]] = {r: {} for r in range(plan.ranks)}
+    for r in range(plan.ranks):
+        index = {str(a): i for i, a in enumerate(plan.actions[r])}
+        for e in simulate(plan, costs).for_rank(r):
+            if e.kind == "recv" and e.duration > 0:
+                budgets[r][index[e.label]] = budgets[r].get(index[e.label], 0.0) + e.duration
+    return budgets
+
+
 def fill_bubbles(timeline: Timeline, unit_cost: float, label: str = "K-FAC") -> Timeline:
     """Put units of extra work (each `unit_cost` long, e.g. K-FAC curvature statistics as in
     PipeFisher) into every idle gap of every rank that fits one; returns the new Timeline.
