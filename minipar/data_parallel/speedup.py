@@ -11,7 +11,7 @@ import torch
 
 from .. import trace
 from ..collectives import fit_machine
-from ..cost import all_reduce_cost
+from ..machine import Machine, Step
 from ..models import mlp
 from ..runtime import Cluster, world_size
 from .compression import ErrorFeedback, Int8, PowerSGD, TopK
@@ -62,20 +62,19 @@ def measure_speedup(max_ranks: int, width: int, per_rank: int, bucket_bytes: int
     """Weak scaling (per-rank batch fixed) on 1..max_ranks ranks, measured and modelled.
 
     Speedup = samples/s on K ranks over samples/s on 1. The model: the 1-rank step
-    time (all compute) plus an alpha-beta-gamma ring all-reduce of the gradient as
-    sent (compressed size), with alpha, beta, gamma measured on this machine.
+    time (all compute) plus the fitted machine's (`minipar.machine`) ring all-reduce of
+    the gradient as sent (compressed size), fitted on 2 ranks of this machine.
     """
 
     if compression != "none":
         _make_compressor(compression)
     rows = []
-    alpha = beta = gamma = 0.0
+    machine = Machine("gloo", 0.0, 0.0, 0.0, 1)  # no communication with one rank
     for k in range(1, max_ranks + 1):
         with Cluster(k, backend="gloo") as cluster:
             if k == 2:
-                fitted = fit_machine(cluster, save=False, sizes=[4, 4 << 10, 64 << 10, 1 << 20,
-                                                                 4 << 20])
-                alpha, beta, gamma = fitted.alpha, fitted.beta, fitted.gamma
+                machine = fit_machine(cluster, save=False, sizes=[4, 4 << 10, 64 << 10,
+                                                                  1 << 20, 4 << 20])
             result = cluster.run(_lab_steps, width, per_rank, bucket_bytes, compression, steps)
         measured = [e for e in result.timeline if (e.step or 0) >= 1 or e.kind != "compute"]
         first = min(e.start for e in result.timeline if e.label == "forward+backward"
@@ -90,13 +89,12 @@ def measure_speedup(max_ranks: int, width: int, per_rank: int, bucket_bytes: int
     for row in rows:
         k = row["ranks"]
         row["speedup"] = row["samples_per_s"] / base["samples_per_s"]
-        comm = _gradient_exchange_seconds(width, compression, k, alpha, beta, gamma)
+        comm = _gradient_exchange_seconds(width, compression, k, machine)
         row["model_speedup"] = k * base["seconds"] / (base["seconds"] + comm)
     return rows
 
 
-def _gradient_exchange_seconds(width: int, compression: str, k: int, alpha: float, beta: float,
-                               gamma: float) -> float:
+def _gradient_exchange_seconds(width: int, compression: str, k: int, machine: Machine) -> float:
     """Modelled time to exchange one step's gradients of the lab's 3-layer MLP.
 
     Dense and PowerSGD factors are all-reduced (ring); top-k and int8 payloads are
@@ -105,16 +103,15 @@ def _gradient_exchange_seconds(width: int, compression: str, k: int, alpha: floa
 
     shapes = [(width, width), (width,)] * 3
     if compression == "none":
-        return all_reduce_cost("ring", k, sum(math.prod(s) for s in shapes) * 4, alpha, beta,
-                               gamma).seconds
+        return machine.all_reduce_seconds("ring", k, sum(math.prod(s) for s in shapes) * 4)
     compressor = _make_compressor(compression)
     total = 0.0
     for shape in shapes:
         payload = compressor.payload_bytes(torch.empty(shape))
         if compression.startswith("powersgd") and len(shape) == 2:
-            total += 2 * all_reduce_cost("ring", k, payload / 2, alpha, beta, gamma).seconds
+            total += 2 * machine.all_reduce_seconds("ring", k, payload / 2)
         elif compression.startswith("powersgd"):
-            total += all_reduce_cost("ring", k, payload, alpha, beta, gamma).seconds
-        else:
-            total += (k - 1) * (2 * alpha + payload * beta)  # two all-gathers: data + index/scale
+            total += machine.all_reduce_seconds("ring", k, payload)
+        elif k > 1:  # two ring all-gathers (data, index/scale): K-1 steps, every rank busy
+            total += 2 * (k - 1) * machine.step_seconds(Step(k, payload / 2, k))
     return total
