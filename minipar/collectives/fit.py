@@ -41,10 +41,12 @@ def pingpong(sizes: list[int], repeats: int = 5) -> list[float]:
 
 
 def ring_shift(sizes: list[int], repeats: int = 5) -> list[float]:
-    """Seconds (median, slowest rank) of one step in which every rank sends `size` bytes
-    to its right neighbour and receives as many from its left: a ring all-reduce's step,
-    every rank busy at once."""
-    mine = _timed(sizes, repeats, _shift_once)
+    """Seconds (median, slowest rank) per step in which every rank sends `size` bytes to
+    its right neighbour and receives as many from its left: a ring all-reduce's step,
+    every rank busy at once, timed over 2(K-1) steps in a row as a ring runs them (ranks
+    that share cores wake each other up step after step)."""
+    steps = 2 * (dist.get_world_size() - 1)
+    mine = [t / steps for t in _timed(sizes, repeats, _shift_once)]
     everyone = [torch.zeros(len(sizes), dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, torch.tensor(mine, dtype=torch.float64))
     return torch.stack(everyone).max(dim=0).values.tolist()
@@ -62,8 +64,9 @@ def _pingpong_once(buffer: torch.Tensor, spare: torch.Tensor) -> None:
 def _shift_once(buffer: torch.Tensor, spare: torch.Tensor) -> None:
     k, me = dist.get_world_size(), rank()
     comm = _Comm("ring_shift", None)
-    comm.exchange("shift", sends=[(buffer, (me + 1) % k, None)],
-                  recvs=[(spare, (me - 1) % k, None)])
+    for _ in range(2 * (k - 1)):
+        comm.exchange("shift", sends=[(buffer, (me + 1) % k, None)],
+                      recvs=[(spare, (me - 1) % k, None)])
 
 
 def _timed(sizes: list[int], repeats: int, once, halve: bool = False) -> list[float]:
