@@ -61,10 +61,11 @@ def _width_model(width: int):
 
 
 def measure(steps: int = 40, rows: int = 256, width: int = 256, timed_steps: int = 8,
-            rounds: int = 3) -> list[dict]:
+            rounds: int = 3, timed_microbatches: int = 1) -> list[dict]:
     """Loss per step for each optimizer (pipeline, 2 ranks, 1F1B with 2 micro-batches);
     then the mean step time of SGD, K-FAC after the step and K-FAC in the bubbles, in
-    turns (curvature refreshed every REFRESH_EVERY steps, its work spread over them)."""
+    turns, with `timed_microbatches` (1: each rank idles while the other computes) and the
+    curvature refreshed every REFRESH_EVERY steps, its work spread over them."""
     rows_out = []
     batches = ill_conditioned_batches(steps, rows)
     with Cluster(2, backend="gloo") as cluster:
@@ -86,19 +87,21 @@ def measure(steps: int = 40, rows: int = 256, width: int = 256, timed_steps: int
         for r in range(rounds):
             for name, optimizer, fill in variants:
                 progress(f"utilization: {name}, round {r + 1}/{rounds}")
-                run = cluster.run(train_pipefisher, _width_model(width), timed, "1f1b", 2,
-                                  0.01, optimizer, fill, DAMPING, REFRESH_EVERY)
+                run = cluster.run(train_pipefisher, _width_model(width), timed, "1f1b",
+                                  timed_microbatches, 0.01, optimizer, fill, DAMPING,
+                                  REFRESH_EVERY)
                 per_step = [max(a, b) for a, b in zip(run[0]["seconds"], run[1]["seconds"],
                                                       strict=True)][2:]
                 steps_by[name].append(statistics.mean(per_step))  # refreshes are periodic
-                kfac_by[name].append(statistics.mean(
-                    max(a, b) for a, b in zip(run[0]["kfac_seconds"][2:],
-                                              run[1]["kfac_seconds"][2:], strict=True)))
+                kfac_by[name].append(statistics.mean(  # per rank and step
+                    (a + b) / 2 for a, b in zip(run[0]["kfac_seconds"][2:],
+                                                run[1]["kfac_seconds"][2:], strict=True)))
                 for part in run:
                     placed[name][0] += part.get("units_in_bubbles", 0)
                     placed[name][1] += part.get("units_after_step", 0)
         for name, _, _ in variants:
             rows_out.append({"kind": "utilization", "variant": name,
+                             "microbatches": timed_microbatches, "width": width,
                              "step_seconds": steps_by[name], "kfac_seconds": kfac_by[name],
                              "units_in_bubbles": placed[name][0],
                              "units_after_step": placed[name][1],
@@ -125,7 +128,8 @@ def report(rows: list[dict], out_dir: Path) -> str:
     ax.set_title("2-stage pipeline, ill-conditioned regression", fontsize=10)
     ax.legend(fontsize=8)
     save_results(rows, fig, out_dir, "pipefisher")
-    marks = [1, 5, 10, 20, len(convergence[0]["losses"])]
+    last = len(convergence[0]["losses"])
+    marks = sorted({s for s in (1, 5, 10, 20) if s < last} | {last})
     loss_table = format_table(
         [{"optimizer": f"{r['optimizer']} (lr {r['lr']})",
           **{str(s): f"{r['losses'][s - 1]:.4f}" for s in marks}} for r in convergence],
@@ -140,6 +144,7 @@ def report(rows: list[dict], out_dir: Path) -> str:
          ("placed", "units in bubbles / after step")])
     return ("training loss on the pipeline (each optimizer at its best learning rate of three, "
             "found on one process):\n" + loss_table
-            + f"\nmean step time, 2 ranks, 1F1B with 2 micro-batches, width 256, curvature "
-            f"refreshed every {REFRESH_EVERY} steps (rounds in turns):\n"
+            + f"\nmean step time, 2 ranks, 1F1B with {utilization[0]['microbatches']} "
+            f"micro-batch(es), width {utilization[0]['width']}, curvature refreshed every "
+            f"{REFRESH_EVERY} steps (rounds in turns):\n"
             + time_table)
