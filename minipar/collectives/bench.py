@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives, trace
+from ..machine import Machine
 from ..report import format_table, human_bytes, progress, save_results
 from ..runtime import Cluster
 from .fit import fit_machine
@@ -82,6 +83,9 @@ def measure(world_sizes: tuple[int, ...] = (2, 4),
                                  "model_error": None if model is None else seconds / model - 1,
                                  "alpha": machine.alpha, "beta": machine.beta,
                                  "gamma": machine.gamma, "cores": machine.cores,
+                                 "busy_alpha": machine.busy_alpha,
+                                 "busy_beta": machine.busy_beta,
+                                 "busy_ranks": machine.busy_ranks,
                                  "ring_vs_torch": statistics.median(ratios),
                                  "ring_vs_torch_range": [ratios[0], ratios[-1]]})
     return rows
@@ -125,6 +129,22 @@ def _prediction_table(rows: list[dict], world_sizes: list[int]) -> tuple[str, st
         verdict
 
 
+def _ring_bound(rows: list[dict]) -> str:
+    """Why the ring cannot beat gloo here: at the largest size, the time the fitted machine
+    gives the ring's bytes alone (no latency, no additions) beside both measured times."""
+    lines = []
+    for k in sorted({r["world_size"] for r in rows}):
+        n = max(r["bytes"] for r in rows if r["world_size"] == k)
+        by = {r["algorithm"]: r for r in rows if r["world_size"] == k and r["bytes"] == n}
+        r = by["ring"]
+        bytes_only = Machine("gloo", 0.0, r["beta"], 0.0, r["cores"], r["busy_ranks"], 0.0,
+                             r["busy_beta"]).all_reduce_seconds("ring", k, n)
+        lines.append(f"K={k}, {human_bytes(n)}: the ring's bytes alone on this machine take "
+                     f"{bytes_only * 1e3:.1f} ms; measured ring {r['seconds'] * 1e3:.1f} ms, "
+                     f"torch's gloo {by['torch']['seconds'] * 1e3:.1f} ms")
+    return "\n".join(lines)
+
+
 def report(rows: list[dict], out_dir: Path) -> str:
     """Bus bandwidth per algorithm, ring vs torch, and measured vs predicted time per
     algorithm; JSON and a plot (bandwidth, and predicted against measured)."""
@@ -156,7 +176,7 @@ def report(rows: list[dict], out_dir: Path) -> str:
             "median of per-round time ratios (min-max over rounds)\n"
             + _bandwidth_table(rows, algorithms, world_sizes)
             + "\nmeasured / predicted ms (median of rounds, slowest rank) and the error\n"
-            + table + "\n" + verdict)
+            + table + "\n" + verdict + "\n" + _ring_bound(rows))
 
 
 def plot_predictions(ax, rows: list[dict]) -> None:

@@ -75,21 +75,31 @@ def last_step(timeline: trace.Timeline) -> trace.Timeline:
     return trace.Timeline(e for e in timeline if e.start >= cut)
 
 
-def predicted_vs_measured(timeline: trace.Timeline, plan, step_seconds: list[float],
-                          actions: list[int], p2p: float) -> dict:
+def engine_overhead(timeline: trace.Timeline, rank_: int, actions: int) -> float:
+    """Seconds per action this rank spent in neither computing nor waiting for a message:
+    the gaps between its compute and receive events (Python, posting messages), from its
+    first event to its last."""
+    mine = [(e.start, e.end) for e in timeline.for_rank(rank_)
+            if e.track == "compute" or e.kind == "recv"]
+    if not mine:
+        return 0.0
+    span = max(end for _, end in mine) - min(start for start, _ in mine)
+    return max(span - trace.union_length(mine), 0.0) / actions
+
+
+def predicted_vs_measured(timeline: trace.Timeline, plan, actions: list[int],
+                          p2p: float) -> dict:
     """The simulator fed a measured step's own costs (median F / B / I / W per rank), the
-    fitted message time `p2p` and the engine's overhead per action on each rank (its step
-    time less computing and waiting, over its actions), beside what was measured."""
-    costs: dict = {"p2p": p2p, "overhead": []}
+    fitted message time `p2p` and the engine's overhead per action on each rank
+    (`engine_overhead`), beside what was measured."""
+    costs: dict = {"p2p": p2p,
+                   "overhead": [engine_overhead(timeline, r, actions[r])
+                                for r in range(plan.ranks)]}
     for kind in ("F", "B", "I", "W"):
         per_rank = [[e.duration for e in timeline.for_rank(r) if e.kind == kind]
                     for r in range(plan.ranks)]
         if all(per_rank):
             costs[kind] = [statistics.median(d) for d in per_rank]
-    for r in range(plan.ranks):
-        mine = [e for e in timeline.for_rank(r) if e.track == "compute" or e.kind == "recv"]
-        busy = sum(e.duration for e in mine)
-        costs["overhead"].append(max(step_seconds[r] - busy, 0.0) / actions[r])
     predicted = simulate(plan, costs)
     return {"bubble_measured": timeline.summary(plan.ranks).bubble_fraction,
             "bubble_predicted": predicted.summary(plan.ranks).bubble_fraction,
@@ -136,7 +146,7 @@ def measure(microbatches: tuple[int, ...] = (1, 2, 4, 8, 16), width: int = 512,
                 last = [r["steps"][-1] for r in run]
                 p2p = machine.p2p_seconds(batch * width * 4 / m)
                 compared = predicted_vs_measured(last_step(run.timeline), schedule(name, 2, m),
-                                                 last, [r["actions"] for r in run], p2p)
+                                                 [r["actions"] for r in run], p2p)
                 rows.append({"schedule": name, "microbatches": m,
                              "seconds": statistics.median(per_round), "seconds_last": max(last),
                              "speedups": speedups, "speedup": statistics.median(speedups),
