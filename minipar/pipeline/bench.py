@@ -101,12 +101,12 @@ def predicted_vs_measured(timeline: trace.Timeline, plan, actions: list[int],
         if all(per_rank):
             costs[kind] = [statistics.median(d) for d in per_rank]
     predicted = simulate(plan, costs)
+    ideal = simulate(plan, {k: v for k, v in costs.items() if k in ("F", "B", "I", "W")})
     return {"bubble_measured": timeline.summary(plan.ranks).bubble_fraction,
             "bubble_predicted": predicted.summary(plan.ranks).bubble_fraction,
-            "bubble_ideal": simulate(plan, {k: v for k, v in costs.items()
-                                            if k in ("F", "B", "I", "W")}
-                                     ).summary(plan.ranks).bubble_fraction,
-            "step_predicted": predicted.makespan, "costs": costs}
+            "bubble_ideal": ideal.summary(plan.ranks).bubble_fraction,
+            "step_predicted": predicted.makespan, "step_ideal": ideal.makespan,
+            "costs": costs}
 
 
 def _activation_peak(name: str, microbatches: int, width: int, batch: int,
@@ -151,6 +151,8 @@ def measure(microbatches: tuple[int, ...] = (1, 2, 4, 8, 16), width: int = 512,
                              "seconds": statistics.median(per_round), "seconds_last": max(last),
                              "speedups": speedups, "speedup": statistics.median(speedups),
                              "ceiling": 2 * m / (m + 1), "bubble_formula": 1 / (m + 1),
+                             # what the ranks' own compute allows: no messages, no overhead
+                             "speedup_bound": run[0]["one"][-1] / compared["step_ideal"],
                              "overhead_per_action": compared["costs"]["overhead"],
                              "p2p_seconds": p2p, **{k: v for k, v in compared.items()
                                                     if k != "costs"},
@@ -194,6 +196,7 @@ def report(rows: list[dict], out_dir: Path) -> str:
         shown.append({"schedule": r["schedule"], "m": r["microbatches"],
                       "speedup": ratio_cell(r["speedups"], r["ceiling"]),
                       "ceiling": f"{r['ceiling']:.2f}x",
+                      "bound": f"{r['speedup_bound']:.2f}x",
                       "bubble": f"{r['bubble_measured']:.3f} / {r['bubble_predicted']:.3f} "
                                 f"({r['bubble_ideal']:.3f})",
                       "step": f"{r['seconds_last'] * 1e3:.0f} / {r['step_predicted'] * 1e3:.0f}"
@@ -221,10 +224,13 @@ def report(rows: list[dict], out_dir: Path) -> str:
     return ("speedup: one process / pipeline step, per round (one process and pipeline take "
             "turns), median (min-max); bubble and step: measured in the last round / "
             "predicted by the simulator with messages and engine overhead (and without them,"
-            " in brackets); overhead: the engine's time per action, rank 0 and 1\n"
+            " in brackets); compute bound: one process / the simulated step with the ranks' "
+            "own F and B and nothing else; overhead: the engine's time per action, rank 0 "
+            "and 1\n"
             + format_table(shown, [("schedule", "schedule"), ("m", "m"),
                                    ("speedup", "speedup (min-max)"),
                                    ("ceiling", "ceiling 2m/(m+1)"),
+                                   ("bound", "compute bound"),
                                    ("bubble", "bubble meas. / pred. (ideal)"),
                                    ("step", "step meas. / pred."),
                                    ("overhead", "overhead/action")])
