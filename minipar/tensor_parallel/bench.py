@@ -11,7 +11,7 @@ import torch
 
 from .. import trace
 from ..models import FFN, TransformerBlock
-from ..report import format_table, progress, save_results
+from ..report import format_table, progress, ratio_cell, save_results
 from ..runtime import Cluster, world_size
 from .layers import ParallelMLP, ParallelTransformerBlock
 
@@ -41,20 +41,23 @@ def _tp_step_seconds(kind: str, hidden: int, tokens: int, steps: int) -> float:
 
 
 def measure(hidden_sizes: tuple[int, ...] = TP_HIDDEN, tokens: int = 256,
-                          steps: int = 3) -> list[dict]:
-    """TP = 2 vs one process for the MLP and the transformer block at several hidden sizes."""
+            steps: int = 3, rounds: int = 3) -> list[dict]:
+    """TP = 2 vs one process for the MLP and the transformer block at several hidden sizes,
+    taking turns for `rounds` rounds; each round's speedup is one ratio of the spread."""
     rows = []
     with Cluster(1, backend="gloo") as one, Cluster(2, backend="gloo") as two:
         for kind in ("mlp", "block"):
             for hidden in hidden_sizes:
-                progress(f"{kind}, hidden {hidden}")
-                single = min(one.run(_tp_step_seconds, kind, hidden, tokens, steps)[0]
-                             for _ in range(2))
-                parallel = min(max(two.run(_tp_step_seconds, kind, hidden, tokens, steps))
-                               for _ in range(2))
+                progress(f"{kind}, hidden {hidden}: {rounds} rounds in turns")
+                singles, parallels = [], []
+                for _ in range(rounds):
+                    singles.append(one.run(_tp_step_seconds, kind, hidden, tokens, steps)[0])
+                    parallels.append(max(two.run(_tp_step_seconds, kind, hidden, tokens, steps)))
+                speedups = [s / p for s, p in zip(singles, parallels, strict=True)]
                 rows.append({"block": kind, "hidden": hidden, "tokens": tokens,
-                             "one_process_s": single, "tp2_s": parallel,
-                             "speedup": single / parallel})
+                             "one_process_s": statistics.median(singles),
+                             "tp2_s": statistics.median(parallels), "speedups": speedups,
+                             "speedup": statistics.median(speedups)})
     return rows
 
 
@@ -75,6 +78,9 @@ def report(rows: list[dict], out_dir: Path) -> str:
     save_results(rows, fig, out_dir, "tensor_parallel")
     shown = [{"block": r["block"], "hidden": r["hidden"],
               "one": f"{r['one_process_s'] * 1e3:.1f} ms", "tp2": f"{r['tp2_s'] * 1e3:.1f} ms",
-              "speedup": f"{r['speedup']:.2f}x"} for r in rows]
-    return format_table(shown, [("block", "block"), ("hidden", "hidden"), ("one", "one process"),
-                                ("tp2", "TP=2"), ("speedup", "speedup")])
+              "speedup": ratio_cell(r["speedups"], 2.0)} for r in rows]
+    return ("one process and TP=2 take turns; speedup per round, median (min-max); above 2x "
+            "(two ranks) is noise\n"
+            + format_table(shown, [("block", "block"), ("hidden", "hidden"),
+                                   ("one", "one process"), ("tp2", "TP=2"),
+                                   ("speedup", "speedup (min-max)")]))
