@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..report import format_table, progress, save_results
+from ..report import format_table, progress, ratio_cell, save_results
 from ..runtime import Cluster, rank, world_size
 from .attention import attention, blocked_attention, positions
 from .hetero import (
@@ -83,24 +83,30 @@ def _fit_cost(cluster: Cluster, repeats: int = 3) -> tuple[float, float]:
 def measure_placement(count: int = 32, speeds: tuple[float, ...] = (1.0, 0.5),
                       repeats: int = 3) -> list[dict]:
     """Variable-length sequences on ranks of different speeds: the even split against the
-    balanced one (planned on costs fitted here), predicted and measured step."""
+    balanced one (planned on costs fitted here), predicted and measured step, the two
+    placements taking turns for `repeats` rounds."""
     lengths = variable_lengths(count, seed=5)
     rows = []
     with Cluster(1, backend="gloo") as one, Cluster(len(speeds), backend="gloo") as many:
         per_token, per_pair = _fit_cost(one)
-        for name, assignment in (("even", assign_even(lengths, len(speeds))),
-                                 ("balanced", assign_balanced(lengths, list(speeds), per_token,
-                                                              per_pair))):
-            progress(f"placement {name}")
-            times = [max(r[0] for r in many.run(run_assignment, assignment, lengths,
-                                                list(speeds))) for _ in range(repeats)]
+        plans = (("even", assign_even(lengths, len(speeds))),
+                 ("balanced", assign_balanced(lengths, list(speeds), per_token, per_pair)))
+        times: dict[str, list[float]] = {name: [] for name, _ in plans}
+        for round_index in range(repeats):  # the placements take turns
+            for name, assignment in plans:
+                progress(f"placement {name}, round {round_index + 1}/{repeats}")
+                times[name].append(max(r[0] for r in many.run(run_assignment, assignment,
+                                                               lengths, list(speeds))))
+        for name, assignment in plans:
             loads = [sum(sequence_cost(lengths[i], per_token, per_pair) for i in seqs) / s
                      for seqs, s in zip(assignment, speeds, strict=True)]
             rows.append({"placement": name, "sequences": [len(a) for a in assignment],
                          "tokens": [sum(lengths[i] for i in a) for a in assignment],
                          "predicted": predicted_step(assignment, lengths, list(speeds),
                                                      per_token, per_pair),
-                         "predicted_loads": loads, "measured": statistics.median(times)})
+                         "predicted_loads": loads, "measured": statistics.median(times[name]),
+                         "vs_even_rounds": [e / t for e, t in zip(times["even"], times[name],
+                                                                  strict=True)]})
     return rows
 
 
@@ -111,30 +117,36 @@ def measure(lengths: tuple[int, ...] = (512, 1024, 2048, 4096), steps: int = 3) 
     return measure_attention(lengths, steps) + measure_placement()
 
 
-def measure_attention(lengths: tuple[int, ...] = (512, 2048), steps: int = 3) -> list[dict]:
+def measure_attention(lengths: tuple[int, ...] = (512, 2048), steps: int = 3,
+                      rounds: int = 3) -> list[dict]:
     """Causal attention forward + backward per sequence length: one process (the whole
     score matrix, then blocked like the ring with masked blocks skipped), then each
-    two-rank method; the slowest rank's median step and its speedup over each baseline."""
+    two-rank method, taking turns for `rounds` rounds; the slowest rank's median step
+    (median over rounds) and its per-round speedup over each baseline."""
     rows = []
     with Cluster(1, backend="gloo") as one, Cluster(2, backend="gloo") as two:
         for seq_len in lengths:
-            base: dict[str, float] = {}
-            for method in METHODS:
-                progress(f"S={seq_len} {method}")
-                alone = method.startswith("one process")
-                runs = [(one if alone else two).run(_step_seconds, method, seq_len, steps)
-                        for _ in range(2)]
-                best = min(runs, key=lambda run: max(r[0] for r in run))
-                seconds = max(r[0] for r in best)
-                if alone:
-                    base[method] = seconds
-                work = [r[1] for r in best]
-                rows.append({"seq_len": seq_len, "method": method, "ranks": len(best),
-                             "seconds": seconds,
-                             "speedup": base["one process"] / seconds,
-                             "vs_blocked": base["one process, blocked"] / seconds
-                             if "one process, blocked" in base else None,
-                             "work_imbalance": max(work) / min(work) if min(work) else None})
+            times: dict[str, list[float]] = {method: [] for method in METHODS}
+            work: dict[str, list[int]] = {}
+            for round_index in range(rounds):
+                for method in METHODS:
+                    progress(f"S={seq_len} {method}, round {round_index + 1}/{rounds}")
+                    alone = method.startswith("one process")
+                    run = (one if alone else two).run(_step_seconds, method, seq_len, steps)
+                    times[method].append(max(r[0] for r in run))
+                    work[method] = [r[1] for r in run]
+            for method, mine in times.items():
+                speedups = [w / t for w, t in zip(times["one process"], mine, strict=True)]
+                blocked = None if method == "one process" else [
+                    b / t for b, t in zip(times["one process, blocked"], mine, strict=True)]
+                rows.append({"seq_len": seq_len, "method": method, "ranks": len(work[method]),
+                             "seconds": statistics.median(mine), "speedups": speedups,
+                             "speedup": statistics.median(speedups),
+                             "vs_blocked_rounds": blocked,
+                             "vs_blocked": None if blocked is None
+                             else statistics.median(blocked),
+                             "work_imbalance": max(work[method]) / min(work[method])
+                             if min(work[method]) else None})
     return rows
 
 
@@ -157,12 +169,14 @@ def report(rows: list[dict], out_dir: Path) -> str:
     ax.legend(fontsize=7)
     save_results(rows + placement, fig, out_dir, "context_parallel")
     shown = [{"S": r["seq_len"], "method": r["method"], "ranks": r["ranks"],
-              "time": f"{r['seconds'] * 1e3:.1f} ms", "speedup": f"{r['speedup']:.2f}x",
-              "blocked": "-" if r["vs_blocked"] is None else f"{r['vs_blocked']:.2f}x",
+              "time": f"{r['seconds'] * 1e3:.1f} ms", "speedup": ratio_cell(r["speedups"]),
+              "blocked": "-" if r["vs_blocked"] is None
+              else ratio_cell(r["vs_blocked_rounds"], 2.0 if r["ranks"] == 2 else None),
               "work": "-" if r["work_imbalance"] is None or r["ranks"] == 1
               else f"{r['work_imbalance']:.2f}"} for r in rows]
     return ("causal attention, forward + backward, [1, 4 heads, S, 64] float32; "
-            "time = slowest rank's median\n"
+            "time = slowest rank's median; methods take turns, ratios per round, median "
+            "(min-max)\n"
             + format_table(shown, [("S", "S"), ("method", "method"), ("ranks", "ranks"),
                                    ("time", "time"), ("speedup", "vs one process"),
                                    ("blocked", "vs one process, blocked"),
@@ -178,7 +192,8 @@ def format_placement(rows: list[dict]) -> str:
               "tokens": " / ".join(map(str, r["tokens"])),
               "predicted": f"{r['predicted'] * 1e3:.0f} ms",
               "measured": f"{r['measured'] * 1e3:.0f} ms",
-              "vs": f"{rows[0]['measured'] / r['measured']:.2f}x"} for r in rows]
+              "vs": ratio_cell(r["vs_even_rounds"]) if "vs_even_rounds" in r
+              else f"{rows[0]['measured'] / r['measured']:.2f}x"} for r in rows]
     return ("variable-length sequences (forward + backward of a transformer block) on 2 ranks "
             "of speed 1 and 1/2 (the slow rank computes twice); step = slowest rank\n"
             + format_table(shown, [("placement", "placement"), ("seqs", "sequences per rank"),

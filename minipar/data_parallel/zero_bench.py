@@ -14,7 +14,7 @@ import torch
 from .. import cost
 from ..models import mlp, mlp_parameters
 from ..plots import stack_memory
-from ..report import format_table, progress, save_results
+from ..report import format_table, progress, save_results, spread
 from ..runtime import Cluster, world_size
 from .ddp import DataParallel, shard
 from .fsdp import FullyShardedDataParallel, default_units
@@ -90,28 +90,37 @@ def _run(variant: str, steps: int, sizes: list[int] = ZERO_SIZES,
             "peak": peak.total, "peak_activations": max(s.activations for s in tracker.samples)}
 
 
-def measure(world_sizes: tuple[int, ...] = (2, 4), steps: int = 5) -> list[dict]:
-    """Each variant on K ranks: median step time (slowest rank), and rank 0's bytes by kind
-    after backward (when parameters, gradients and optimizer state are all present)."""
+def measure(world_sizes: tuple[int, ...] = (2, 4), steps: int = 5, rounds: int = 3
+            ) -> list[dict]:
+    """Each variant on K ranks: median step time (slowest rank; the variants take turns
+    for `rounds` rounds, ratios per round), and rank 0's bytes by kind after backward
+    (when parameters, gradients and optimizer state are all present)."""
     params = mlp_parameters(ZERO_SIZES)
     rows = []
     for k in world_sizes:
         formula = formula_memory(params, k, mixed=False)
+        runs: dict[str, list] = {variant: [] for variant in VARIANTS}
         with Cluster(k, backend="gloo") as cluster:
-            for variant in VARIANTS:
-                progress(f"K={k}: {variant}")
-                results = cluster.run(_run, variant, steps)
-                row = {"world_size": k, "variant": variant, "params": params,
-                       **results[0], "seconds": max(r["seconds"] for r in results)}
-                if variant != "torch FSDP2":
-                    row.update(_beside(formula[_stage(variant)]))
-                rows.append(row)
+            for round_index in range(rounds):
+                for variant in VARIANTS:
+                    progress(f"K={k}: {variant}, round {round_index + 1}/{rounds}")
+                    runs[variant].append(cluster.run(_run, variant, steps))
+        seconds = {v: [max(r["seconds"] for r in run) for run in runs[v]] for v in VARIANTS}
+        for variant in VARIANTS:
+            row = {"world_size": k, "variant": variant, "params": params,
+                   **runs[variant][0][0], "seconds": statistics.median(seconds[variant]),
+                   "vs_dp_rounds": [t / d for t, d in zip(seconds[variant],
+                                                          seconds["data parallel"],
+                                                          strict=True)],
+                   "vs_fsdp2_rounds": [t / f for t, f in zip(seconds[variant],
+                                                             seconds["torch FSDP2"],
+                                                             strict=True)]}
+            if variant != "torch FSDP2":
+                row.update(_beside(formula[_stage(variant)]))
+            rows.append(row)
     for row in rows:
-        same_k = [r for r in rows if r["world_size"] == row["world_size"]]
-        dp = next(r for r in same_k if r["variant"] == "data parallel")
-        fsdp2 = next(r for r in same_k if r["variant"] == "torch FSDP2")
-        row["vs_dp"] = row["seconds"] / dp["seconds"]
-        row["vs_fsdp2"] = row["seconds"] / fsdp2["seconds"]
+        row["vs_dp"] = statistics.median(row["vs_dp_rounds"])
+        row["vs_fsdp2"] = statistics.median(row["vs_fsdp2_rounds"])
     return rows
 
 
@@ -163,8 +172,11 @@ def report(rows: list[dict], out_dir: Path) -> str:
     shown = []
     for r in rows:
         line = {"K": str(r["world_size"]), "variant": r["variant"],
-                "step": f"{r['seconds'] * 1e3:.1f} ms", "vs DP": f"{r['vs_dp']:.2f}x",
-                "vs FSDP2": f"{r['vs_fsdp2']:.2f}x"}
+                "step": f"{r['seconds'] * 1e3:.1f} ms",
+                "vs DP": spread(r["vs_dp_rounds"]) if "vs_dp_rounds" in r
+                else f"{r['vs_dp']:.2f}x",
+                "vs FSDP2": spread(r["vs_fsdp2_rounds"]) if "vs_fsdp2_rounds" in r
+                else f"{r['vs_fsdp2']:.2f}x"}
         for kind in KINDS:
             want = r.get(f"formula_{kind}")
             line[kind] = "-" if want is None else f"{_mb(r[kind])} / {_mb(want)}"
@@ -185,7 +197,8 @@ def report(rows: list[dict], out_dir: Path) -> str:
     save_results(rows, fig, out_dir, "zero")
     header = ("measured / formula MiB per rank after backward (rank 0); activ. peak and peak = "
               "largest activations and largest total sampled over the step; step = median, "
-              "slowest rank")
+              "slowest rank; the trainers take turns, vs DP and vs FSDP2 = step time ratios "
+              "per round, median (min-max)")
     return header + "\n" + format_table(shown, [
         ("K", "K"), ("variant", "trainer"), ("parameters", "parameters"),
         ("gradients", "gradients"), ("optimizer", "optimizer"), ("activations", "activ. peak"),

@@ -11,7 +11,7 @@ import torch
 
 from .. import trace
 from ..models import FFN
-from ..report import format_table, progress, save_results
+from ..report import format_table, progress, ratio_cell, save_results
 from ..runtime import Cluster, rank, world_size
 from .expert_parallel import ExpertParallelMoE
 from .layer import MoELayer
@@ -45,25 +45,34 @@ def _moe_step(kind: str, tokens: int, hidden: int, ffn: int, experts: int, k: in
 
 
 def measure(tokens: int = 4096, hidden: int = 256, ffn: int = 512, experts: int = 8,
-            k: int = 2, steps: int = 3, systems: bool = True) -> list[dict]:
-    """Tokens/s: dense FFN (same active size), MoE on one process, MoE with EP = 2; with
-    `systems`, then the systems papers' layers and the flat vs hierarchical exchange
+            k: int = 2, steps: int = 3, systems: bool = True, rounds: int = 3) -> list[dict]:
+    """Tokens/s: dense FFN (same active size), MoE on one process, MoE with EP = 2, taking
+    turns for `rounds` rounds (ratios per round, median and min-max); with `systems`,
+    then the systems papers' layers and the flat vs hierarchical exchange
     (systems_bench.py, tagged part="systems" / "exchange")."""
     rows = []
+    kinds = (("dense", 1), ("moe", 1), ("moe, EP=2", 2))
+    runs: dict[str, list] = {kind: [] for kind, _ in kinds}
     with Cluster(1, backend="gloo") as one, Cluster(2, backend="gloo") as two:
-        for kind, cluster in (("dense", one), ("moe", one), ("moe, EP=2", two)):
-            progress(kind)
-            best = min((cluster.run(_moe_step, kind.split(",")[0], tokens, hidden, ffn,
-                                    experts, k, steps) for _ in range(2)),
-                       key=lambda run: max(r[0] for r in run))
-            seconds = max(r[0] for r in best)
-            rows.append({"layer": kind, "tokens_per_s": tokens / seconds, "seconds": seconds,
-                         "all_to_all_share": max(r[1] for r in best) if "EP" in kind else None})
-    dense = rows[0]["tokens_per_s"]
-    moe_one = rows[1]["tokens_per_s"]
+        for round_index in range(rounds):  # the layers take turns: same machine per round
+            for kind, ranks in kinds:
+                progress(f"{kind}, round {round_index + 1}/{rounds}")
+                runs[kind].append((one if ranks == 1 else two).run(
+                    _moe_step, kind.split(",")[0], tokens, hidden, ffn, experts, k, steps))
+    slowest = {kind: [max(r[0] for r in run) for run in runs[kind]] for kind, _ in kinds}
+    for kind, _ in kinds:
+        seconds = statistics.median(slowest[kind])
+        rows.append({"layer": kind, "tokens_per_s": tokens / seconds, "seconds": seconds,
+                     "all_to_all_share": statistics.median(max(r[1] for r in run)
+                                                           for run in runs[kind])
+                     if "EP" in kind else None,
+                     "vs_dense_rounds": [d / t for d, t in zip(slowest["dense"], slowest[kind],
+                                                               strict=True)],
+                     "vs_one_rounds": [o / t for o, t in zip(slowest["moe"], slowest[kind],
+                                                             strict=True)]})
     for row in rows:
-        row["vs_dense"] = row["tokens_per_s"] / dense
-        row["vs_one_process_moe"] = row["tokens_per_s"] / moe_one
+        row["vs_dense"] = statistics.median(row["vs_dense_rounds"])
+        row["vs_one_process_moe"] = statistics.median(row["vs_one_rounds"])
     if systems:
         from .adaptive_bench import measure_adaptive
         from .systems_bench import measure_exchange, measure_systems
@@ -93,12 +102,13 @@ def report(rows: list[dict], out_dir: Path) -> str:
     ax.set_ylabel("tokens / s (forward + backward)")
     save_results(everything, fig, out_dir, "moe")
     shown = [{"layer": r["layer"], "tps": f"{r['tokens_per_s']:.0f}",
-              "dense": f"{r['vs_dense']:.2f}x", "one": f"{r['vs_one_process_moe']:.2f}x",
+              "dense": ratio_cell(r["vs_dense_rounds"]),
+              "one": ratio_cell(r["vs_one_rounds"], 2.0 if "EP=2" in r["layer"] else None),
               "a2a": "" if r["all_to_all_share"] is None else f"{r['all_to_all_share']:.0%}"}
              for r in rows]
-    table = format_table(shown, [("layer", "layer"), ("tps", "tokens/s"),
-                                 ("dense", "vs dense FFN"), ("one", "vs MoE on one process"),
-                                 ("a2a", "all-to-all share")])
+    table = "layers take turns; ratios per round, median (min-max)\n" + format_table(
+        shown, [("layer", "layer"), ("tps", "tokens/s"), ("dense", "vs dense FFN"),
+                ("one", "vs MoE on one process"), ("a2a", "all-to-all share")])
     if not systems:
         return table
     return "\n\n".join([table, report_systems(systems, exchange), report_adaptive(adaptive)])
