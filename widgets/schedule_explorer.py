@@ -109,8 +109,7 @@ class ScheduleExplorer(w.VBox):
             fitted = ""
         except FileNotFoundError:
             p2p, fitted = 0.0, " (messages not priced: run `minipar bench collectives` to fit them)"
-        compared = predicted_vs_measured(self.measured, self.plan,
-                                         [len(a) for a in self.plan.actions], p2p)
+        compared = predicted_vs_measured(self.measured, self.plan, p2p)
         self.predicted = simulate(self.plan, compared["costs"])
         self._cache = {}
         self._show(self.time.value)

@@ -19,6 +19,7 @@ from ..models import linear_stack
 from ..report import format_table, progress, ratio_cell, save_results, spread
 from ..runtime import Cluster, rank, world_size
 from . import Pipeline, peak_in_flight, schedule, simulate, split_model
+from .simulate import costs_from_timeline
 
 BUBBLE_WITHIN, STEP_WITHIN = 0.05, 0.15  # the simulator's goals against a measured run
 
@@ -66,7 +67,7 @@ def _in_turns(name: str, microbatches: int, width: int, batch: int, layers_per_s
         start = time.perf_counter()
         pipe.train_step(x, y, _mse)
         steps.append(time.perf_counter() - start)
-    return {"one": one[1:], "steps": steps[1:], "actions": len(pipe.plan.actions[rank()])}
+    return {"one": one[1:], "steps": steps[1:]}
 
 
 def last_step(timeline: trace.Timeline) -> trace.Timeline:
@@ -75,31 +76,11 @@ def last_step(timeline: trace.Timeline) -> trace.Timeline:
     return trace.Timeline(e for e in timeline if e.start >= cut)
 
 
-def engine_overhead(timeline: trace.Timeline, rank_: int, actions: int) -> float:
-    """Seconds per action this rank spent in neither computing nor waiting for a message:
-    the gaps between its compute and receive events (Python, posting messages), from its
-    first event to its last."""
-    mine = [(e.start, e.end) for e in timeline.for_rank(rank_)
-            if e.track == "compute" or e.kind == "recv"]
-    if not mine:
-        return 0.0
-    span = max(end for _, end in mine) - min(start for start, _ in mine)
-    return max(span - trace.union_length(mine), 0.0) / actions
-
-
-def predicted_vs_measured(timeline: trace.Timeline, plan, actions: list[int],
-                          p2p: float) -> dict:
-    """The simulator fed a measured step's own costs (median F / B / I / W per rank), the
-    fitted message time `p2p` and the engine's overhead per action on each rank
-    (`engine_overhead`), beside what was measured."""
-    costs: dict = {"p2p": p2p,
-                   "overhead": [engine_overhead(timeline, r, actions[r])
-                                for r in range(plan.ranks)]}
-    for kind in ("F", "B", "I", "W"):
-        per_rank = [[e.duration for e in timeline.for_rank(r) if e.kind == kind]
-                    for r in range(plan.ranks)]
-        if all(per_rank):
-            costs[kind] = [statistics.median(d) for d in per_rank]
+def predicted_vs_measured(timeline: trace.Timeline, plan, p2p: float) -> dict:
+    """The simulator fed a measured step's own costs (`costs_from_timeline`: median F / B
+    / I / W and the engine's overhead per action, per rank) and the fitted message time
+    `p2p`, beside what was measured."""
+    costs = {**costs_from_timeline(timeline, plan), "p2p": p2p}
     predicted = simulate(plan, costs)
     ideal = simulate(plan, {k: v for k, v in costs.items() if k in ("F", "B", "I", "W")})
     return {"bubble_measured": timeline.summary(plan.ranks).bubble_fraction,
@@ -146,7 +127,7 @@ def measure(microbatches: tuple[int, ...] = (1, 2, 4, 8, 16), width: int = 512,
                 last = [r["steps"][-1] for r in run]
                 p2p = machine.p2p_seconds(batch * width * 4 / m)
                 compared = predicted_vs_measured(last_step(run.timeline), schedule(name, 2, m),
-                                                 [r["actions"] for r in run], p2p)
+                                                 p2p)
                 rows.append({"schedule": name, "microbatches": m,
                              "seconds": statistics.median(per_round), "seconds_last": max(last),
                              "speedups": speedups, "speedup": statistics.median(speedups),

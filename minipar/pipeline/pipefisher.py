@@ -4,10 +4,9 @@ and the one-process K-FAC every pipelined run is held to."""
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -18,14 +17,9 @@ from ..runtime import rank, world_size
 from .engine import Pipeline, split_model
 from .kfac import KFAC, kfac_step
 from .schedules import schedule
-from .simulate import bubble_budgets
+from .simulate import bubble_budgets, costs_from_timeline
 
 OPTIMIZERS = ("sgd", "adam", "kfac")
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield None
 
 
 def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -67,26 +61,18 @@ def kfac_one_process(model: nn.Module, batches: list[tuple[torch.Tensor, torch.T
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
-def _measured_costs(events: list[trace.Event], actions: int, seconds: float) -> list[float]:
-    """[F, B, engine overhead per action] of this rank's step, from its own events (the
-    step is left out of the run's Timeline: captures nest)."""
-    f = [e.duration for e in events if e.kind == "F"]
-    b = [e.duration for e in events if e.kind == "B"]
-    busy = sum(e.duration for e in events if e.kind in ("F", "B", "recv"))
-    return [statistics.median(f), statistics.median(b), max(seconds - busy, 0.0) / actions]
-
-
 def train_pipefisher(model_fn: Callable[[], nn.Sequential], batches: list, name: str = "1f1b",
                      microbatches: int = 4, lr: float = 0.1, optimizer: str = "kfac",
                      fill: bool = True, damping: float = 1e-3, every: int = 1) -> dict:
     """Train `model_fn()` cut into one stage per rank on `batches` with schedule `name`.
 
-    With K-FAC, the first two steps run its curvature work after the step; then each rank
-    shares its measured F, B and per-action costs, every rank simulates the schedule with
-    them, and (`fill=True`) this rank runs curvature units before each receive it would
-    wait at, for as long as the simulator says it waits. Returns per step the loss (on
-    the last stage's rank), step seconds and the time this rank spent on K-FAC; how many
-    units ran in bubbles and after steps; and the final parameters of this rank's stage.
+    With K-FAC, the first two steps run its curvature work after the step; then the ranks
+    share their events of step 1, every rank reads the costs off that Timeline and
+    simulates the schedule with them, and (`fill=True`) this rank runs curvature units
+    before each receive it would wait at, for as long as the simulator says it waits.
+    Returns per step the loss (on the last stage's rank), step seconds and the time this
+    rank spent on K-FAC; how many units ran in bubbles and after steps; and the final
+    parameters of this rank's stage.
     """
     _check(optimizer, lr)
     k = world_size()
@@ -98,7 +84,7 @@ def train_pipefisher(model_fn: Callable[[], nn.Sequential], batches: list, name:
     for step, (x, y) in enumerate(batches):
         dist.barrier()
         measuring = kfac is not None and fill and step == 1  # step 0 sent shape headers
-        with trace.capture() if measuring else _nothing() as captured:
+        with trace.capture() if measuring else nullcontext() as captured:
             start, before = time.perf_counter(), kfac.seconds if kfac else 0.0
             loss = pipe.train_step(x, y, _mse)
             if kfac is not None:
@@ -109,13 +95,11 @@ def train_pipefisher(model_fn: Callable[[], nn.Sequential], batches: list, name:
         out["losses"].append(loss)
         out["seconds"].append(seconds)
         out["kfac_seconds"].append(kfac.seconds - before if kfac else 0.0)
-        if measuring:
-            mine = _measured_costs(captured.events, len(plan.actions[rank()]),
-                                   seconds - out["kfac_seconds"][-1])
+        if measuring:  # every rank builds the same whole-step Timeline and costs
             everyone = [None] * k
-            dist.all_gather_object(everyone, mine)
-            costs = {"F": [c[0] for c in everyone], "B": [c[1] for c in everyone],
-                     "overhead": [c[2] for c in everyone]}
+            dist.all_gather_object(everyone, captured.events)
+            step_timeline = trace.Timeline(e for events in everyone for e in events)
+            costs = costs_from_timeline(step_timeline, plan)
             pipe.fill_bubbles(kfac.work, bubble_budgets(plan, costs)[rank()])
     if kfac is not None:
         out["units_in_bubbles"], out["units_after_step"] = (kfac.units_in_bubbles,

@@ -14,7 +14,9 @@ drawn and summarized alike.
 
 from __future__ import annotations
 
-from ..trace import Event, Timeline
+import statistics
+
+from ..trace import Event, Timeline, union_length
 from .plan import Schedule, check_structure
 
 
@@ -102,6 +104,25 @@ def in_flight_over_time(timeline: Timeline, split_backward: bool = False
             points.append((t, held))
         curves[rank] = points
     return curves
+
+
+def costs_from_timeline(timeline: Timeline, plan: Schedule) -> dict:
+    """The costs `simulate` takes, read off a measured step's Timeline: each compute kind's
+    median duration per rank, and the engine's overhead per action on each rank (the gaps
+    between the rank's compute and receive events, from its first to its last, over its
+    number of actions: Python and posting messages)."""
+    costs: dict = {"overhead": []}
+    for kind in ("F", "B", "I", "W"):
+        per_rank = [[e.duration for e in timeline.for_rank(r) if e.kind == kind]
+                    for r in range(plan.ranks)]
+        if all(per_rank):
+            costs[kind] = [statistics.median(d) for d in per_rank]
+    for r in range(plan.ranks):
+        mine = [(e.start, e.end) for e in timeline.for_rank(r)
+                if e.track == "compute" or e.kind == "recv"]
+        span = max(end for _, end in mine) - min(start for start, _ in mine) if mine else 0.0
+        costs["overhead"].append(max(span - union_length(mine), 0.0) / len(plan.actions[r]))
+    return costs
 
 
 def bubble_budgets(plan: Schedule, costs: dict) -> dict[int, dict[int, float]]:
