@@ -76,7 +76,9 @@ def _timed(sizes: list[int], repeats: int, once, halve: bool = False) -> list[fl
         for nbytes in sizes:
             buffer, spare = torch.zeros(max(nbytes // 4, 1)), torch.zeros(max(nbytes // 4, 1))
             times = []
-            for _ in range((3 * repeats if nbytes <= 1 << 20 else repeats) + 1):
+            count = 8 * repeats if nbytes <= 256 << 10 else 3 * repeats if nbytes <= 1 << 20 \
+                else repeats  # small messages are bimodal on shared cores: time more of them
+            for _ in range(count + 1):
                 dist.barrier()
                 start = time.perf_counter()
                 once(buffer, spare)
