@@ -93,36 +93,29 @@ def measure(world_sizes: tuple[int, ...] = (2, 4),
     return rows
 
 
-def _bandwidth_table(rows: list[dict], algorithms: list[str], world_sizes: list[int]) -> str:
+def _grid(rows: list[dict], algorithms: list[str], cell) -> list[dict]:
+    """One table line per (K, size): a cell per algorithm, `cell(row)` of its row."""
     by_key = {(r["world_size"], r["bytes"], r["algorithm"]): r for r in rows}
-    table = []
-    for k in world_sizes:
-        for nbytes in sorted({r["bytes"] for r in rows if r["world_size"] == k}):
-            line = {"K": k, "size": human_bytes(nbytes)}
-            for a in algorithms:
-                line[a] = f"{by_key[(k, nbytes, a)]['busbw_GBps']:.2f}"
-            ring = by_key[(k, nbytes, "ring")]
-            low, high = ring["ring_vs_torch_range"]
-            line["ring/torch"] = f"{ring['ring_vs_torch']:.2f}x ({low:.2f}-{high:.2f})"
-            table.append(line)
+    return [{"K": k, "size": human_bytes(n), **{a: cell(by_key[(k, n, a)]) for a in algorithms}}
+            for k, n in sorted({(r["world_size"], r["bytes"]) for r in rows})]
+
+
+def _bandwidth_table(rows: list[dict], algorithms: list[str]) -> str:
+    table = _grid(rows, algorithms, lambda r: f"{r['busbw_GBps']:.2f}")
+    rings = _grid(rows, ["ring"], lambda r: f"{r['ring_vs_torch']:.2f}x "
+                  f"({r['ring_vs_torch_range'][0]:.2f}-{r['ring_vs_torch_range'][1]:.2f})")
+    for line, ring in zip(table, rings, strict=True):
+        line["ring/torch"] = ring["ring"]
     columns = [("K", "K"), ("size", "size")] + [(a, a) for a in algorithms] + [
         ("ring/torch", "ring vs torch (min-max)")]
     return format_table(table, columns)
 
 
-def _prediction_table(rows: list[dict], world_sizes: list[int]) -> tuple[str, str]:
+def _prediction_table(rows: list[dict]) -> tuple[str, str]:
     modelled = [r for r in rows if r["model_seconds"] is not None]
     algorithms = list(dict.fromkeys(r["algorithm"] for r in modelled))
-    by_key = {(r["world_size"], r["bytes"], r["algorithm"]): r for r in modelled}
-    table = []
-    for k in world_sizes:
-        for nbytes in sorted({r["bytes"] for r in modelled if r["world_size"] == k}):
-            line = {"K": k, "size": human_bytes(nbytes)}
-            for a in algorithms:
-                r = by_key[(k, nbytes, a)]
-                line[a] = (f"{r['seconds'] * 1e3:.2f} / {r['model_seconds'] * 1e3:.2f} "
-                           f"{r['model_error']:+.0%}")
-            table.append(line)
+    table = _grid(modelled, algorithms, lambda r: f"{r['seconds'] * 1e3:.2f} / "
+                  f"{r['model_seconds'] * 1e3:.2f} {r['model_error']:+.0%}")
     errors = sorted(abs(r["model_error"]) for r in modelled)
     inside = sum(e <= WITHIN for e in errors)
     verdict = (f"model vs measured: {inside} of {len(errors)} within {WITHIN:.0%}; median "
@@ -170,13 +163,13 @@ def report(rows: list[dict], out_dir: Path) -> str:
     plot_predictions(fig.add_subplot(1, len(world_sizes) + 1, len(world_sizes) + 1), rows)
     save_results(rows, fig, out_dir, "collectives")
     first = rows[0]
-    table, verdict = _prediction_table(rows, world_sizes)
+    table, verdict = _prediction_table(rows)
     return (f"fitted: alpha = {first['alpha'] * 1e6:.0f} us per message, 1/beta = "
             f"{1 / first['beta'] / 1e9:.2f} GB/s (ping-pong), 1/gamma = "
             f"{1 / first['gamma'] / 1e9:.1f} GB/s (additions), {first['cores']} cores\n"
             "bus bandwidth in GB/s = size/time x 2(K-1)/K (higher is better); ring vs torch: "
             "median of per-round time ratios (min-max over rounds)\n"
-            + _bandwidth_table(rows, algorithms, world_sizes)
+            + _bandwidth_table(rows, algorithms)
             + "\nmeasured / predicted ms (median of rounds, slowest rank) and the error\n"
             + table + "\n" + verdict + "\n" + _ring_bound(rows))
 

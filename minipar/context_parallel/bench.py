@@ -192,8 +192,7 @@ def format_placement(rows: list[dict]) -> str:
               "tokens": " / ".join(map(str, r["tokens"])),
               "predicted": f"{r['predicted'] * 1e3:.0f} ms",
               "measured": f"{r['measured'] * 1e3:.0f} ms",
-              "vs": ratio_cell(r["vs_even_rounds"]) if "vs_even_rounds" in r
-              else f"{rows[0]['measured'] / r['measured']:.2f}x"} for r in rows]
+              "vs": ratio_cell(r["vs_even_rounds"])} for r in rows]
     return ("variable-length sequences (forward + backward of a transformer block) on 2 ranks "
             "of speed 1 and 1/2 (the slow rank computes twice); step = slowest rank\n"
             + format_table(shown, [("placement", "placement"), ("seqs", "sequences per rank"),

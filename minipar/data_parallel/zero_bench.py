@@ -173,10 +173,8 @@ def report(rows: list[dict], out_dir: Path) -> str:
     for r in rows:
         line = {"K": str(r["world_size"]), "variant": r["variant"],
                 "step": f"{r['seconds'] * 1e3:.1f} ms",
-                "vs DP": spread(r["vs_dp_rounds"]) if "vs_dp_rounds" in r
-                else f"{r['vs_dp']:.2f}x",
-                "vs FSDP2": spread(r["vs_fsdp2_rounds"]) if "vs_fsdp2_rounds" in r
-                else f"{r['vs_fsdp2']:.2f}x"}
+                "vs DP": spread(r["vs_dp_rounds"]),
+                "vs FSDP2": spread(r["vs_fsdp2_rounds"])}
         for kind in KINDS:
             want = r.get(f"formula_{kind}")
             line[kind] = "-" if want is None else f"{_mb(r[kind])} / {_mb(want)}"

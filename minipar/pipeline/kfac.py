@@ -137,10 +137,6 @@ class KFAC:
             self._staged[(i, which)] = inverse  # published by finish(), not mid-interval
         return unit
 
-    def pending(self) -> int:
-        """Units of curvature work not yet done."""
-        return len(self._units)
-
     def work(self, seconds: float) -> float:
         """Run queued units, in order, while the next one is expected to fit in what is
         left of `seconds` (its kind's last measured time; a kind never measured waits for

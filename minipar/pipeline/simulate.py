@@ -38,7 +38,9 @@ def simulate(plan: Schedule, costs: dict[str, float | list[float]]) -> Timeline:
 
     Raises ValueError naming the stuck ranks and their next actions on a deadlock.
     """
-    p2p = _per_rank(costs, "p2p", plan.ranks, 0.0)[0]
+    p2p = costs.get("p2p", 0.0)
+    if isinstance(p2p, (list, tuple)) or not p2p >= 0:
+        raise ValueError(f"costs['p2p'] must be one number of seconds >= 0; got {p2p!r}")
     overhead = _per_rank(costs, "overhead", plan.ranks, 0.0)
     compute = {kind: _per_rank(costs, kind, plan.ranks, 1.0) for kind in ("F", "B", "I", "W")}
     clock = [0.0] * plan.ranks
