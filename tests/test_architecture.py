@@ -153,3 +153,15 @@ def test_no_package_uses_another_packages_private_names():
         if found:
             bad[notebook.name] = found
     assert not bad, f"private names used across packages: {bad}"
+
+
+def test_every_package_is_installed():
+    """A non-editable install ships only the packages pyproject.toml lists: each folder
+    with an __init__.py must be there, or `pip install .` leaves it out."""
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    folders = {"minipar." + p.parent.name for p in (ROOT / "minipar").glob("*/__init__.py")}
+    assert folders | {"minipar", "minipar.widgets"} <= listed, sorted(folders - listed)

@@ -307,3 +307,43 @@ def test_comm_thread_runs_jobs_in_order_and_join_raises_a_failure():
         comm.join()
     assert seen == [0, 1, 2, 3, 4] and isinstance(failed.exception(), ZeroDivisionError)
     comm.join()  # reported once
+
+
+def _pipelined_ring_cases():
+    """The pipelined ring against torch's all_reduce: sizes with empty chunks, one segment
+    and several (uneven last segment), sum / avg / max; and the same bytes as the ring."""
+    failures = []
+    me = minipar.rank()
+    segment = C.SEGMENT_BYTES // 4
+    for n in (1, 3, 1000, 2 * segment * minipar.world_size() + 777):
+        for op in ("sum", "avg", "max"):
+            mine = _data(n, torch.float32, salt=7) * (me + 1)
+            want = mine.clone()
+            dist.all_reduce(want, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+            if op == "avg":
+                want /= minipar.world_size()
+            got = C.pipelined_ring_all_reduce(mine.clone(), op=op)
+            if not torch.allclose(got, want, rtol=1e-5, atol=1e-5):
+                failures.append(f"pipelined ring n={n} op={op}: max error "
+                                f"{(got - want).abs().max().item():.3g}")
+    t = torch.ones(4000 * minipar.world_size() + 3)
+    with C.meter() as piped:
+        C.pipelined_ring_all_reduce(t.clone())
+    with C.meter() as ring:
+        C.all_reduce(t.clone(), algorithm="ring")
+    if (piped.sent_bytes, piped.recv_bytes, piped.steps) != \
+            (ring.sent_bytes, ring.recv_bytes, ring.steps):
+        failures.append(f"pipelined ring meter {piped.sent_bytes, piped.recv_bytes, piped.steps}"
+                        f" != ring's {ring.sent_bytes, ring.recv_bytes, ring.steps}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_pipelined_ring_matches_torch(world_size, request):
+    shared = {2: "cluster2", 4: "cluster4"}
+    if world_size in shared:
+        results = request.getfixturevalue(shared[world_size]).run(_pipelined_ring_cases)
+    else:
+        results = minipar.launch(_pipelined_ring_cases, world_size, backend="gloo", timeout=60)
+    failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
+    assert failures == [], "\n".join(failures[:20])

@@ -7,7 +7,8 @@ training draws:
 - ``all_reduce(t, algorithm=...)``: "naive" (everyone sends to rank 0, which sends
   the result back), "tree" (binomial tree reduce, then broadcast), "ring"
   (reduce-scatter then all-gather, K-1 steps each) and "halving_doubling"
-  (recursive halving reduce-scatter, recursive doubling all-gather).
+  (recursive halving reduce-scatter, recursive doubling all-gather);
+  ``pipelined_ring_all_reduce`` is the ring with its steps overlapped segment by segment.
 - ``broadcast``, ``reduce`` ("naive" or "tree"), ``scatter``, ``gather``,
   ``all_gather`` (ring), ``reduce_scatter`` (ring) and ``all_to_all``.
 
@@ -56,10 +57,11 @@ from .p2p import (
     recv_any,
     send,
 )
+from .pipelined_ring import pipelined_ring_all_reduce
 from .rooted import broadcast, gather, reduce, scatter
 
 __all__ = ["ALL_REDUCE_ALGORITHMS", "OPS", "ROOTED_ALGORITHMS", "SEGMENT_BYTES", "Link",
            "Meter", "Network", "PendingRecv", "PendingSend", "Transfer", "all_gather",
            "all_reduce", "all_to_all", "broadcast", "fit_machine", "gather", "irecv", "isend",
-           "meter", "recv", "recv_any", "reduce", "reduce_scatter", "scatter", "send",
-           "slow_network", "split_bounds", "swap_counts", "validation"]
+           "meter", "pipelined_ring_all_reduce", "recv", "recv_any", "reduce", "reduce_scatter",
+           "scatter", "send", "slow_network", "split_bounds", "swap_counts", "validation"]

@@ -1,10 +1,12 @@
-"""`minipar bench collectives`: every all-reduce algorithm against torch's built-in, on
-2 and 4 CPU ranks, beside the machine model (`minipar.machine`) fitted in the same run."""
+"""`minipar bench collectives`: every all-reduce algorithm (and the pipelined ring)
+against torch's built-in, on 2 and 4 CPU ranks, beside the machine model
+(`minipar.machine`) fitted in the same run."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -12,11 +14,12 @@ import torch.distributed as dist
 
 from .. import collectives, trace
 from ..machine import Machine
-from ..report import format_table, human_bytes, progress, save_results
+from ..report import format_table, human_bytes, progress, save_results, spread
 from ..runtime import Cluster
 from .fit import fit_machine
 
 COLLECTIVE_SIZES = [1 << 10 << (2 * i) for i in range(9)]  # 1 KiB ... 64 MiB
+PIPELINED = "pipelined ring"  # collectives.pipelined_ring_all_reduce, timed beside the rest
 WITHIN = 0.25  # the model's goal: every algorithm's median within 25% of its prediction
 
 
@@ -35,6 +38,8 @@ def _time_round_robin(algorithms: list[str], nbytes: int, rounds: int) -> dict[s
                 start = time.perf_counter()
                 if algorithm == "torch":
                     dist.all_reduce(tensor)
+                elif algorithm == PIPELINED:
+                    collectives.pipelined_ring_all_reduce(tensor)
                 else:
                     collectives.all_reduce(tensor, algorithm=algorithm)
                 if round_index:
@@ -48,20 +53,25 @@ def measure(world_sizes: tuple[int, ...] = (2, 4),
     """All-reduce time per algorithm, size and K, with torch's for scale, and the fitted
     model's prediction for each.
 
-    The machine is fitted first on the same ranks (and saved for the other models). Per
-    (K, size) the algorithms take turns for several rounds; a round's time is the slowest
-    rank's; rows keep the median with min and max, and ring vs torch as the median of the
-    per-round ratios with their spread (the machine's noise, measured).
+    The machine is fitted on the same ranks right before each size is timed (a shared
+    host's speed drifts over minutes, so a fit from the start of the run is stale by the
+    end); the first fit is saved for the other models. Per (K, size) the algorithms take
+    turns for several rounds; a round's time is the slowest rank's; rows keep the median
+    with min and max, and ring vs torch as the median of the per-round ratios with their
+    spread (the machine's noise, measured).
     """
 
     sizes = sizes or COLLECTIVE_SIZES
-    algorithms = ["torch", *collectives.ALL_REDUCE_ALGORITHMS]
+    algorithms = ["torch", *collectives.ALL_REDUCE_ALGORITHMS, PIPELINED]
     rows = []
     for k in world_sizes:
         with Cluster(k, backend="gloo") as cluster:
             progress(f"K={k}: fitting alpha, beta (ping-pong) and gamma (additions)")
             machine = fit_machine(cluster)
-            for nbytes in sizes:
+            for index, nbytes in enumerate(sizes):
+                if index:
+                    progress(f"K={k}, {human_bytes(nbytes)}: fitting the machine again")
+                    machine = fit_machine(cluster, save=False)
                 # small messages are bimodal on shared cores: more rounds steady the median
                 rounds = 41 if nbytes <= 256 << 10 else 15 if nbytes <= 1 << 20 \
                     else 7 if nbytes <= 16 << 20 else 5
@@ -70,11 +80,13 @@ def measure(world_sizes: tuple[int, ...] = (2, 4),
                 per_rank = cluster.run(_time_round_robin, algorithms, nbytes, rounds)
                 slowest = {a: [max(ts) for ts in zip(*(r[a] for r in per_rank), strict=True)]
                            for a in algorithms}
-                ratios = sorted(t / r for t, r in zip(slowest["torch"], slowest["ring"],
-                                                      strict=True))
+                ratios = {a: sorted(t / r for t, r in zip(slowest["torch"], slowest[a],
+                                                          strict=True))
+                          for a in ("ring", PIPELINED)}
                 for a in algorithms:
                     seconds = statistics.median(slowest[a])
-                    model = None if a == "torch" else machine.all_reduce_seconds(a, k, nbytes)
+                    model = None if a in ("torch", PIPELINED) \
+                        else machine.all_reduce_seconds(a, k, nbytes)
                     rows.append({"world_size": k, "bytes": nbytes, "algorithm": a,
                                  "seconds": seconds, "seconds_range": [min(slowest[a]),
                                                                        max(slowest[a])],
@@ -88,8 +100,7 @@ def measure(world_sizes: tuple[int, ...] = (2, 4),
                                  "busy_alpha": machine.busy_alpha,
                                  "busy_beta": machine.busy_beta,
                                  "busy_ranks": machine.busy_ranks,
-                                 "ring_vs_torch": statistics.median(ratios),
-                                 "ring_vs_torch_range": [ratios[0], ratios[-1]]})
+                                 "vs_torch": ratios.get(a)})
     return rows
 
 
@@ -102,12 +113,11 @@ def _grid(rows: list[dict], algorithms: list[str], cell) -> list[dict]:
 
 def _bandwidth_table(rows: list[dict], algorithms: list[str]) -> str:
     table = _grid(rows, algorithms, lambda r: f"{r['busbw_GBps']:.2f}")
-    rings = _grid(rows, ["ring"], lambda r: f"{r['ring_vs_torch']:.2f}x "
-                  f"({r['ring_vs_torch_range'][0]:.2f}-{r['ring_vs_torch_range'][1]:.2f})")
-    for line, ring in zip(table, rings, strict=True):
-        line["ring/torch"] = ring["ring"]
+    versus = _grid(rows, ["ring", PIPELINED], lambda r: spread(r["vs_torch"]))
+    for line, ratios in zip(table, versus, strict=True):
+        line["ring/torch"], line["pipelined/torch"] = ratios["ring"], ratios[PIPELINED]
     columns = [("K", "K"), ("size", "size")] + [(a, a) for a in algorithms] + [
-        ("ring/torch", "ring vs torch (min-max)")]
+        ("ring/torch", "ring vs torch"), ("pipelined/torch", "pipelined vs torch")]
     return format_table(table, columns)
 
 
@@ -125,17 +135,23 @@ def _prediction_table(rows: list[dict]) -> tuple[str, str]:
 
 
 def _ring_bound(rows: list[dict]) -> str:
-    """Why the ring cannot beat gloo here: at the largest size, the time the fitted machine
-    gives the ring's bytes alone (no latency, no additions) beside both measured times."""
+    """Why the ring (pipelined or not) cannot beat gloo here: at the largest size, the time
+    the fitted machine gives the ring's bytes alone (no latency, no additions), and the
+    additions, which are all a pipelined ring could hide, beside the measured times."""
     lines = []
     for k in sorted({r["world_size"] for r in rows}):
         n = max(r["bytes"] for r in rows if r["world_size"] == k)
         by = {r["algorithm"]: r for r in rows if r["world_size"] == k and r["bytes"] == n}
         r = by["ring"]
-        bytes_only = Machine("gloo", 0.0, r["beta"], 0.0, r["cores"], r["busy_ranks"], 0.0,
-                             r["busy_beta"]).all_reduce_seconds("ring", k, n)
+        fitted = Machine("gloo", r["alpha"], r["beta"], r["gamma"], r["cores"],
+                         r["busy_ranks"], r["busy_alpha"], r["busy_beta"])
+        bytes_only = replace(fitted, alpha=0.0, gamma=0.0, busy_alpha=0.0)
+        adding = fitted.all_reduce_seconds("ring", k, n) \
+            - replace(fitted, gamma=0.0).all_reduce_seconds("ring", k, n)
         lines.append(f"K={k}, {human_bytes(n)}: the ring's bytes alone on this machine take "
-                     f"{bytes_only * 1e3:.1f} ms; measured ring {r['seconds'] * 1e3:.1f} ms, "
+                     f"{bytes_only.all_reduce_seconds('ring', k, n) * 1e3:.1f} ms and its "
+                     f"additions {adding * 1e3:.1f} ms; measured ring {r['seconds'] * 1e3:.1f} "
+                     f"ms, pipelined ring {by[PIPELINED]['seconds'] * 1e3:.1f} ms, "
                      f"torch's gloo {by['torch']['seconds'] * 1e3:.1f} ms")
     return "\n".join(lines)
 
@@ -162,13 +178,16 @@ def report(rows: list[dict], out_dir: Path) -> str:
         ax.legend(fontsize=7)
     plot_predictions(fig.add_subplot(1, len(world_sizes) + 1, len(world_sizes) + 1), rows)
     save_results(rows, fig, out_dir, "collectives")
-    first = rows[0]
     table, verdict = _prediction_table(rows)
-    return (f"fitted: alpha = {first['alpha'] * 1e6:.0f} us per message, 1/beta = "
-            f"{1 / first['beta'] / 1e9:.2f} GB/s (ping-pong), 1/gamma = "
-            f"{1 / first['gamma'] / 1e9:.1f} GB/s (additions), {first['cores']} cores\n"
-            "bus bandwidth in GB/s = size/time x 2(K-1)/K (higher is better); ring vs torch: "
-            "median of per-round time ratios (min-max over rounds)\n"
+    fits = {(r["world_size"], r["bytes"]): r for r in rows}.values()  # one fit per (K, size)
+    alphas = [r["alpha"] * 1e6 for r in fits]
+    links = [1 / r["beta"] / 1e9 for r in fits]
+    adds = [1 / r["gamma"] / 1e9 for r in fits]
+    return (f"fitted before each size: alpha = {spread(alphas, ' us', 0)} per message, 1/beta "
+            f"= {spread(links, ' GB/s')} (ping-pong), 1/gamma = {spread(adds, ' GB/s', 1)} "
+            f"(additions), {rows[0]['cores']} cores\n"
+            "bus bandwidth in GB/s = size/time x 2(K-1)/K (higher is better); ring (pipelined) vs "
+            "torch: median of per-round time ratios (min-max over rounds)\n"
             + _bandwidth_table(rows, algorithms)
             + "\nmeasured / predicted ms (median of rounds, slowest rank) and the error\n"
             + table + "\n" + verdict + "\n" + _ring_bound(rows))

@@ -53,7 +53,8 @@ def configurations(ranks: int) -> list[tuple[int, int, int]]:
             and SHAPE["heads"] % tp == 0 and BATCH % (ranks // (pp * tp) * MICROBATCHES) == 0]
 
 
-def _time_steps(dims: dict[str, int], steps: int) -> float:
+def _time_steps(dims: dict[str, int], steps: int) -> list[float]:
+    """This rank's seconds per training step, each timed from a barrier (one warm-up)."""
     groups = Mesh(**dims).connect()
     model = MeshGPT(_model(), groups, lambda ps: torch.optim.Adam(ps, lr=1e-3),
                     microbatches=MICROBATCHES)
@@ -65,7 +66,7 @@ def _time_steps(dims: dict[str, int], steps: int) -> float:
         model.train_step(ids, targets)
         if i:
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
 
 
 def compute_rates(steps: int = 3) -> tuple[float, float]:
@@ -138,13 +139,17 @@ def measure(world_sizes: tuple[int, ...] = (4, 8), steps: int = 3) -> list[dict]
             machine = this_machine(k, flops, bandwidth, alpha, beta)
             for dp, pp, tp in configurations(k):
                 progress(f"K={k}: dp={dp} pp={pp} tp={tp}")
-                measured = max(ranks.run(_time_steps, dict(dp=dp, pp=pp, tp=tp), steps))
+                per_rank = ranks.run(_time_steps, dict(dp=dp, pp=pp, tp=tp), steps)
+                slowest = [max(step) for step in zip(*per_rank, strict=True)]
+                measured = statistics.median(slowest)
                 predicted = estimate(_config(), machine, BATCH, dp, pp, tp,
                                      micro_batch=BATCH // (dp * MICROBATCHES),
                                      recompute="none", bytes_per_value=4)
                 rows.append({"world_size": k, "dp": dp, "pp": pp, "tp": tp, "alpha": alpha,
                              "beta": beta, "flops": flops, "bandwidth": bandwidth,
-                             "measured": measured, "predicted": predicted.step,
+                             "measured": measured,
+                             "measured_range": [min(slowest), max(slowest)],
+                             "predicted": predicted.step,
                              **{f"predicted_{n}": s for n, s in predicted.seconds.items()}})
     return rows
 
@@ -166,7 +171,8 @@ def report(rows: list[dict], out_dir: Path) -> str:
                                    ("comm", ("tp", "pp", "dp")), ("opt", ("optimizer",)),
                                    ("share", ("sharing cores",)))}
             shown.append({"K": k, "config": f"dp={r['dp']} pp={r['pp']} tp={r['tp']}",
-                          "measured": f"{r['measured'] * 1e3:.0f} ms",
+                          "measured": f"{r['measured'] * 1e3:.0f} ms ("
+                          f"{r['measured_range'][0] * 1e3:.0f}-{r['measured_range'][1] * 1e3:.0f})",
                           "predicted": f"{r['predicted'] * 1e3:.0f} ms",
                           "m rank": by_measured.index(r) + 1,
                           "p rank": by_predicted.index(r) + 1, **ms})
@@ -179,10 +185,11 @@ def report(rows: list[dict], out_dir: Path) -> str:
                ylabel="measured ms")
     save_results(rows, fig, out_dir, "mesh")
     header = ("step time of a 4-layer GPT (hidden 256, batch 32, 4 micro-batches) per "
-              "configuration: measured (median, slowest rank) and the planner's estimate on "
-              "this machine's fitted constants; ranks by each")
+              "configuration: measured (median of steps, each the slowest rank's; min-max) and "
+              "the planner's estimate on this machine's fitted constants; ranks by each")
     return "\n".join([header, format_table(shown, [
-        ("K", "K"), ("config", "config"), ("measured", "measured"), ("predicted", "predicted"),
+        ("K", "K"), ("config", "config"), ("measured", "measured (min-max)"),
+        ("predicted", "predicted"),
         ("m rank", "measured rank"), ("p rank", "predicted rank"),
         ("compute+bubble", "compute ms"), ("comm", "comm ms"), ("opt", "optimizer ms"),
         ("share", "waiting for a core ms")]),

@@ -55,14 +55,17 @@ def report_adaptive(rows: list[dict]) -> str:
     """Measured ms per degree, the fastest, and the model's pick, per tokens per rank."""
     shown = []
     for r in rows:
+        measured = r["measured_s"]
         row = {"tokens": r["tokens_per_rank"], "fastest": NAMES[r["fastest"]],
-               "pick": NAMES[r["model_pick"]]}
-        row |= {f"d{d}": f"{s * 1e3:.1f} ms" for d, s in r["measured_s"].items()}
+               "pick": NAMES[r["model_pick"]],
+               "cost": f"{measured[r['model_pick']] / measured[r['fastest']]:.2f}x"}
+        row |= {f"d{d}": f"{s * 1e3:.1f} ms" for d, s in measured.items()}
         shown.append(row)
     degrees = sorted(rows[0]["measured_s"]) if rows else []
     table = format_table(shown, [("tokens", "tokens per rank"),
                                  *[(f"d{d}", NAMES[d]) for d in degrees],
-                                 ("fastest", "measured fastest"), ("pick", "model's pick")])
+                                 ("fastest", "measured fastest"), ("pick", "model's pick"),
+                                 ("cost", "pick's time / fastest's")])
     fitted = (f" (alpha {rows[0]['alpha'] * 1e6:.0f} us, "
               f"beta {1 / rows[0]['beta'] / 1e9:.2f} GB/s fitted)") if rows else ""
     return (f"Tutel's adaptive parallelism: {SHAPE} on 4 ranks, forward + backward per degree"

@@ -18,7 +18,7 @@ import torch
 
 from .. import collectives
 from ..mesh import Mesh
-from ..report import format_table, progress
+from ..report import format_table, progress, spread
 from ..runtime import Cluster, rank, world_size
 from .adaptive import AdaptiveMoE
 from .expert_parallel import ExpertParallelMoE
@@ -110,29 +110,37 @@ def _expert_rows(layer: torch.nn.Module) -> int | None:
     return int(routing.kept.sum()) if routing is not None else None
 
 
-def measure_systems(tokens: int = 2048, steps: int = 3) -> list[dict]:
-    """Tokens/s, bytes sent per step and dispatch rows of every layer on the same tokens."""
-    rows = []
+SYSTEMS = ("EP, flat all-to-all", "EP, pipelined (1 chunk)", "EP, pipelined (2 chunks)",
+           "EP, pipelined (4 chunks)", *EP_TWINS, "EP, hierarchical (2 nodes x 2)",
+           "Tutel adaptive, r=1 (= EP)", "Tutel adaptive, r=0 (experts gathered)",
+           "Pipeline MoE (TP group of 4)", *LAYERS)
+
+
+def measure_systems(tokens: int = 2048, steps: int = 3, rounds: int = 3) -> list[dict]:
+    """Tokens/s, bytes sent per step and dispatch rows of every layer on the same tokens.
+    The layers take turns for `rounds` rounds; "vs flat EP" is the median of per-round
+    ratios with their spread."""
+    seconds: dict[str, list[float]] = {kind: [] for kind in SYSTEMS}
+    last: dict[str, list[dict]] = {}
     with Cluster(1, backend="gloo") as one, Cluster(4, backend="gloo") as four:
-        for kind in ("EP, flat all-to-all", "EP, pipelined (1 chunk)",
-                     "EP, pipelined (2 chunks)", "EP, pipelined (4 chunks)",
-                     *EP_TWINS, "EP, hierarchical (2 nodes x 2)",
-                     "Tutel adaptive, r=1 (= EP)", "Tutel adaptive, r=0 (experts gathered)",
-                     "Pipeline MoE (TP group of 4)", *LAYERS):
-            progress(kind)
-            cluster = one if kind in LAYERS else four
-            runs = [cluster.run(_step, kind, tokens, steps) for _ in range(2)]
-            best = min(runs, key=lambda run: max(r["seconds"] for r in run))
-            seconds = max(r["seconds"] for r in best)
-            routed = best[:1] if best[0]["replicated"] else best  # the same routing everywhere
-            kept, choices = (sum(r[key] for r in routed) for key in ("kept", "choices"))
-            rows.append({"system": kind, "ranks": len(best), "tokens_per_s": tokens / seconds,
-                         "bytes_per_step": sum(r["bytes_per_step"] for r in best),
-                         "dispatch_rows": sum(r["rows"] for r in best),
-                         "drop": 1 - kept / choices if choices else 0.0})
-    flat = rows[0]["tokens_per_s"]
-    for row in rows:
-        row["vs_flat_ep"] = row["tokens_per_s"] / flat
+        for round_index in range(rounds):
+            for kind in SYSTEMS:
+                progress(f"round {round_index + 1}/{rounds}: {kind}")
+                run = (one if kind in LAYERS else four).run(_step, kind, tokens, steps)
+                seconds[kind].append(max(r["seconds"] for r in run))
+                last[kind] = run
+    rows = []
+    for kind in SYSTEMS:
+        run = last[kind]
+        routed = run[:1] if run[0]["replicated"] else run  # the same routing everywhere
+        kept, choices = (sum(r[key] for r in routed) for key in ("kept", "choices"))
+        rows.append({"system": kind, "ranks": len(run),
+                     "tokens_per_s": tokens / statistics.median(seconds[kind]),
+                     "vs_flat_ep": [flat / mine for flat, mine in
+                                    zip(seconds[SYSTEMS[0]], seconds[kind], strict=True)],
+                     "bytes_per_step": sum(r["bytes_per_step"] for r in run),
+                     "dispatch_rows": sum(r["rows"] for r in run),
+                     "drop": 1 - kept / choices if choices else 0.0})
     return rows
 
 
@@ -182,11 +190,11 @@ def measure_exchange(sizes: tuple[int, ...] = (1, 64, 4096), repeats: int = 5) -
 def report_systems(rows: list[dict], exchange: list[dict]) -> str:
     """The two tables."""
     shown = [{"system": r["system"], "ranks": r["ranks"], "tps": f"{r['tokens_per_s']:.0f}",
-              "vs": f"{r['vs_flat_ep']:.2f}x", "bytes": f"{r['bytes_per_step']:,.0f}",
+              "vs": spread(r["vs_flat_ep"]), "bytes": f"{r['bytes_per_step']:,.0f}",
               "rows": "-" if r["dispatch_rows"] is None else str(r["dispatch_rows"]),
               "drop": f"{r['drop']:.0%}"} for r in rows]
     first = format_table(shown, [("system", "layer"), ("ranks", "ranks"),
-                                 ("tps", "tokens/s"), ("vs", "vs flat EP"),
+                                 ("tps", "tokens/s"), ("vs", "vs flat EP (min-max)"),
                                  ("bytes", "bytes sent per step (all ranks)"),
                                  ("rows", "expert rows (all ranks)"),
                                  ("drop", "choices dropped")])
@@ -196,5 +204,6 @@ def report_systems(rows: list[dict], exchange: list[dict]) -> str:
     second = format_table(shown, [("kind", "all-to-all"), ("n", "rows per peer"),
                                   ("b", "bytes per peer"), ("t", "time (slowest rank)"),
                                   ("m", "messages across nodes, per rank")])
-    return (f"MoE layers on the same {SHAPE} tokens (forward + backward)\n" + first
+    return (f"MoE layers on the same {SHAPE} tokens (forward + backward), taking turns; "
+            "tokens/s from the median round, vs flat EP per round\n" + first
             + "\n\nthe exchange alone, 4 ranks as 2 nodes x 2\n" + second)
