@@ -110,7 +110,7 @@ def render_summary(timeline: Timeline, title: str = "where the time went") -> Fi
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     ax.set_title(f"{title} (bubble {s.bubble_fraction:.0%})", fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     return fig
 
 

@@ -26,15 +26,21 @@ def test_render_summary_and_empty_timeline():
     assert render_timeline(Timeline()).axes
 
 
-def test_viewer_plays_from_a_cache():
-    viewer = TimelineViewer(two_rank_timeline(), frames=4)
-    first = viewer.image.value
-    viewer.slider.value = 2
-    assert viewer.image.value != first and set(viewer._cache) == {2, 4}
-    viewer.slider.value = 4
-    assert viewer.image.value == first
-    with pytest.raises(ValueError, match="frames"):
-        TimelineViewer(two_rank_timeline(), frames=0)
+def test_viewer_sends_the_timeline_as_data_for_the_browser():
+    timeline = two_rank_timeline()
+    viewer = TimelineViewer(timeline, title="two ranks")
+    [panel] = viewer.view.panels
+    assert panel["title"] == "two ranks" and panel["lanes"] == ["rank 0", "rank 1"]
+    assert len(panel["events"]) == len(timeline)
+    lane, kind, label, start, end, _micro, _compute = panel["events"][0]
+    first = timeline.events[0]
+    assert (lane, kind, label) == (timeline.ranks.index(first.rank), first.kind, first.label)
+    assert start == pytest.approx((first.start - timeline.start) * 1e3)
+    assert end == pytest.approx((first.end - timeline.start) * 1e3)
+    assert set(panel["colors"]) == {e.kind for e in timeline}
+    assert viewer.view._esm and "export default" in str(viewer.view._esm)
+    with pytest.raises(ValueError, match="play_ms"):
+        TimelineViewer(timeline, play_ms=0)
 
 
 def test_collective_recording_matches_the_meter_and_renders(cluster4):
@@ -88,13 +94,18 @@ def test_schedule_explorer_simulates_reports_and_measures():
     assert "bubble 27.3%" in explorer.status.value and "[4, 3, 2, 1]" in explorer.status.value
     explorer.name.value = "interleaved_1f1b"
     explorer.virtual.value = 2
+    drawn = explorer.view.panels
     explorer.microbatches.value = 6
     assert "microbatches must be a multiple of 4" in explorer.status.value
+    # what you see is the current input: an impossible choice greys the picture, says why
+    assert "multiple of 4" in explorer.view.greyed and explorer.view.panels == drawn
     explorer.microbatches.value = 8
+    assert explorer.view.greyed == ""
     explorer.fill.value = True
     assert "utilization" in explorer.status.value
-    explorer.time.value = 5
-    assert 5 in explorer._cache
+    assert any(e[1] == "extra" for e in explorer.view.panels[0]["events"])
+    held = explorer.view.panels[-1]
+    assert held["kind"] == "steps" and len(held["series"]) == 4
     explorer.fill.value = False
     explorer.name.value, explorer.stages.value = "gpipe", 2
     measured = explorer.measure()
@@ -103,6 +114,8 @@ def test_schedule_explorer_simulates_reports_and_measures():
     # the prediction from the run's own costs is drawn on the measured run's time axis
     assert {e.label for e in explorer.predicted if e.track == "compute"} == \
         {e.label for e in measured if e.track == "compute"}
+    ideal, predicted, real, _held = explorer.view.panels
+    assert predicted["axis_ms"] == real["axis_ms"] and not real["plays"] and ideal["plays"]
     figure = render_pipeline(explorer.ideal, measured, predicted=explorer.predicted)
     assert len(figure.axes) == 4 and figure.axes[1].get_xlim() == figure.axes[2].get_xlim()
 

@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import ipywidgets as w
 
-from minipar.pipeline import SCHEDULES, fill_bubbles, peak_in_flight, schedule, simulate
-from minipar.plots import to_png
+from minipar.pipeline import (
+    SCHEDULES,
+    fill_bubbles,
+    in_flight_over_time,
+    peak_in_flight,
+    schedule,
+    simulate,
+)
+from minipar.trace import Timeline
 
-from .render import render_pipeline
+from .gantt import GanttView, gantt_panel, step_panel
 
 
 class ScheduleExplorer(w.VBox):
-    """Controls for schedule, stages, micro-batches, virtual stages and F/B/W costs; an
-    animated Gantt of the simulated run with activations held over time; "measure" runs
-    the schedule on a Cluster (balanced synthetic stages) and draws the real Timeline
-    under the ideal one, with the simulator's prediction from the run's own costs on the
-    same time axis; "fill bubbles" packs PipeFisher-style extra work into idle time."""
+    """Controls for schedule, stages, micro-batches, virtual stages and F/B/W costs; a
+    Gantt of the simulated run with activations held over time, drawn by the browser
+    (Play replays it there); "measure" runs the schedule on a Cluster (balanced synthetic
+    stages) and draws the real Timeline under the ideal one, with the simulator's
+    prediction from the run's own costs on the same time axis; "fill bubbles" packs
+    PipeFisher-style extra work into idle time. An impossible choice greys the picture
+    and says why."""
 
     def __init__(self, name: str = "1f1b", stages: int = 4, microbatches: int = 8) -> None:
         self.name = w.Dropdown(options=list(SCHEDULES), value=name, description="schedule")
@@ -30,24 +39,20 @@ class ScheduleExplorer(w.VBox):
         self.weight_share = w.FloatSlider(min=0.1, max=0.9, value=0.5, step=0.1,
                                           description="W share of B", continuous_update=False)
         self.fill = w.Checkbox(value=False, description="fill bubbles (PipeFisher)")
-        self.play = w.Play(min=0, max=20, value=20, interval=200, description="play")
-        self.time = w.IntSlider(min=0, max=20, value=20, description="time",
-                                continuous_update=False, readout=False)
-        w.jslink((self.play, "value"), (self.time, "value"))
         self.measure_button = w.Button(description="measure", button_style="primary")
         self.status = w.HTML()
-        self.image = w.Image(format="png")
+        self.view = GanttView()
         self.measured = self.predicted = None
-        self._cache: dict[int, bytes] = {}
+        for control in (self.name, self.stages, self.microbatches, self.virtual, self.backward,
+                        self.weight_share):
+            control.style.description_width = "initial"  # labels never cut short
         for control in (self.name, self.stages, self.microbatches, self.virtual, self.backward,
                         self.weight_share, self.fill):
             control.observe(lambda _: self.update(), names="value")
-        self.time.observe(lambda change: self._show(change["new"]), names="value")
         self.measure_button.on_click(lambda _: self.measure())
         super().__init__([w.HBox([self.name, self.stages, self.microbatches]),
                           w.HBox([self.virtual, self.backward, self.weight_share]),
-                          w.HBox([self.fill, self.measure_button]),
-                          w.HBox([self.play, self.time]), self.status, self.image])
+                          w.HBox([self.fill, self.measure_button]), self.status, self.view])
         self.update()
 
     def costs(self) -> dict[str, float]:
@@ -57,8 +62,9 @@ class ScheduleExplorer(w.VBox):
                 "W": b * self.weight_share.value * 1e-3}
 
     def update(self) -> None:
-        """Rebuild the schedule from the controls and redraw (errors shown, not raised)."""
-        self.measured, self.predicted, self._cache = None, None, {}
+        """Rebuild the schedule from the controls and redraw; an impossible choice greys
+        the picture and says why instead of leaving the last one up."""
+        self.measured, self.predicted = None, None
         try:
             virtual = self.virtual.value if self.name.value in ("interleaved_1f1b",
                                                                  "looped_bfs") else 1
@@ -66,6 +72,7 @@ class ScheduleExplorer(w.VBox):
                                  virtual)
         except ValueError as err:
             self.status.value = f"<b>not possible:</b> {err}"
+            self.view.greyed = f"not possible: {err} (the picture is the last valid choice)"
             return
         self.ideal = simulate(self.plan, self.costs())
         before = self.ideal.summary(self.plan.ranks).bubble_fraction
@@ -78,17 +85,31 @@ class ScheduleExplorer(w.VBox):
             text += f"; with extra work in the bubbles: utilization {1 - before:.1%} -> " \
                     f"{utilization:.1%}"
         self.status.value = text
-        self._show(self.time.value)
+        self._draw()
 
-    def _show(self, frame: int) -> None:
-        if not hasattr(self, "ideal"):
-            return
-        if frame not in self._cache:
-            upto = None if frame >= self.time.max else self.ideal.makespan * frame / self.time.max
-            self._cache[frame] = to_png(render_pipeline(self.ideal, self.measured, upto,
-                                                        self.plan.split_backward,
-                                                        predicted=self.predicted))
-        self.image.value = self._cache[frame]
+    def panels(self) -> list[dict]:
+        """What the browser draws: the ideal run, the prediction and the measured run (on
+        one time axis) when measured, and the activations each rank holds over time."""
+        ranks = self.plan.ranks
+        bubble = self.ideal.summary(ranks).bubble_fraction
+        panels = [gantt_panel(self.ideal, f"ideal (simulated): bubble {bubble:.1%}")]
+        shown = [(name, Timeline(e for e in t if e.kind in ("F", "B", "I", "W", "recv", "send")))
+                 for name, t in (("predicted from the measured costs", self.predicted),
+                                 ("measured on real ranks", self.measured)) if t is not None]
+        shared = max((t.makespan for _, t in shown), default=0.0) * 1e3 * 1.02
+        for name, timeline in shown:
+            summary = timeline.summary(ranks)
+            panels.append(gantt_panel(timeline, f"{name}: bubble {summary.bubble_fraction:.1%}, "
+                                                f"step {timeline.makespan * 1e3:.0f} ms",
+                                      axis_ms=shared, plays=False))
+        held = in_flight_over_time(self.ideal, self.plan.split_backward)
+        panels.append(step_panel(held, "activations held (micro-batches) per rank",
+                                 "held", self.ideal.makespan * 1e3))
+        return panels
+
+    def _draw(self) -> None:
+        self.view.panels = self.panels()
+        self.view.greyed = ""
 
     def measure(self):
         """Run the current schedule on real ranks and draw its Timeline under the ideal,
@@ -111,8 +132,7 @@ class ScheduleExplorer(w.VBox):
             p2p, fitted = 0.0, " (messages not priced: run `minipar bench collectives` to fit them)"
         compared = predicted_vs_measured(self.measured, self.plan, p2p)
         self.predicted = simulate(self.plan, compared["costs"])
-        self._cache = {}
-        self._show(self.time.value)
+        self._draw()
         self.status.value = (f"{before}; measured bubble {compared['bubble_measured']:.1%}, "
                              f"predicted {compared['bubble_predicted']:.1%}{fitted}")
         return self.measured

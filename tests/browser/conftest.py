@@ -1,0 +1,104 @@
+"""A real browser for the widget tests: JupyterLab on a free loopback port with a token,
+driven by Playwright through Debian's Chromium (never a downloaded browser). Without
+Chromium or Playwright every test here skips with one line saying how to get them."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = os.environ.get("MINIPAR_CHROMIUM") or shutil.which("chromium") \
+    or shutil.which("chromium-browser")
+HOW = "no browser: apt-get install -y chromium and pip install playwright (or set MINIPAR_CHROMIUM)"
+
+
+def pytest_collection_modifyitems(config, items):
+    try:
+        import playwright  # noqa: F401
+    except ImportError:
+        missing = True
+    else:
+        missing = CHROMIUM is None
+    if missing:
+        skip = pytest.mark.skip(reason=HOW)
+        for item in items:
+            if "browser" in Path(str(item.fspath)).parts:
+                item.add_marker(skip)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def screenshots(tmp_path_factory) -> Path:
+    """Where screenshots go: $MINIPAR_SCREENSHOTS, else a temporary folder (printed)."""
+    chosen = os.environ.get("MINIPAR_SCREENSHOTS")
+    folder = Path(chosen) if chosen else tmp_path_factory.mktemp("screenshots")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory):
+    """(base url, token, notebook folder) of a JupyterLab started for the session."""
+    folder = tmp_path_factory.mktemp("notebooks")
+    port, token = _free_port(), secrets.token_hex(16)
+    jupyter = Path(sys.executable).with_name("jupyter")
+    server = subprocess.Popen(
+        [str(jupyter), "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
+         f"--port={port}", f"--IdentityProvider.token={token}", f"--notebook-dir={folder}",
+         "--LabApp.news_url="],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                if time.monotonic() > deadline or server.poll() is not None:
+                    raise RuntimeError("JupyterLab did not start within 60 s") from None
+                time.sleep(0.5)
+        yield url, token, folder
+    finally:
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+@pytest.fixture(scope="session")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM,
+                                     args=["--no-sandbox", "--disable-gpu"])
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh page that records console errors in `page.errors`."""
+    context = browser.new_context(viewport={"width": 1280, "height": 1000})
+    page = context.new_page()
+    page.errors = []
+    page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+    yield page
+    context.close()
