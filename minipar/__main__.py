@@ -1,56 +1,90 @@
-"""The `minipar` command: tour, bench, lessons."""
+"""The `minipar` command: tour, bench, lessons, doctor."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
+
+from .cli import OneLineParser, output_folder, run_command
 
 
 def _default_lessons() -> Path:
     return Path(__file__).resolve().parent.parent / "lessons"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="minipar", description="Parallel training, run for real.")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    tour = commands.add_parser("tour", help="run every technique on CPU ranks and report")
-    tour.add_argument("--out", default="minipar-out", help="folder for pictures and traces")
-
-    bench = commands.add_parser("bench", help="run a benchmark: table, JSON and plot")
+def _parser() -> OneLineParser:
+    from . import __version__
     from .bench import BENCHMARKS
 
+    parser = OneLineParser(
+        prog="minipar",
+        description="Parallel training, built small and run for real: every technique on "
+                    "CPU processes or GPUs, checked against one process.")
+    parser.add_argument("--version", action="version", version=f"minipar {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command",
+                                     parser_class=OneLineParser)
+    tour = commands.add_parser(
+        "tour", help="run every technique on CPU ranks, check it against one process, report",
+        description="Run every technique on CPU ranks, check each against one process, and "
+                    "write a report, pictures and Chrome traces.")
+    tour.add_argument("--out", default="minipar-out", type=output_folder,
+                      help="folder for the report, pictures and traces (default: minipar-out)")
+    bench = commands.add_parser(
+        "bench", help="run a benchmark: table, JSON and plot",
+        description="Run one benchmark: print its table, write its JSON and plot.")
     bench.add_argument("name", choices=list(BENCHMARKS), metavar="name",
-                       help=f"which benchmark ({', '.join(BENCHMARKS)})")
-    bench.add_argument("--out", default="bench-out", help="folder for JSON and plot")
-
-    lessons = commands.add_parser("lessons", help="write learners' copies of the lessons")
+                       help=f"which benchmark: {', '.join(BENCHMARKS)}")
+    bench.add_argument("--out", default="bench-out", type=output_folder,
+                       help="folder for the JSON and the plot (default: bench-out)")
+    lessons = commands.add_parser(
+        "lessons", help="write learners' copies of the lessons",
+        description="Write learners' copies of the lesson notebooks: every solution "
+                    "replaced by a stub naming its exercise, outputs and saved widget state "
+                    "cleared. Notebooks already in the folder are kept unless --force.")
     lessons.add_argument("--student", required=True, metavar="DIR",
-                         help="folder for the copies, solutions replaced by stubs")
-    lessons.add_argument("--source", default=None, help="lessons folder (default: the checkout's)")
+                         help="folder for the copies")
+    lessons.add_argument("--source", default=None, metavar="DIR",
+                         help="lessons folder (default: this checkout's lessons/)")
+    lessons.add_argument("--force", action="store_true",
+                         help="overwrite notebooks already in DIR (your work in them is lost)")
+    commands.add_parser(
+        "doctor", help="what this machine gives minipar: torch build, backends, cores",
+        description="Print, on one screen, the torch build (CPU or CUDA), the backends, GPUs "
+                    "and cores, what backend='auto' picks, and the extras the lessons need.")
+    return parser
 
-    args = parser.parse_args(argv)
-    try:
-        if args.command == "tour":
-            from .tour import run_tour
 
-            rows = run_tour(args.out)
-            return 0 if all(r.matches is not False for r in rows) else 1
-        if args.command == "bench":
-            from .bench import run_benchmark
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return run_command(f"minipar {args.command}", lambda: _run(args))
 
-            run_benchmark(args.name, args.out)
-            return 0
-        from .lessons import write_student_copies
 
-        written = write_student_copies(args.source or _default_lessons(), args.student)
-        for path in written:
-            print(f"wrote {path}")
+def _run(args) -> int:
+    if args.command == "tour":
+        from .tour import run_tour
+
+        rows = run_tour(args.out)
+        return 0 if all(r.matches is not False for r in rows) else 1
+    if args.command == "bench":
+        from .bench import run_benchmark
+
+        run_benchmark(args.name, args.out)
         return 0
-    except ValueError as err:
-        print(f"minipar {args.command}: {err}", file=sys.stderr)
-        return 2
+    if args.command == "doctor":
+        from .doctor import print_report
+
+        print_report()
+        return 0
+    from .lessons import write_student_copies
+
+    written, kept = write_student_copies(args.source or _default_lessons(), args.student,
+                                         force=args.force)
+    for path in written:
+        print(f"wrote {path}")
+    if kept:
+        print(f"kept {len(kept)} notebook(s) already in {args.student} (your work): "
+              f"{', '.join(p.name for p in kept)}; pass --force to overwrite them")
+    return 0
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
+from .cli import OneLineParser, nonnegative_int, positive_int, run_command
 from .report import format_table
-from .runtime import BACKENDS, Cluster, Results, launch, rank
+from .runtime import BACKENDS, Cluster, Results, launch, rank, under_torchrun
 
 
 @dataclass
@@ -120,13 +121,18 @@ def best_run(cluster: Cluster, fn: Callable, *args, repeats: int = 3, **kwargs) 
     return min(runs, key=lambda r: r.seconds)
 
 
-def demo_parser(description: str, default_ranks: int = 2) -> argparse.ArgumentParser:
+def demo_parser(description: str, default_ranks: int = 2, prog: str | None = None
+                ) -> argparse.ArgumentParser:
     """The options every `python -m minipar.<technique>` demo shares: --ranks (torchrun's
-    WORLD_SIZE when set) and --backend. Modules add their own before parsing."""
-    parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--ranks", type=int,
-                        default=int(os.environ.get("WORLD_SIZE", default_ranks)))
-    parser.add_argument("--backend", default="auto", choices=BACKENDS)
+    WORLD_SIZE when set) and --backend. Modules add their own before parsing; mistakes
+    are one line (see `minipar.cli`)."""
+    parser = OneLineParser(prog=prog, description=description)
+    parser.add_argument("--ranks", type=positive_int,
+                        default=int(os.environ.get("WORLD_SIZE", default_ranks)),
+                        help=f"how many ranks to spawn (default {default_ranks}; under "
+                             "torchrun, its world size)")
+    parser.add_argument("--backend", default="auto", choices=BACKENDS,
+                        help="auto: nccl with one GPU per rank, else gloo (CPU processes)")
     return parser
 
 
@@ -136,10 +142,13 @@ def run_demo(demo: Callable[..., list[Check]], description: str, default_ranks: 
     """Parse --ranks, --backend and the demo's own integer `options` (name: default), run
     `demo(**options)` on every rank (spawned, or the ranks torchrun started), and print
     the table on rank 0. `check_options(ranks, **options)` may raise ValueError before
-    any rank starts; its message becomes a one-line usage error."""
-    parser = demo_parser(description, default_ranks)
+    any rank starts; its message, like any ValueError of the launch (a backend this
+    machine lacks), becomes a one-line error, and Ctrl-C a one-line "interrupted"."""
+    prog = "python -m " + demo.__module__.rsplit(".", 1)[0]
+    parser = demo_parser(description, default_ranks, prog)
     for name, default in (options or {}).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+        parser.add_argument(f"--{name.replace('_', '-')}", type=nonnegative_int, default=default,
+                            help=f"default {default}")
     args = vars(parser.parse_args(argv))
     ranks, backend = args.pop("ranks"), args.pop("backend")
     if check_options is not None:
@@ -147,7 +156,18 @@ def run_demo(demo: Callable[..., list[Check]], description: str, default_ranks: 
             check_options(ranks, **args)
         except ValueError as error:
             parser.error(str(error))
-    rows = combine(launch(demo, ranks, backend=backend, **args))
+    if under_torchrun() and ranks != int(os.environ["WORLD_SIZE"]):
+        parser.error(f"--ranks {ranks} differs from torchrun's --nproc-per-node x --nnodes "
+                     f"= {os.environ['WORLD_SIZE']}; drop --ranks under torchrun")
+    rows: list[Row] = []
+
+    def body() -> int:
+        rows.extend(combine(launch(demo, ranks, backend=backend, **args)))
+        return 0
+
+    status = run_command(prog, body)
+    if status:
+        raise SystemExit(status)
     if rank() == 0:
         print(format_rows(rows))
         exact = [r for r in rows if r.matches is not None]

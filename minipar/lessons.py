@@ -50,34 +50,46 @@ def _exercise_name(before: list[str], indent: str) -> str | None:
 
 
 def student_notebook(notebook: dict) -> dict:
-    """A learner's copy of a notebook: solutions stubbed, every output cleared."""
+    """A learner's copy of a notebook: solutions stubbed, every output and the saved
+    widget state cleared, and the test-only `# NBVAL_*` marker lines dropped."""
     copy = json.loads(json.dumps(notebook))
+    copy.get("metadata", {}).pop("widgets", None)
     for index, cell in enumerate(copy["cells"]):
         if cell["cell_type"] != "code":
             continue
         source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
         if BEGIN in source:
             source = strip_solutions(source, f"cell {index}")
+        source = "\n".join(line for line in source.split("\n")
+                           if not line.strip().startswith("# NBVAL_"))
         cell["source"] = source.splitlines(keepends=True)
         cell["outputs"], cell["execution_count"] = [], None
     return copy
 
 
-def write_student_copies(source_dir: str | Path, dest_dir: str | Path) -> list[Path]:
-    """Write a learner's copy of every lesson notebook in `source_dir` into `dest_dir`."""
+def write_student_copies(source_dir: str | Path, dest_dir: str | Path, force: bool = False
+                         ) -> tuple[list[Path], list[Path]]:
+    """Write a learner's copy of every lesson notebook in `source_dir` into `dest_dir`.
+    A notebook already there is a learner's work: it is kept unless `force`. Returns the
+    paths written and the paths kept."""
     source_dir, dest_dir = Path(source_dir), Path(dest_dir)
     notebooks = sorted(source_dir.glob("[0-9][0-9]_*.ipynb"))
     if not notebooks:
         raise ValueError(f"no lesson notebooks (NN_name.ipynb) in {source_dir}; "
                          "pass --source with the lessons folder of a minipar checkout")
+    if dest_dir.exists() and not dest_dir.is_dir():
+        raise ValueError(f"--student {dest_dir} is a file; name a folder (new or existing)")
     if dest_dir.resolve() == source_dir.resolve():
         raise ValueError("the student folder must differ from the lessons folder, "
                          "or the solutions would be overwritten")
     dest_dir.mkdir(parents=True, exist_ok=True)
-    written = []
+    written, kept = [], []
     for path in notebooks:
         target = dest_dir / path.name
+        if target.exists() and not force:
+            kept.append(target)
+            continue
         copy = student_notebook(json.loads(path.read_text()))
         target.write_text(json.dumps(copy, indent=1, ensure_ascii=False) + "\n")
         written.append(target)
-    return written
+    return written, kept

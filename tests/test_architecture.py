@@ -122,8 +122,8 @@ def _private_uses(module: str, tree: ast.AST, here: str) -> list[str]:
                 full = f"{source}.{alias.name}"
                 if full in MODULES:
                     bound[alias.asname or alias.name] = full
-                elif alias.name.startswith("_") and source.startswith("minipar") \
-                        and _package(source) != here:
+                elif alias.name.startswith("_") and not alias.name.startswith("__") \
+                        and source.startswith("minipar") and _package(source) != here:
                     bad.append(f"line {node.lineno}: from {source} import {alias.name}")
         elif isinstance(node, ast.Import):
             for alias in node.names:

@@ -103,6 +103,7 @@ def test_student_copies_are_valid_leak_nothing_and_raise(tmp_path):
         for line in solutions:  # a solution line may only appear if it is also outside solutions
             assert line in outside or line not in student_text, f"solution line leaked: {line}"
         assert all(c.outputs == [] for c in copy.cells if c.cell_type == "code")
+        assert "# NBVAL_" not in student_text and "widgets" not in copy.metadata
         imports = next(c.source for c in copy.cells if c.cell_type == "code")
         for cell in copy.cells:
             names = re.findall(r'NotImplementedError\("exercise (\w+):', cell.source)
@@ -118,6 +119,22 @@ def test_student_copies_are_valid_leak_nothing_and_raise(tmp_path):
                 arity = len(inspect.signature(target).parameters)
                 with pytest.raises(NotImplementedError, match=f"exercise {name}"):
                     target(torch.zeros(1), *[0] * (arity - 1))
+
+
+def test_lessons_command_never_overwrites_a_learners_work(tmp_path, capsys):
+    source = tmp_path / "lessons"
+    source.mkdir()
+    (source / "00_one.ipynb").write_text((LESSONS / "00_why_parallel.ipynb").read_text())
+    (source / "01_two.ipynb").write_text((LESSONS / "00_why_parallel.ipynb").read_text())
+    student = tmp_path / "mine"
+    student.mkdir()
+    (student / "00_one.ipynb").write_text("my work")
+    assert cli(["lessons", "--student", str(student), "--source", str(source)]) == 0
+    out = capsys.readouterr().out
+    assert (student / "00_one.ipynb").read_text() == "my work"
+    assert "kept 1 notebook(s)" in out and "--force" in out and "01_two.ipynb" in out
+    assert cli(["lessons", "--student", str(student), "--source", str(source), "--force"]) == 0
+    assert (student / "00_one.ipynb").read_text() != "my work"
 
 
 def test_lessons_command_refuses_an_empty_source(tmp_path, capsys):

@@ -5,7 +5,6 @@ send and receive (alpha, beta, one transfer alone), a ring shift with every rank
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 
@@ -15,7 +14,7 @@ import torch.distributed as dist
 from .. import trace
 from ..cost import fit_alpha_beta
 from ..machine import Machine
-from ..runtime import Cluster, rank
+from ..runtime import Cluster, cpu_cores, rank
 from .comm import _Comm, validation
 from .p2p import recv, send
 
@@ -88,10 +87,6 @@ def _timed(sizes: list[int], repeats: int, once, halve: bool = False) -> list[fl
     return seconds
 
 
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-
-
 def fit_machine(cluster: Cluster | None = None, backend: str = "auto", save: bool = True,
                 sizes: list[int] = PINGPONG_SIZES) -> Machine:
     """Measure this machine and save the result (`Machine.save`) so every model can
@@ -104,7 +99,7 @@ def fit_machine(cluster: Cluster | None = None, backend: str = "auto", save: boo
     alpha, beta = fit_alpha_beta(sizes, cluster.run(pingpong, sizes)[0])
     busy_alpha, busy_beta = fit_alpha_beta(sizes, cluster.run(ring_shift, sizes)[0])
     gamma = cluster.run(reduce_seconds_per_byte)[0]
-    machine = Machine(cluster.backend, alpha, beta, gamma, cluster.run(_cores)[0],
+    machine = Machine(cluster.backend, alpha, beta, gamma, cluster.run(cpu_cores)[0],
                       busy_ranks=cluster.world_size, busy_alpha=busy_alpha, busy_beta=busy_beta)
     if save:
         machine.save()

@@ -29,10 +29,19 @@ The files, in the order a run passes through them: `device` (backend, device, ra
 """
 
 from .cluster import DEFAULT_TIMEOUT, START_METHODS, Cluster, launch
-from .device import BACKENDS, device, gpu_count, rank, resolve_backend, synchronize, world_size
+from .device import (
+    BACKENDS,
+    cpu_cores,
+    device,
+    gpu_count,
+    rank,
+    resolve_backend,
+    synchronize,
+    world_size,
+)
 from .errors import RankDied, RankError, RankTimeout, Results
 from .torchrun import under_torchrun
 
 __all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "START_METHODS", "Cluster", "RankDied", "RankError",
-           "RankTimeout", "Results", "device", "gpu_count", "launch", "rank", "resolve_backend",
-           "synchronize", "under_torchrun", "world_size"]
+           "RankTimeout", "Results", "cpu_cores", "device", "gpu_count", "launch", "rank",
+           "resolve_backend", "synchronize", "under_torchrun", "world_size"]

@@ -11,6 +11,13 @@ BACKENDS = ("auto", "gloo", "nccl")
 _device = torch.device("cpu")
 
 
+def cpu_cores() -> int:
+    """CPU cores this process may run on (ranks beyond them take turns)."""
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def gpu_count() -> int:
     """Number of visible CUDA GPUs (0 on a CPU-only machine)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -7,7 +7,13 @@ from __future__ import annotations
 import re
 import time
 
+import jupyter_lab
 import nbformat
+
+pytestmark = jupyter_lab.needs_browser
+# the session's JupyterLab and browser, a fresh page per test, the screenshot folder
+browser, lab, page, screenshots = (jupyter_lab.browser, jupyter_lab.lab, jupyter_lab.page,
+                                   jupyter_lab.screenshots)
 
 NOTEBOOK = [
     "from minipar.pipeline import schedule, simulate\n"

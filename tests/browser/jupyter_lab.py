@@ -1,6 +1,8 @@
 """A real browser for the widget tests: JupyterLab on a free loopback port with a token,
-driven by Playwright through Debian's Chromium (never a downloaded browser). Without
-Chromium or Playwright every test here skips with one line saying how to get them."""
+driven by Playwright through Debian's Chromium (never a downloaded browser). Test modules
+import these fixtures and `needs_browser`: without Chromium or Playwright they skip with
+one line saying how to get them. (Not a conftest.py: the suite's own conftest is
+imported by name, and a second one would shadow it.)"""
 
 from __future__ import annotations
 
@@ -21,18 +23,15 @@ CHROMIUM = os.environ.get("MINIPAR_CHROMIUM") or shutil.which("chromium") \
 HOW = "no browser: apt-get install -y chromium and pip install playwright (or set MINIPAR_CHROMIUM)"
 
 
-def pytest_collection_modifyitems(config, items):
+def _have_browser() -> bool:
     try:
         import playwright  # noqa: F401
     except ImportError:
-        missing = True
-    else:
-        missing = CHROMIUM is None
-    if missing:
-        skip = pytest.mark.skip(reason=HOW)
-        for item in items:
-            if "browser" in Path(str(item.fspath)).parts:
-                item.add_marker(skip)
+        return False
+    return CHROMIUM is not None
+
+
+needs_browser = pytest.mark.skipif(not _have_browser(), reason=HOW)
 
 
 def _free_port() -> int:

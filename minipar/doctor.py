@@ -1,0 +1,63 @@
+"""`minipar doctor`: what this machine gives minipar, on one screen: Python and torch
+(and whether torch is a CPU or a CUDA build), the backends, GPUs and cores, what
+backend="auto" will pick, a fitted machine if one is saved, and the extras the lessons
+and browser tests need."""
+
+from __future__ import annotations
+
+import importlib.util
+import platform
+import shutil
+import sys
+
+import torch
+import torch.distributed as dist
+
+from . import __version__
+from .machine import machine_file
+from .runtime import cpu_cores, gpu_count, resolve_backend
+
+
+def _build() -> str:
+    if torch.version.cuda:
+        return f"CUDA {torch.version.cuda} build"
+    if getattr(torch.version, "hip", None):
+        return f"ROCm {torch.version.hip} build"
+    return "CPU-only build"
+
+
+def _installed(module: str) -> str:
+    return "yes" if importlib.util.find_spec(module) else "no"
+
+
+def report() -> list[tuple[str, str]]:
+    """(what, value) lines describing this machine for minipar."""
+    gpus = gpu_count()
+    chromium = "yes" if shutil.which("chromium") else "no (apt-get install chromium)"
+    names = ", ".join(torch.cuda.get_device_name(i) for i in range(gpus)) if gpus else "none"
+    cores = cpu_cores()
+    auto = resolve_backend("auto", 2)
+    saved = machine_file()
+    return [
+        ("minipar", __version__),
+        ("python", f"{platform.python_version()} ({sys.executable})"),
+        ("torch", f"{torch.__version__}, {_build()}"),
+        ("backends", f"gloo {'yes' if dist.is_gloo_available() else 'no'}, "
+                     f"nccl {'yes' if dist.is_nccl_available() else 'no'}"),
+        ("GPUs", f"{gpus} ({names})"),
+        ("CPU cores", f"{cores}: more ranks than that take turns on them"),
+        ("backend='auto'", f"{auto} for 2 ranks"
+         + ("" if auto == "nccl" else " (nccl needs one GPU per rank)")),
+        ("fitted machine", str(saved) if saved.exists() else
+         "none yet (`minipar bench collectives` fits and saves one)"),
+        ("lessons", f"jupyterlab {_installed('jupyterlab')}, ipywidgets "
+                    f"{_installed('ipywidgets')}, anywidget {_installed('anywidget')}"),
+        ("browser tests", f"playwright {_installed('playwright')}, chromium {chromium}"),
+    ]
+
+
+def print_report() -> None:
+    lines = report()
+    width = max(len(name) for name, _ in lines)
+    for name, value in lines:
+        print(f"{name:<{width}}  {value}")

@@ -1,0 +1,103 @@
+"""The command line as a newcomer meets it: every mistake is one line on stderr with exit
+status 2 (never a traceback), Ctrl-C is one line and leaves no rank behind, and
+--version and doctor answer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import process_gone
+
+from minipar.runtime import gpu_count
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MINIPAR = [sys.executable, "-m", "minipar"]
+
+
+def _run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+MISTAKES = [
+    (MINIPAR + ["bench", "collectives", "--out", "README.md"], "is a file"),
+    (MINIPAR + ["bench", "nope"], "invalid choice: 'nope'"),
+    (MINIPAR + ["lessons", "--student", "README.md"], "is a file"),
+    (MINIPAR, "required"),
+    ([sys.executable, "-m", "minipar.collectives", "--ranks", "0"], "--ranks: must be >= 1"),
+    ([sys.executable, "-m", "minipar.collectives", "--ranks", "-1"], "--ranks: must be >= 1"),
+    ([sys.executable, "-m", "minipar.pipeline", "--ranks", "two"], "expected a whole number"),
+    ([sys.executable, "-m", "minipar.mesh", "--ranks", "4", "--dp", "3"], "dp"),
+]
+
+
+@pytest.mark.parametrize("args, says", MISTAKES, ids=lambda v: " ".join(v[2:]) if
+                         isinstance(v, list) else None)
+def test_a_mistake_is_one_line_and_exit_status_2(args, says):
+    done = _run(args)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert len(lines) == 1 and says in lines[0], done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+
+
+@pytest.mark.skipif(gpu_count() >= 4, reason="this machine has the GPUs nccl needs")
+def test_nccl_without_gpus_says_what_to_use_instead():
+    done = _run([sys.executable, "-m", "minipar.collectives", "--backend", "nccl"])
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert "backend='gloo'" in line
+
+
+def test_version_and_doctor():
+    done = _run(MINIPAR + ["--version"])
+    assert done.returncode == 0 and done.stdout.startswith("minipar ")
+    done = _run(MINIPAR + ["doctor"])
+    assert done.returncode == 0, done.stderr
+    for what in ("torch", "backends", "CPU cores", "backend='auto'"):
+        assert what in done.stdout
+    assert ("CPU-only build" in done.stdout) == (not __import__("torch").version.cuda)
+
+
+def test_ctrl_c_is_one_line_and_leaves_no_rank_behind():
+    """Ctrl-C in a terminal interrupts the whole foreground group: the command and its
+    ranks. The command says "interrupted", exits 130, and its ranks are gone."""
+    command = subprocess.Popen([sys.executable, "-m", "minipar.mesh", "--ranks", "4"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    ranks: list[int] = []
+    while time.monotonic() < deadline and len(ranks) < 4:  # wait until its ranks run
+        time.sleep(0.3)
+        ranks = _children(command.pid)
+    os.killpg(command.pid, signal.SIGINT)
+    out, err = command.communicate(timeout=60)
+    assert command.returncode == 130, err
+    assert err.strip().splitlines()[-1].endswith("interrupted") and "Traceback" not in err
+    deadline = time.monotonic() + 15
+    while not all(process_gone(p) for p in ranks) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(process_gone(p) for p in ranks)
+
+
+def _children(pid: int) -> list[int]:
+    """Every process below `pid` (ranks and their forkserver), from /proc."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        kids = [p for p, pp in parents.items() if pp == parent]
+        found += kids
+        frontier += kids
+    return found
