@@ -56,19 +56,10 @@ def render_pipeline(ideal: Timeline, measured: Timeline | None = None, upto: flo
     bubble = ideal.summary(ranks).bubble_fraction
     render_timeline(ideal, upto=upto, ax=axes[0],
                     title=title or f"ideal (simulated): bubble {bubble:.1%}")
-    shown = [("predicted from the measured costs", predicted),
-             ("measured on real ranks", measured)]
-    shared = max((t.makespan for t in extra), default=0.0) * 1e3 * 1.02
-    ax_index = 1
-    for label, timeline in shown:
-        if timeline is None:
-            continue
-        real = Timeline(e for e in timeline if e.kind in ("F", "B", "I", "W", "recv", "send"))
-        got = real.summary(ranks).bubble_fraction
-        render_timeline(real, ax=axes[ax_index], title=f"{label}: bubble {got:.1%}, step "
-                                                        f"{real.makespan * 1e3:.0f} ms")
-        axes[ax_index].set_xlim(0, shared)
-        ax_index += 1
+    runs, shared = compared_runs(predicted, measured, ranks)
+    for ax, (label, real) in zip(axes[1:], runs, strict=False):
+        render_timeline(real, ax=ax, title=label)
+        ax.set_xlim(0, shared)
     curve_ax = axes[-1]
     for rank, points in in_flight_over_time(ideal, split_backward).items():
         xs = [p[0] * 1e3 for p in points if upto is None or p[0] <= upto]
@@ -79,6 +70,21 @@ def render_pipeline(ideal: Timeline, measured: Timeline | None = None, upto: flo
     curve_ax.set_xlabel("time (ms)")
     curve_ax.legend(fontsize=7, ncol=min(ranks, 4))
     return fig
+
+
+def compared_runs(predicted: Timeline | None, measured: Timeline | None, ranks: int
+                  ) -> tuple[list[tuple[str, Timeline]], float]:
+    """The prediction and the measured run as the pipeline pictures show them: only the
+    schedule's actions and messages, each titled with its bubble and step time, and the
+    one time axis (ms) they share so they compare bar for bar."""
+    runs = []
+    for name, timeline in (("predicted from the measured costs", predicted),
+                           ("measured on real ranks", measured)):
+        if timeline is not None:
+            real = Timeline(e for e in timeline if e.kind in ("F", "B", "I", "W", "recv", "send"))
+            runs.append((f"{name}: bubble {real.summary(ranks).bubble_fraction:.1%}, step "
+                         f"{real.makespan * 1e3:.0f} ms", real))
+    return runs, max((t.makespan for _, t in runs), default=0.0) * 1e3 * 1.02
 
 
 def render_schedule_gallery(timelines: list[tuple[str, Timeline]]) -> Figure:

@@ -12,9 +12,9 @@ from minipar.pipeline import (
     schedule,
     simulate,
 )
-from minipar.trace import Timeline
 
 from .gantt import GanttView, gantt_panel, step_panel
+from .render import compared_runs
 
 
 class ScheduleExplorer(w.VBox):
@@ -93,15 +93,8 @@ class ScheduleExplorer(w.VBox):
         ranks = self.plan.ranks
         bubble = self.ideal.summary(ranks).bubble_fraction
         panels = [gantt_panel(self.ideal, f"ideal (simulated): bubble {bubble:.1%}")]
-        shown = [(name, Timeline(e for e in t if e.kind in ("F", "B", "I", "W", "recv", "send")))
-                 for name, t in (("predicted from the measured costs", self.predicted),
-                                 ("measured on real ranks", self.measured)) if t is not None]
-        shared = max((t.makespan for _, t in shown), default=0.0) * 1e3 * 1.02
-        for name, timeline in shown:
-            summary = timeline.summary(ranks)
-            panels.append(gantt_panel(timeline, f"{name}: bubble {summary.bubble_fraction:.1%}, "
-                                                f"step {timeline.makespan * 1e3:.0f} ms",
-                                      axis_ms=shared, plays=False))
+        runs, shared = compared_runs(self.predicted, self.measured, ranks)
+        panels += [gantt_panel(real, title, axis_ms=shared, plays=False) for title, real in runs]
         held = in_flight_over_time(self.ideal, self.plan.split_backward)
         panels.append(step_panel(held, "activations held (micro-batches) per rank",
                                  "held", self.ideal.makespan * 1e3))

@@ -25,6 +25,7 @@ class TimelineViewer(w.VBox):
         self.timeline = timeline
         title = title or f"{len(timeline)} events, makespan {timeline.makespan * 1e3:.1f} ms"
         self.view = GanttView(panels=[gantt_panel(timeline, title)], play_ms=play_ms)
-        summary = w.Image(format="png", value=to_png(render_summary(timeline), dpi=200),
-                          width=600)
+        figure = render_summary(timeline)  # at twice its pixels, shown at its own width
+        summary = w.Image(format="png", value=to_png(figure, dpi=200),
+                          width=int(figure.get_figwidth() * 100))
         super().__init__([self.view, summary])

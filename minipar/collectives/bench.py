@@ -66,12 +66,10 @@ def measure(world_sizes: tuple[int, ...] = (2, 4),
     rows = []
     for k in world_sizes:
         with Cluster(k, backend="gloo") as cluster:
-            progress(f"K={k}: fitting alpha, beta (ping-pong) and gamma (additions)")
-            machine = fit_machine(cluster)
             for index, nbytes in enumerate(sizes):
-                if index:
-                    progress(f"K={k}, {human_bytes(nbytes)}: fitting the machine again")
-                    machine = fit_machine(cluster, save=False)
+                progress(f"K={k}, {human_bytes(nbytes)}: fitting alpha, beta (ping-pong) and "
+                         "gamma (additions)")
+                machine = fit_machine(cluster, save=index == 0)
                 # small messages are bimodal on shared cores: more rounds steady the median
                 rounds = 41 if nbytes <= 256 << 10 else 15 if nbytes <= 1 << 20 \
                     else 7 if nbytes <= 16 << 20 else 5

@@ -150,9 +150,10 @@ class _Comm:
         self.step += 1
 
     def _note(self, direction: str, phase: str, peer: int, chunk: int | None, nbytes: int,
-              start: float, end: float) -> None:
-        _account(Transfer(self.name, phase, self.step, direction, peer, chunk, nbytes),
-                 start, end, label=self.label, **self.fields)
+              start: float, end: float, step: int | None = None) -> None:
+        """Meter one message of this call, at `step` (default: the current one)."""
+        _account(Transfer(self.name, phase, self.step if step is None else step, direction,
+                          peer, chunk, nbytes), start, end, label=self.label, **self.fields)
 
 
 def _account(transfer: Transfer, start: float, end: float, messages: int = 1,

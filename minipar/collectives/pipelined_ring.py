@@ -109,9 +109,8 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op: str = "sum",
     for segment in sent:
         segment.work.wait()
         _note(comm, "send", (me + 1) % size, segment)
-    comm.step = 2 * (size - 1)
     for m in _meters:
-        m.steps += comm.step
+        m.steps += 2 * (size - 1)
     return _finish(tensor, flat, op, size)
 
 
@@ -124,7 +123,7 @@ def _land(comm: _Comm, segment: _InFlight, op: str) -> None:
 
 
 def _note(comm: _Comm, direction: str, peer: int, segment: _InFlight) -> None:
-    comm.step = segment.step
     phase = "reduce-scatter" if segment.step < comm.size - 1 else "all-gather"
     comm._note(direction, phase, peer, segment.chunk,
-               segment.data.numel() * segment.data.element_size(), segment.start, trace.now())
+               segment.data.numel() * segment.data.element_size(), segment.start, trace.now(),
+               step=segment.step)

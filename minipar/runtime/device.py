@@ -3,6 +3,8 @@ touches torch.cuda; everything else asks these functions."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -13,8 +15,6 @@ _device = torch.device("cpu")
 
 def cpu_cores() -> int:
     """CPU cores this process may run on (ranks beyond them take turns)."""
-    import os
-
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
