@@ -49,17 +49,29 @@ def screenshots(tmp_path_factory) -> Path:
     return folder
 
 
+def _fresh_jupyter(state: Path) -> dict[str, str]:
+    """The environment for a JupyterLab with its own settings, workspaces and runtime files
+    (as on a fresh machine, whatever the user's ~/.jupyter holds)."""
+    env = dict(os.environ)
+    for name, sub in (("JUPYTER_CONFIG_DIR", "config"), ("JUPYTER_RUNTIME_DIR", "runtime"),
+                      ("JUPYTERLAB_SETTINGS_DIR", "settings"),
+                      ("JUPYTERLAB_WORKSPACES_DIR", "workspaces")):
+        env[name] = str(state / sub)
+    return env
+
+
 @pytest.fixture(scope="session")
 def lab(tmp_path_factory):
     """(base url, token, notebook folder) of a JupyterLab started for the session."""
     folder = tmp_path_factory.mktemp("notebooks")
+    state = tmp_path_factory.mktemp("jupyter-state")
     port, token = _free_port(), secrets.token_hex(16)
     jupyter = Path(sys.executable).with_name("jupyter")
     server = subprocess.Popen(
         [str(jupyter), "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
          f"--port={port}", f"--IdentityProvider.token={token}", f"--notebook-dir={folder}",
          "--LabApp.news_url="],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_fresh_jupyter(state))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -96,8 +108,10 @@ def page(browser):
     """A fresh page that records console errors in `page.errors`."""
     context = browser.new_context(viewport={"width": 1280, "height": 1000})
     page = context.new_page()
-    page.errors = []
+    page.errors, page.missing = [], []
     page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e: page.errors.append(str(e)))
+    page.on("response", lambda r: page.missing.append(f"{r.status} {r.url}")
+            if r.status >= 400 else None)
     yield page
     context.close()

@@ -33,34 +33,34 @@ def _write(folder, name: str, cells: list[str]) -> str:
 
 
 def run_all(page, lab, name: str, timeout_s: float = 120) -> None:
-    """Open a notebook, Run All, and wait until every code cell has run. A Run All issued
-    while the new kernel is still settling can be dropped, so it is sent again if no cell
-    has started within 30 s."""
+    """Open a notebook and run its cells one by one with Shift+Enter, each after the one
+    before has run (steadier than the Run menu, whose clicks a busy page can drop); the
+    first key is pressed again if the page was not ready for it."""
     url, token, _ = lab
     page.goto(f"{url}/lab/tree/{name}?token={token}")
-    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
-    deadline = time.monotonic() + timeout_s
-    for _attempt in range(3):
-        page.keyboard.press("Escape")
-        page.locator(".lm-MenuBar-itemLabel", has_text=re.compile("^Run$")).click()
-        page.locator(".lm-Menu-itemLabel", has_text=re.compile("^Run All Cells$")).click()
+    prompts = page.locator(".jp-Notebook .jp-CodeCell .jp-InputPrompt")
+    for _attempt in range(5):  # a key pressed while the page is still settling is lost
+        prompts.first.click()
+        page.keyboard.press("Escape")  # command mode: Shift+Enter runs and moves on
+        page.keyboard.press("Shift+Enter")
         started = time.monotonic()
-        while time.monotonic() - started < 30:
-            prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
-            if any(re.search(r"\[(\d+|\*)\]", p) for p in prompts):
+        while time.monotonic() - started < 8:
+            if re.search(r"\[(\d+|\*)\]", prompts.first.inner_text()):
                 break
-            time.sleep(0.5)
+            time.sleep(0.2)
         else:
             continue
         break
-    while True:
-        prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
-        if prompts and all(re.search(r"\[\d+\]", p) for p in prompts):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"cells still running after {timeout_s} s: {prompts}")
-        time.sleep(0.5)
+    deadline = time.monotonic() + timeout_s
+    for index in range(prompts.count()):
+        if index:
+            page.keyboard.press("Shift+Enter")
+        while not re.search(r"\[\d+\]", prompts.nth(index).inner_text()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"cell {index} still running after {timeout_s} s: "
+                                     f"{prompts.all_inner_texts()}")
+            time.sleep(0.2)
 
 
 def _gantt_state(page, index: int) -> dict:
@@ -143,5 +143,8 @@ def test_schedule_explorer_and_timeline_viewer(page, lab, screenshots):
     outputs.nth(1).screenshot(path=str(screenshots / "timeline_viewer_zoomed.png"))
     viewer.locator("button.reset").click()
     assert _gantt_state(page, 1)["ticks"] == full["ticks"]
-    errors = [e for e in page.errors if "favicon" not in e]
-    assert errors == [], errors
+    # a 404 from JupyterLab's own optional endpoints is the server's business; a script,
+    # style or widget module that failed to load is ours
+    errors = [e for e in page.errors if not e.startswith("Failed to load resource")]
+    missing = [m for m in page.missing if "/api/" not in m and "favicon" not in m]
+    assert errors == [] and missing == [], (errors, page.missing)
