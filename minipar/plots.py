@@ -119,3 +119,15 @@ def to_png(fig: Figure, dpi: int = 100) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi)
     return buffer.getvalue()
+
+
+def to_svg(fig: Figure) -> str:
+    """The figure as an SVG document (text kept as text, so it stays crisp at any width
+    and needs no fonts of its own): what the browser-drawn widgets display."""
+    import matplotlib
+
+    buffer = io.StringIO()
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "minipar"}):
+        fig.savefig(buffer, format="svg")
+    text = buffer.getvalue()
+    return text[text.index("<svg"):]

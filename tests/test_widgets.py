@@ -67,10 +67,22 @@ def test_collective_recording_matches_the_meter_and_renders(cluster4):
     with pytest.raises(ValueError, match="world_size must be an int from 2 to 8"):
         record_all_reduce("ring", 9)
     animator = CollectiveAnimator("tree", 2)
-    assert animator.step.max == animator.recording.frames - 1 == 2
-    animator.step.value = 1
-    assert set(animator._cache) == {0, 1}
+    data = animator.view.recording
+    assert len(data["steps"]) == animator.recording.frames - 1 == 2 and data["total"] == 3
+    assert data["steps"][-1]["buffers"] == [[3.0] * 4, [3.0] * 4]
+    animator.show(2)
+    assert animator.view.frame == 2
+    with pytest.raises(ValueError, match="frame must be in 0..2"):
+        animator.show(3)
+    animator.algorithm.value = "ring"  # a new choice runs at once: the picture is current
+    assert animator.view.recording["title"] == "all_reduce, ring, 2 ranks"
+    assert animator.view.frame == 0 and animator.view.greyed == ""
+    assert "ring, 2 ranks: 2 steps" in animator.status.value
+    animator.stop()  # ranks shut down, the picture stays
+    assert animator.view.recording["title"] == "all_reduce, ring, 2 ranks"
     animator.close()
+    with pytest.raises(ValueError, match="algorithm must be one of"):
+        CollectiveAnimator("star", 2)
 
 
 @pytest.mark.slow
@@ -82,7 +94,9 @@ def test_speedup_lab_measures_real_ranks_and_draws():
     assert [r["ranks"] for r in rows] == [1, 2] and rows[0]["speedup"] == 1.0
     assert all(r["compute"] > 0 and r["model_speedup"] > 0 for r in rows)
     assert rows[1]["comm"] > 0  # two ranks exchange gradients; one does not
-    assert bytes(lab.image.value).startswith(b"\x89PNG") and "best:" in lab.status.value
+    assert lab.view.frames[0].startswith("<svg") and "best:" in lab.status.value
+    lab.width.value = 256  # the picture is now of other settings: greyed, and says so
+    assert "settings changed" in lab.view.greyed
     assert render_speedup(rows).axes
 
 
@@ -131,7 +145,13 @@ def test_split_frames_render_for_every_kind_and_size():
         split_frames("diagonal")
     with pytest.raises(ValueError, match="tp must be 1 to 4"):
         render_split("row", 8, 0)
-    assert split_viewer("row", 2).children
+    box = split_viewer("row", 2)
+    view = box.children[-1]
+    assert len(view.frames) == len(split_frames("row")) and view.captions[0].startswith("step 1 of 4")
+    sizes = {svg[:svg.index(">")].split("viewBox=")[1] for svg in view.frames}
+    assert len(sizes) == 1  # every step drawn at one size: Play never resizes the page
+    box.children[0].children[0].value = "column"
+    assert len(view.frames) == len(split_frames("column"))
 
 
 def test_router_explorer_draws_routing_and_trains():
@@ -141,12 +161,19 @@ def test_router_explorer_draws_routing_and_trains():
     routing = route(torch.randn(12, 4), k=2, capacity_factor=0.5)
     assert render_routing(routing, "test").axes
     box = RouterExplorer(tokens=16, hidden=8)
-    first = bytes(box.children[-1].value)
+    view = box.children[-1]
+    first = view.frames
     box.children[1].children[2].click()  # train 20 steps
-    assert bytes(box.children[-1].value) != first
-    box.children[0].children[0].value = 4  # k = 4 with 8 experts is fine
+    assert view.frames != first and "after 20 training steps" in view.frames[0]
+    box.children[1].children[0].value = 4  # fewer experts: a new, untrained layer
+    assert "untrained" in view.frames[0]
+    box.children[1].children[2].click()
+    assert "after 20 training steps" in view.frames[0]  # the count starts again
+    box.children[0].children[0].value = 4  # k = 4 with 4 experts is fine
     box.children[1].children[0].value = 2  # 2 experts with k = 4 is not
-    assert "k must be at most" in box.children[2].value
+    assert "k must be at most" in box.children[2].value and "more than" in view.greyed
+    box.children[1].children[0].value = 8
+    assert view.greyed == "" and "untrained" in view.frames[0]
 
 
 def test_memory_explorer_follows_its_inputs_and_says_what_fits():
@@ -154,11 +181,11 @@ def test_memory_explorer_follows_its_inputs_and_says_what_fits():
 
     explorer = MemoryExplorer(params=65e9, ranks=64, mixed=True, device_gb=80)
     assert explorer.status.value.startswith("fits in 80 GB: ZeRO-3 &middot;")
-    first = bytes(explorer.image.value)
+    first = explorer.view.frames
     explorer.ranks.value = 1024  # ZeRO-2's gradients and optimizer state shrink below 80 GB?
     rows = explorer.rows()
     assert rows[2]["gradients"] == pytest.approx(2 * 65e9 / 1024)
-    assert bytes(explorer.image.value) != first  # the picture is the current input
+    assert explorer.view.frames != first  # the picture is the current input
     explorer.params.value = 1e8
     assert "data parallel, ZeRO-1, ZeRO-2, ZeRO-3 &middot;" in explorer.status.value
 
@@ -193,7 +220,7 @@ def test_memory_explorer_measures_each_stage_beside_the_formula():
     for row in rows:
         for kind in ("parameters", "gradients", "optimizer"):
             assert row[kind] == pytest.approx(row[f"formula_{kind}"], rel=0.1)
-    assert bytes(explorer.image.value).startswith(b"\x89PNG")
+    assert "measured" in explorer.view.frames[0]
 
 
 def test_mesh_viewer_shows_the_clicked_ranks_groups_and_follows_the_shape():
@@ -202,12 +229,12 @@ def test_mesh_viewer_shows_the_clicked_ranks_groups_and_follows_the_shape():
 
     viewer = MeshViewer(dp=2, pp=2, tp=2)
     assert list(viewer.ranks.options) == list(range(8))
-    first = bytes(viewer.image.value)
+    first = viewer.view.frames
     viewer.ranks.value = 5
     assert "rank 5 (dp=1, pp=0, tp=1)" in viewer.status.value
     for name, group in (("dp", [1, 5]), ("pp", [5, 7]), ("tp", [4, 5])):
         assert f"<b>{name}</b> group {group}" in viewer.status.value
-    assert bytes(viewer.image.value) != first
+    assert viewer.view.frames != first
     viewer.sizes["tp"].value = 4  # a new shape: 16 rank buttons, back to rank 0
     assert list(viewer.ranks.options) == list(range(16)) and viewer.ranks.value == 0
     assert Mesh(dp=2, pp=2, tp=4).group_of("tp", 0) == [0, 1, 2, 3]
@@ -235,35 +262,35 @@ def test_planner_explorer_ranks_what_fits_and_greys_out_when_nothing_does():
     best = plan(OPT_CONFIGS["13B"], explorer.cluster, 64)[0]
     assert explorer.plans[0] == best
     assert f"<b>Winner</b>: {best.label}" in explorer.status.value
-    first = bytes(explorer.image.value)
+    first = explorer.view.frames
     explorer.nic.value = 10  # a slow NIC changes the winner or at least its time
-    assert explorer.plans[0].step > best.step and bytes(explorer.image.value) != first
+    assert explorer.plans[0].step > best.step and explorer.view.frames != first
     explorer.memory.value = 8
     explorer.model.value = "175B"
     explorer.nodes.value = 1
     assert explorer.plans == [] and "Nothing fits" in explorer.status.value
-    assert explorer.image.layout.opacity == "0.25"
+    assert "nothing fits" in explorer.view.greyed
     explorer.nodes.value = 64
-    assert explorer.plans and explorer.image.layout.opacity == "1"
+    assert explorer.plans and explorer.view.greyed == ""
 
 
 def test_ring_animator_steps_and_greys_an_invalid_choice():
     from minipar.widgets import RingAnimator
 
     animator = RingAnimator(ranks=4, causal=True, balanced=False)
-    assert animator.step.max == 3 and animator.play.max == 3
-    first = bytes(animator.image.value)
-    animator.step.value = 2
-    assert "block that started on rank r - 2" in animator.status.value
-    assert bytes(animator.image.value) != first
-    animator.ranks.value = 2  # fewer steps: the slider follows
-    assert animator.step.max == 1 and animator.step.value == 1
+    view = animator.view
+    assert len(view.frames) == len(view.captions) == 4  # one frame per step, all sent
+    assert "block that started on rank r - 2" in view.captions[2]
+    assert len(set(view.frames)) == 4 and "step 2: what each rank holds" in view.frames[2]
+    view.frame = 3
+    animator.ranks.value = 2  # fewer steps: the frame shown follows
+    assert len(view.frames) == 2 and view.frame == 1
     animator.causal.value = False
     animator.balanced.value = True
     assert "only helps causal attention" in animator.status.value
-    assert animator.image.layout.opacity == "0.25"
+    assert "causal" in view.greyed and len(view.frames) == 2
     animator.causal.value = True
-    assert animator.image.layout.opacity == "1"
+    assert view.greyed == "" and "balanced" in view.frames[0]
 
 
 def test_ring_picture_refuses_what_it_cannot_draw():
@@ -279,13 +306,13 @@ def test_all_to_all_animator_walks_the_steps_of_each_kind():
     from minipar.widgets import AllToAllAnimator
 
     animator = AllToAllAnimator(layout="2 nodes x 4", kind="hierarchical")
-    assert animator.stage.max == 2
-    first = bytes(animator.image.value)
-    animator.stage.value = 2
-    assert bytes(animator.image.value) != first
+    view = animator.view
+    assert view.captions == ["before", "after step 1, inside nodes", "after step 2, across nodes"]
+    assert len(set(view.frames)) == 3
     assert "up to 4 messages across nodes; the hierarchical one 1" in animator.status.value
-    animator.kind.value = "flat"  # one step only: the slider follows
-    assert animator.stage.max == 1 and animator.stage.value == 1
+    view.frame = 2
+    animator.kind.value = "flat"  # one step only: the frame shown follows
+    assert len(view.frames) == 2 and view.frame == 1
     counts = animator.counts()
     assert len(counts) == 8 and all(sum(row) == 8 for row in counts)
     with pytest.raises(ValueError, match="layout must be one of"):
@@ -310,7 +337,7 @@ def test_network_lab_runs_real_ranks_and_survives_a_kill():
     lab = NetworkLab("all-reduce", latency_ms=0.0, steps=4)
     assert lab.kill.disabled and "every step needs every rank" in lab.status.value
     lab.run()
-    assert bytes(lab.image.value).startswith(b"\x89PNG") and "ms per step" in lab.status.value
+    assert len(lab.view.frames) == 1 and "ms per step" in lab.status.value
     lab.method.value = "SWARM"
     assert not lab.kill.disabled
     lab.kill.value = "rank 3"

@@ -1,8 +1,11 @@
-"""CollectiveAnimator: run a real all-reduce on a Cluster and step through what happened."""
+"""CollectiveAnimator: run a real all-reduce on a Cluster and step through what happened,
+drawn by the browser (collective.js): Play needs no kernel, so a static page still plays."""
 
 from __future__ import annotations
 
+import anywidget
 import ipywidgets as w
+import traitlets
 
 from minipar import collectives
 from minipar.plots import to_png
@@ -11,34 +14,48 @@ from minipar.runtime import Cluster
 from .collective_view import (
     CollectiveRecording,
     record_all_reduce,
-    render_collective_frame,
+    recording_data,
     render_collective_strip,
 )
+from .esm import esm
+
+
+class CollectiveView(anywidget.AnyWidget):
+    """A recording (from `recording_data`) drawn as SVG: each rank's buffer after each
+    step, the step's messages as arrows and the bytes per link so far; `frame` is the step
+    shown (0 = the start); `greyed` says why the picture is not of the current input."""
+
+    _esm = esm("collective.js")
+    recording = traitlets.Dict().tag(sync=True)
+    frame = traitlets.Int(0).tag(sync=True)
+    greyed = traitlets.Unicode("").tag(sync=True)
+    frame_ms = traitlets.Int(900).tag(sync=True)  # how long Play shows each step
 
 
 class CollectiveAnimator(w.VBox):
-    """Pick an algorithm and K; "run" meters the real collective; Play steps through it.
-
-    Ranks are started once per K and reused; frames are drawn once and cached.
-    """
+    """Pick an algorithm and K: the collective runs for real on K ranks, metered, and the
+    browser steps through it. Ranks are started once per K and reused; `stop()` shuts
+    them down and leaves the picture."""
 
     def __init__(self, algorithm: str = "ring", world_size: int = 4) -> None:
         self._clusters: dict[int, Cluster] = {}
-        self._cache: dict[int, bytes] = {}
+        if algorithm not in collectives.ALL_REDUCE_ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {collectives.ALL_REDUCE_ALGORITHMS}; "
+                             f"got {algorithm!r}")
+        if not isinstance(world_size, int) or not 2 <= world_size <= 8:
+            raise ValueError(f"world_size must be an int from 2 to 8; got {world_size!r}")
         self.algorithm = w.Dropdown(options=collectives.ALL_REDUCE_ALGORITHMS, value=algorithm,
                                     description="algorithm")
         self.ranks = w.IntSlider(min=2, max=8, value=world_size, description="ranks",
                                  continuous_update=False)
-        self.run_button = w.Button(description="run", button_style="primary")
-        self.play = w.Play(min=0, max=1, interval=900, description="play")
-        self.step = w.IntSlider(min=0, max=1, description="step", continuous_update=False)
-        w.jslink((self.play, "value"), (self.step, "value"))
-        self.image = w.Image(format="png")
+        self.run_button = w.Button(description="run again", tooltip="measure it once more")
         self.status = w.HTML()
+        self.view = CollectiveView()
+        for control in (self.algorithm, self.ranks):
+            control.observe(lambda _: self.record(), names="value")
         self.run_button.on_click(lambda _: self.record())
-        self.step.observe(lambda change: self.show(change["new"]), names="value")
-        super().__init__([w.HBox([self.algorithm, self.ranks, self.run_button]),
-                          w.HBox([self.play, self.step, self.status]), self.image])
+        super().__init__([w.HBox([self.algorithm, self.ranks, self.run_button]), self.status,
+                          self.view])
         self.record()
 
     def _cluster(self, k: int) -> Cluster:
@@ -46,29 +63,42 @@ class CollectiveAnimator(w.VBox):
             self._clusters[k] = Cluster(k, backend="gloo", timeout=60)
         return self._clusters[k]
 
-    def record(self) -> CollectiveRecording:
-        """Run the chosen all-reduce for real and show its first frame."""
-        k = self.ranks.value
-        self.recording = record_all_reduce(self.algorithm.value, k, cluster=self._cluster(k))
-        self._cache = {}
-        self.step.max = self.play.max = self.recording.frames - 1
-        self.step.value = 0
-        self.show(0)
-        return self.recording
+    def record(self) -> CollectiveRecording | None:
+        """Run the chosen all-reduce for real and show it from the start. While it runs
+        (and if it fails) the old picture is greyed and says why."""
+        algorithm, k = self.algorithm.value, self.ranks.value
+        self.view.greyed = f"running {algorithm} on {k} ranks..."
+        try:
+            recording = record_all_reduce(algorithm, k, cluster=self._cluster(k))
+        except Exception as err:  # a failed run must not leave a picture of other input
+            self.view.greyed = f"the run of {algorithm} on {k} ranks failed: {err}"
+            self.status.value = f"<b>failed:</b> {err}"
+            return None
+        self.recording = recording
+        self.view.recording = recording_data(recording)
+        self.view.frame = 0
+        self.view.greyed = ""
+        sent = recording.link_bytes(recording.frames - 1).sum()
+        self.status.value = (f"{algorithm}, {k} ranks: {recording.frames - 1} steps, "
+                             f"{sent:g} bytes sent in all")
+        return recording
 
     def show(self, frame: int) -> None:
-        if frame not in self._cache:
-            self._cache[frame] = to_png(render_collective_frame(self.recording, frame))
-        self.image.value = self._cache[frame]
-        total = self.recording.link_bytes(frame).sum()
-        self.status.value = f"{self.recording.frames - 1} steps; {total:g} bytes sent so far"
+        """Show the buffers after `frame` steps (0 = the start)."""
+        if not 0 <= frame < self.recording.frames:
+            raise ValueError(f"frame must be in 0..{self.recording.frames - 1}; got {frame}")
+        self.view.frame = frame
 
     def strip(self) -> bytes:
-        """PNG of every step at once (for static pages)."""
+        """PNG of every step at once (for paper)."""
         return to_png(render_collective_strip(self.recording))
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Shut the ranks down; the picture stays (a new choice starts them again)."""
         for cluster in self._clusters.values():
             cluster.close()
         self._clusters = {}
+
+    def close(self) -> None:
+        self.stop()
         super().close()

@@ -94,6 +94,17 @@ def record_all_reduce(algorithm: str, world_size: int, numel: int | None = None,
                                collectives.split_bounds(numel, world_size), initial, steps)
 
 
+def recording_data(recording: CollectiveRecording) -> dict:
+    """The recording as plain data for the browser view (collective.js): buffers at the
+    start and after each step, each step's messages [src, dst, chunk, bytes], and the
+    value every element holds when the sum is finished (ranks hold 1..K, so K(K+1)/2)."""
+    k = recording.world_size
+    return {"title": recording.title, "world_size": k, "bounds": recording.bounds,
+            "initial": recording.initial, "total": k * (k + 1) // 2,
+            "steps": [{"phase": s.phase, "sends": [list(m) for m in s.sends],
+                       "buffers": s.buffers} for s in recording.steps]}
+
+
 def _chunk_of(bounds: list[int], i: int) -> int:
     return next(c for c in range(len(bounds) - 1) if bounds[c] <= i < bounds[c + 1])
 
@@ -126,7 +137,7 @@ def _draw_buffers(ax, recording: CollectiveRecording, frame: int, compact: bool)
     ax.set_xticks([])
     for side in ("top", "right", "bottom", "left"):
         ax.spines[side].set_visible(False)
-    label = "start" if frame == 0 else f"step {frame - 1}: {step.phase}"
+    label = "start" if frame == 0 else f"step {frame}: {step.phase}"
     ax.set_title(label, fontsize=8 if compact else 10)
 
 

@@ -37,6 +37,12 @@ def _links(sent: list[list[int]], per_node: int) -> tuple[int, int, int, int]:
             sum(sent[s][d] for s, d in across))
 
 
+# What each frame of an exchange shows, by (kind, step).
+STEP_NAMES = {("flat", 0): "before", ("flat", 1): "after the exchange",
+              ("hierarchical", 0): "before", ("hierarchical", 1): "after step 1, inside nodes",
+              ("hierarchical", 2): "after step 2, across nodes"}
+
+
 def render_exchange(counts: list[list[int]], nodes: int, per_node: int, kind: str,
                     stage: int) -> Figure:
     """Left: each rank's rows after `stage` steps (0 = before), one square per row coloured
@@ -66,10 +72,7 @@ def render_exchange(counts: list[list[int]], nodes: int, per_node: int, kind: st
     left.set_ylim(-0.8, tallest + 1.2)
     left.set_xticks(range(k), [f"rank {r}" for r in range(k)], fontsize=8)
     left.set_yticks([])
-    names = {("flat", 0): "before", ("flat", 1): "after the exchange",
-             ("hierarchical", 0): "before", ("hierarchical", 1): "after step 1, inside nodes",
-             ("hierarchical", 2): "after step 2, across nodes"}
-    left.set_title(f"{kind} all-to-all, {names[(kind, stage)]}: squares coloured by the rank "
+    left.set_title(f"{kind} all-to-all, {STEP_NAMES[(kind, stage)]}: squares coloured by the rank "
                    "they are bound for", fontsize=9)
     if sent is None:
         right.axis("off")

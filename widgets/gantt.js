@@ -2,43 +2,12 @@
 // Python sends data (see gantt.py); this file only draws. Play, zoom and hover run here,
 // so they work without a kernel (a static page keeps them).
 
-const SVG = "http://www.w3.org/2000/svg";
 const LANE = 28, BAR = 15, STRIP = 5, LEFT = 66, RIGHT = 14, TOP = 24, BOTTOM = 30;
-const PALETTE = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860",
-                 "#DA8BC3", "#8C8C8C"];
 const STYLE = `
-.mp-gantt { font: 12px system-ui, sans-serif; color: #222; position: relative; }
-.mp-gantt .bar { display: flex; gap: 10px; align-items: center; flex-wrap: wrap; margin: 2px 0 6px; }
-.mp-gantt button { font: inherit; padding: 2px 10px; cursor: pointer; }
-.mp-gantt input[type=range] { width: 220px; }
-.mp-gantt .hint { color: #777; }
 .mp-gantt .legend { display: flex; gap: 12px; flex-wrap: wrap; margin: 0 0 4px ${LEFT}px; }
 .mp-gantt .chip { display: inline-block; width: 11px; height: 11px; margin-right: 4px;
                   vertical-align: -1px; border-radius: 2px; }
-.mp-gantt svg { display: block; user-select: none; }
-.mp-gantt.greyed svg { opacity: 0.3; filter: grayscale(1); }
-.mp-gantt .reason { display: none; background: #fff4d6; border: 1px solid #e0b84c;
-                    padding: 6px 10px; margin: 4px 0; border-radius: 3px; }
-.mp-gantt.greyed .reason { display: block; }
-.mp-gantt .tip { position: absolute; pointer-events: none; background: rgba(30,30,30,.92);
-                 color: #fff; padding: 5px 8px; border-radius: 3px; white-space: pre;
-                 font-size: 11px; display: none; z-index: 10; }
 `;
-
-function el(tag, attrs = {}, parent = null) {
-  const node = document.createElementNS(SVG, tag);
-  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
-  if (parent) parent.appendChild(node);
-  return node;
-}
-
-function html(tag, cls, parent, text) {
-  const node = document.createElement(tag);
-  if (cls) node.className = cls;
-  if (text !== undefined) node.textContent = text;
-  if (parent) parent.appendChild(node);
-  return node;
-}
 
 // Round tick positions covering [lo, hi], about `count` of them.
 function ticks(lo, hi, count) {
@@ -55,18 +24,8 @@ function fmt(ms, step) {
   return ms.toFixed(digits);
 }
 
-// White text on dark fills, dark text on light ones.
-function ink(color) {
-  const c = color.replace("#", "");
-  const [r, g, b] = [0, 2, 4].map((i) => parseInt(c.slice(i, i + 2), 16) / 255);
-  return 0.299 * r + 0.587 * g + 0.114 * b > 0.62 ? "#222" : "#fff";
-}
-
 function render({ model, el: host }) {
-  const style = document.createElement("style");
-  style.textContent = STYLE;
-  const root = html("div", "mp-gantt", host);
-  root.appendChild(style);
+  const root = viewRoot(host, "mp-gantt", STYLE);
   const bar = html("div", "bar", root);
   const play = html("button", "play", bar, "\u25B6 play");
   const slider = html("input", "time", bar);
@@ -133,7 +92,7 @@ function render({ model, el: host }) {
     });
     let shown = 0;
     panel.events.forEach((e, i) => {
-      const [lane, kind, label, start, end0, , compute] = e;
+      const [lane, kind, label, start, end0, micro, compute] = e;
       if (upto !== null && start > upto) return;
       const end = upto === null ? end0 : Math.min(end0, upto);
       const top = TOP + lane * LANE + (compute ? 4 : BAR + 7);
@@ -142,10 +101,12 @@ function render({ model, el: host }) {
       el("rect", { x: x0, y: top, width: w, height: compute ? BAR : STRIP, fill: color,
                    stroke: "#fff", "stroke-width": 0.6, "data-e": `${index}:${i}` }, area);
       shown += 1;
-      if (compute && label && w > label.length * 6.3 + 6) {
-        const text = el("text", { x: x0 + w / 2, y: top + BAR / 2 + 4, "text-anchor": "middle",
-                                  "font-size": 10, fill: ink(color), "pointer-events": "none" }, area);
-        text.textContent = label;
+      // the whole label where it fits, else the kind and micro-batch, else the micro-batch
+      const mb = micro === null || micro === undefined ? "" : String(micro);
+      const text = [label || "", `${kind}${mb}`, mb].find((t) => t && w > t.length * 6.3 + 4) || "";
+      if (compute && text) {
+        el("text", { x: x0 + w / 2, y: top + BAR / 2 + 4, "text-anchor": "middle", "font-size": 10,
+                     fill: ink(color), "pointer-events": "none" }, area).textContent = text;
       }
     });
     if (upto !== null) {
@@ -193,8 +154,7 @@ function render({ model, el: host }) {
     const width = Math.max(root.clientWidth || host.clientWidth || 800, 360);
     drawLegend(panels);
     body.replaceChildren(...panels.map((p, i) => (p.kind === "steps" ? drawSteps : drawGantt)(p, i, width)));
-    root.classList.toggle("greyed", !!model.get("greyed"));
-    reason.textContent = model.get("greyed");
+    greyOut(root, reason, model.get("greyed"));
     const first = playing()[0];
     readout.textContent = first ? `t = ${(cursor * first.axis_ms).toFixed(1)} of ${first.axis_ms.toFixed(1)} ms` : "";
     slider.value = Math.round(cursor * 1000);
@@ -259,13 +219,9 @@ function render({ model, el: host }) {
     const [p, i] = id.split(":").map(Number);
     const panel = model.get("panels")[p];
     const [lane, kind, label, start, end, micro] = panel.events[i];
-    tip.textContent = `${label || kind}  (${kind})\n${panel.lanes[lane]}` +
+    showTip(tip, root, event, `${label || kind}  (${kind})\n${panel.lanes[lane]}` +
       (micro === null || micro === undefined ? "" : `, micro-batch ${micro}`) +
-      `\n${start.toFixed(2)} \u2013 ${end.toFixed(2)} ms (${(end - start).toFixed(2)} ms)`;
-    const box = root.getBoundingClientRect();
-    tip.style.left = `${event.clientX - box.left + 12}px`;
-    tip.style.top = `${event.clientY - box.top + 12}px`;
-    tip.style.display = "block";
+      `\n${start.toFixed(2)} \u2013 ${end.toFixed(2)} ms (${(end - start).toFixed(2)} ms)`);
   });
   body.addEventListener("mouseleave", () => { tip.style.display = "none"; });
 

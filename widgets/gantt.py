@@ -9,13 +9,13 @@ browser without asking the kernel for frames, so it also plays on a static page.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import anywidget
 import traitlets
 
 from minipar.plots import kind_colors
 from minipar.trace import Timeline
+
+from .esm import esm
 
 
 def gantt_panel(timeline: Timeline, title: str, axis_ms: float | None = None,
@@ -48,7 +48,7 @@ class GanttView(anywidget.AnyWidget):
     `greyed` to a reason when the input that produced the panels is no longer valid: the
     picture greys out and says why, so what you see is always the current input."""
 
-    _esm = Path(__file__).with_name("gantt.js")
+    _esm = esm("gantt.js")
     panels = traitlets.List().tag(sync=True)
     greyed = traitlets.Unicode("").tag(sync=True)
     play_ms = traitlets.Int(4000).tag(sync=True)  # one replay, start to end

@@ -7,8 +7,9 @@ import ipywidgets as w
 
 from minipar import cost
 from minipar.data_parallel.zero_bench import formula_memory, measure_memory
-from minipar.plots import memory_total, to_png
+from minipar.plots import memory_total
 
+from .figure_view import FigureView
 from .render import STAGE_NAMES, render_memory
 
 PRECISIONS = {"float32": False, "bf16 + fp32 master": True}
@@ -42,7 +43,7 @@ class MemoryExplorer(w.VBox):
                                     description="device GB", continuous_update=False)
         self.button = w.Button(description="measure", button_style="primary")
         self.status = w.HTML()
-        self.image = w.Image(format="png")
+        self.view = FigureView()
         self.measured: list[dict] | None = None
         for control in (self.params, self.ranks, self.precision, self.recompute,
                         self.micro_batch, self.seq_len, self.device):
@@ -50,7 +51,7 @@ class MemoryExplorer(w.VBox):
         self.button.on_click(lambda _: self.measure())
         super().__init__([w.HBox([self.params, self.ranks, self.precision]),
                           w.HBox([self.recompute, self.micro_batch, self.seq_len]),
-                          w.HBox([self.device, self.button]), self.status, self.image])
+                          w.HBox([self.device, self.button]), self.status, self.view])
         self.draw()
 
     def shape(self) -> tuple[int, int, int]:
@@ -87,7 +88,7 @@ class MemoryExplorer(w.VBox):
                  f"{self.precision.value}")
         mixed = PRECISIONS[self.precision.value]
         measured = [r for r in (self.measured or []) if r.get("mixed") == mixed] or None
-        self.image.value = to_png(render_memory(rows, measured, device, title))
+        self.view.show(render_memory(rows, measured, device, title))
 
     def measure(self) -> list[dict]:
         """Run each stage on 4 CPU ranks now (a few seconds) and redraw."""

@@ -8,8 +8,8 @@ import ipywidgets as w
 from minipar.cost import GB, OPT_CONFIGS
 from minipar.mesh import Mesh
 from minipar.mesh.planner import Cluster, explain, plan
-from minipar.plots import to_png
 
+from .figure_view import FigureView
 from .mesh_view import render_mesh, render_plans
 
 _SIZES = [1, 2, 4, 8]
@@ -28,13 +28,13 @@ class MeshViewer(w.VBox):
                                          description="shade by")
         self.ranks = w.ToggleButtons(description="rank", style={"button_width": "44px"})
         self.status = w.HTML()
-        self.image = w.Image(format="png")
+        self.view = FigureView()
         for control in self.sizes.values():
             control.observe(lambda _: self._reset_ranks(), names="value")
         self.colour_by.observe(lambda _: self.draw(), names="value")
         self.ranks.observe(lambda _: self.draw(), names="value")
         super().__init__([w.HBox(list(self.sizes.values())), self.colour_by, self.ranks,
-                          self.status, self.image])
+                          self.status, self.view])
         self._reset_ranks()
 
     @property
@@ -60,7 +60,7 @@ class MeshViewer(w.VBox):
     def draw(self) -> None:
         mesh, rank = self.mesh, self.ranks.value
         self.status.value = self.groups_text(rank)
-        self.image.value = to_png(render_mesh(mesh, rank, self.colour_by.value, self.layers))
+        self.view.show(render_mesh(mesh, rank, self.colour_by.value, self.layers))
 
 
 class PlannerExplorer(w.VBox):
@@ -84,14 +84,14 @@ class PlannerExplorer(w.VBox):
         self.batch = w.Dropdown(options=[16, 32, 64, 128, 256, 512, 1024, 2048],
                                 value=global_batch, description="batch")
         self.status = w.HTML()
-        self.image = w.Image(format="png")
+        self.view = FigureView()
         self.plans: list = []
         for control in (self.model, self.nodes, self.per_node, self.memory, self.nic,
                         self.batch):
             control.observe(lambda _: self.draw(), names="value")
         super().__init__([w.HBox([self.model, self.nodes, self.per_node]),
                           w.HBox([self.memory, self.nic, self.batch]), self.status,
-                          self.image])
+                          self.view])
         self.draw()
 
     @property
@@ -109,12 +109,11 @@ class PlannerExplorer(w.VBox):
                 f"<b>Nothing fits</b>: OPT-{self.model.value} on {cluster.devices} devices of "
                 f"{self.memory.value:.0f} GB with a batch of {self.batch.value} has no "
                 "configuration within memory. Add devices or memory, or pick a smaller model.")
-            self.image.layout.opacity = "0.25"  # the picture is of an earlier input
+            self.view.greyed = "nothing fits (the picture is of the last choice that did)"
             return
-        self.image.layout.opacity = "1"
         self.status.value = (f"{len(self.plans)} configurations fit. <b>Winner</b>: "
                              + explain(self.plans[0], cluster, self.plans))
         title = (f"OPT-{self.model.value} on {cluster.devices} devices ({cluster.nodes} nodes "
                  f"x {cluster.devices_per_node}, {self.nic.value} Gb/s NICs), batch "
                  f"{self.batch.value}: the {min(self.shown, len(self.plans))} fastest")
-        self.image.value = to_png(render_plans(self.plans[:self.shown], cluster, title))
+        self.view.show(render_plans(self.plans[:self.shown], cluster, title))

@@ -6,7 +6,8 @@ import ipywidgets as w
 from matplotlib.figure import Figure
 
 from minipar.data_parallel.lab import METHODS, network_run
-from minipar.plots import to_png
+
+from .figure_view import FigureView
 
 LINKS = {"none": None, "ranks 0-1": (0, 1), "ranks 2-3": (2, 3)}
 KILLS = {"nobody": None, "rank 1": 1, "rank 2": 2, "rank 3": 3, "rank 4": 4}
@@ -48,7 +49,7 @@ class NetworkLab(w.VBox):
         self.button = w.Button(description="run", button_style="primary")
         self.clear = w.Button(description="clear")
         self.status = w.HTML()
-        self.image = w.Image(format="png", layout=w.Layout(display="none"))  # until a run
+        self.view = FigureView()  # empty until a run
         self.runs: dict[str, dict] = {}
         self.button.on_click(lambda _: self._run_clicked())
         self.clear.on_click(lambda _: self._clear())
@@ -56,7 +57,7 @@ class NetworkLab(w.VBox):
         self._method_changed()
         super().__init__([w.HBox([self.method, self.latency, self.steps]),
                           w.HBox([self.link, self.kill, self.button, self.clear]),
-                          self.status, self.image])
+                          self.status, self.view])
 
     def _method_changed(self) -> None:
         method = self.method.value
@@ -72,8 +73,7 @@ class NetworkLab(w.VBox):
 
     def _clear(self) -> None:
         self.runs = {}
-        self.image.value = b""
-        self.image.layout.display = "none"
+        self.view.show()
         self._method_changed()
 
     def _run_clicked(self) -> None:
@@ -93,8 +93,7 @@ class NetworkLab(w.VBox):
         label += f", slow {self.link.value}" if LINKS[self.link.value] else ""
         label += f", rank {kill} killed" if kill else ""
         self.runs[label] = result
-        self.image.value = to_png(render_network_runs(self.runs))
-        self.image.layout.display = None
+        self.view.show(render_network_runs(self.runs))
         mean = sum(result["seconds"][1:]) / max(len(result["seconds"]) - 1, 1)
         died = (f"; rank {result['died'][1]} died at step {result['died'][0]} and the run went "
                 "on" if result["died"] else "")

@@ -52,7 +52,7 @@ class RouterExplorer:
     def __new__(cls, tokens: int = 32, hidden: int = 16):
         import ipywidgets as w
 
-        from minipar.plots import to_png
+        from .figure_view import FigureView
 
         k = w.IntSlider(min=1, max=4, value=2, description="k", continuous_update=False)
         factor = w.FloatSlider(min=0.25, max=2.0, step=0.25, value=1.0,
@@ -61,15 +61,19 @@ class RouterExplorer:
         experts = w.IntSlider(min=2, max=16, value=8, description="experts",
                               continuous_update=False)
         train = w.Button(description="train 20 steps", button_style="primary")
-        image, status = w.Image(format="png"), w.HTML()
+        view, status = FigureView(), w.HTML()
         x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(0)).abs()
         target = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
         state: dict = {}
 
         def build(_=None) -> None:
             if k.value > experts.value:
-                status.value = f"<b>k must be at most the number of experts ({experts.value})</b>"
+                status.value = (f"<b>k must be at most the number of experts</b>: k = {k.value}, "
+                                f"experts = {experts.value}. Lower k or add experts.")
+                view.greyed = ("k is more than the number of experts (the picture is of the "
+                               "last valid choice)")
                 return
+            state["steps"] = 0  # a new layer starts untrained
             state["layer"] = MoELayer(hidden, 2 * hidden, experts.value, k.value, factor.value,
                                       noisy=noisy.value, seed=2)
             with torch.no_grad():  # start from a skewed router, as an untrained one can be
@@ -79,10 +83,12 @@ class RouterExplorer:
         def draw(label: str) -> None:
             with torch.no_grad():
                 state["layer"](x)
-            image.value = to_png(render_routing(state["layer"].last_routing, label))
+            view.show(render_routing(state["layer"].last_routing, label))
             status.value = ""
 
         def step(_=None) -> None:
+            if view.greyed:  # the controls describe no valid layer: nothing to train
+                return
             history = train_router_stats(state["layer"], x, target, 20, lr=0.2,
                                          balance_weight=0.5)
             state["steps"] = state.get("steps", 0) + 20
@@ -92,4 +98,4 @@ class RouterExplorer:
             control.observe(build, names="value")
         train.on_click(step)
         build()
-        return w.VBox([w.HBox([k, factor]), w.HBox([experts, noisy, train]), status, image])
+        return w.VBox([w.HBox([k, factor]), w.HBox([experts, noisy, train]), status, view])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import ipywidgets as w
 
 from minipar.data_parallel.speedup import COMPRESSION_CHOICES, measure_speedup
-from minipar.plots import to_png
 
+from .figure_view import FigureView
 from .render import render_speedup
 
 BUCKETS = {"one per parameter": None, "256 KiB": 256 << 10, "1 MiB": 1 << 20, "25 MiB": 25 << 20}
@@ -27,20 +27,27 @@ class SpeedupLab(w.VBox):
         self.compression = w.Dropdown(options=COMPRESSION_CHOICES, value="none",
                                       description="compression")
         self.button = w.Button(description="measure", button_style="primary")
-        self.image = w.Image(format="png")
+        self.view = FigureView()
         self.status = w.HTML("press measure: runs real ranks")
         self.button.on_click(lambda _: self.measure())
         self.rows: list[dict] = []
         super().__init__([w.HBox([self.ranks, self.width, self.per_rank]),
                           w.HBox([self.bucket, self.compression, self.button]),
-                          self.status, self.image])
+                          self.status, self.view])
+        for control in (self.ranks, self.width, self.per_rank, self.bucket, self.compression):
+            control.observe(lambda _: self._changed(), names="value")
+
+    def _changed(self) -> None:
+        if self.rows:  # the picture is of the last run's settings, not these
+            self.view.greyed = ("the settings changed since this run (its title says which it "
+                                "used): press measure to run these")
 
     def measure(self) -> list[dict]:
         """Run the measurement now and redraw; returns the rows it plotted."""
         self.status.value = "measuring..."
         self.rows = measure_speedup(self.ranks.value, self.width.value, self.per_rank.value,
                                     BUCKETS[self.bucket.value], self.compression.value)
-        self.image.value = to_png(render_speedup(self.rows, self._title()))
+        self.view.show(render_speedup(self.rows, self._title()))
         best = max(self.rows, key=lambda r: r["speedup"])
         self.status.value = (f"best: {best['speedup']:.2f}x on {best['ranks']} ranks "
                              f"(ideal {best['ranks']}x)")

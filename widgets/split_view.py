@@ -72,9 +72,15 @@ def render_split(kind: str, tp: int, frame: int) -> Figure:
     if not 0 <= frame < len(frames):
         raise ValueError(f"frame must be in 0..{len(frames) - 1}; got {frame}")
     title, matrices, operator = frames[frame]
-    width = max(2.4 * len(matrices) + 1, 5.0)
+    # every step of a split is drawn at one size, matrices centred, so Play never resizes
+    slots = max(len(m) for _, m, _ in frames)
+    width = max(2.4 * slots + 1, 5.0)
     fig = Figure(figsize=(width, 3.0), layout="constrained")
-    axes = fig.subplots(1, len(matrices), squeeze=False)[0]
+    all_axes = fig.subplots(1, slots, squeeze=False)[0]
+    first = (slots - len(matrices)) // 2
+    for ax in [*all_axes[:first], *all_axes[first + len(matrices):]]:
+        ax.axis("off")
+    axes = all_axes[first:first + len(matrices)]
     for ax, (name, split, partial) in zip(axes, matrices, strict=True):
         if split is None:  # every rank holds all of it: one full copy per rank, stacked
             step = 0.18 / max(tp - 1, 1)
@@ -101,29 +107,25 @@ def render_split(kind: str, tp: int, frame: int) -> Figure:
 
 
 def split_viewer(kind: str = "megatron_mlp", tp: int = 2):
-    """Dropdown for the split, slider for TP, Play through the steps (ipywidgets)."""
+    """Dropdown for the split and a slider for TP; every step of the choice is drawn and
+    sent to the browser (SVG), where Play walks forward and backward without the kernel."""
     import ipywidgets as w
 
-    from minipar.plots import to_png
+    from .figure_view import FigureView
 
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
     kind_box = w.Dropdown(options=KINDS, value=kind, description="split")
     tp_box = w.IntSlider(min=1, max=4, value=tp, description="TP size", continuous_update=False)
-    play = w.Play(min=0, max=len(split_frames(kind)) - 1, interval=1500, description="play")
-    step = w.IntSlider(min=0, max=len(split_frames(kind)) - 1, description="step",
-                       continuous_update=False)
-    w.jslink((play, "value"), (step, "value"))
-    image = w.Image(format="png")
-    cache: dict[tuple, bytes] = {}
+    view = FigureView(frame_ms=1500)
 
     def draw(_=None) -> None:
-        frames = len(split_frames(kind_box.value))
-        play.max = step.max = frames - 1
-        key = (kind_box.value, tp_box.value, min(step.value, frames - 1))
-        if key not in cache:
-            cache[key] = to_png(render_split(*key))
-        image.value = cache[key]
+        frames = split_frames(kind_box.value)
+        view.show(*(render_split(kind_box.value, tp_box.value, i) for i in range(len(frames))),
+                  captions=[f"step {i + 1} of {len(frames)}: {title}"
+                            for i, (title, _, _) in enumerate(frames)])
 
-    for control in (kind_box, tp_box, step):
+    for control in (kind_box, tp_box):
         control.observe(draw, names="value")
     draw()
-    return w.VBox([w.HBox([kind_box, tp_box]), w.HBox([play, step]), image])
+    return w.VBox([w.HBox([kind_box, tp_box]), view])

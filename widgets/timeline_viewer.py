@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import ipywidgets as w
 
-from minipar.plots import render_summary, to_png
+from minipar.plots import render_summary
 from minipar.trace import Timeline
 
+from .figure_view import FigureView
 from .gantt import GanttView, gantt_panel
 
 
@@ -25,7 +26,6 @@ class TimelineViewer(w.VBox):
         self.timeline = timeline
         title = title or f"{len(timeline)} events, makespan {timeline.makespan * 1e3:.1f} ms"
         self.view = GanttView(panels=[gantt_panel(timeline, title)], play_ms=play_ms)
-        figure = render_summary(timeline)  # at twice its pixels, shown at its own width
-        summary = w.Image(format="png", value=to_png(figure, dpi=200),
-                          width=int(figure.get_figwidth() * 100))
+        summary = FigureView()
+        summary.show(render_summary(timeline))
         super().__init__([self.view, summary])
