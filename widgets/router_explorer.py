@@ -16,13 +16,16 @@ def render_routing(routing: Routing, title: str = "") -> Figure:
     tokens, experts = probs.shape
     fig = Figure(figsize=(10, max(3.0, 0.16 * tokens + 1.2)), layout="constrained")
     heat, bars = fig.subplots(1, 2, width_ratios=[1.2, 1])
-    heat.imshow(probs.numpy(), aspect="auto", cmap="Blues", vmin=0, vmax=float(probs.max()))
+    top = float(probs.max())
+    heat.imshow(probs.numpy(), aspect="auto", cmap="Blues", vmin=0, vmax=top)
     for t in range(tokens):
         for j in range(routing.expert.shape[1]):
             e = int(routing.expert[t, j])
             kept = bool(routing.slot[t, j] >= 0)
+            dark = float(probs[t, e]) > 0.55 * top  # light marks on dark cells
+            color = ("white" if dark else "black") if kept else ("#FFD54F" if dark else "red")
             heat.text(e, t, str(j + 1) if kept else "x", ha="center", va="center", fontsize=7,
-                      color="black" if kept else "red", fontweight="bold")
+                      color=color, fontweight="bold")
     heat.set_xlabel("expert")
     heat.set_ylabel("token")
     heat.set_xticks(range(experts))

@@ -7,6 +7,7 @@ imported by name, and a second one would shadow it.)"""
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -57,6 +58,9 @@ def _fresh_jupyter(state: Path) -> dict[str, str]:
                       ("JUPYTERLAB_SETTINGS_DIR", "settings"),
                       ("JUPYTERLAB_WORKSPACES_DIR", "workspaces")):
         env[name] = str(state / sub)
+    news = state / "settings" / "@jupyterlab" / "apputils-extension"
+    news.mkdir(parents=True, exist_ok=True)  # no "Would you like to get notified" toast
+    (news / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
     return env
 
 
@@ -115,3 +119,47 @@ def page(browser):
             if r.status >= 400 else None)
     yield page
     context.close()
+
+
+def write_notebook(folder, name: str, cells: list[str]) -> str:
+    """A notebook of these code cells in `folder`; returns its name."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, folder / name)
+    return name
+
+
+def run_all(page, lab, name: str, timeout_s: float = 120) -> None:
+    """Open a notebook and run its cells one by one with Shift+Enter, each after the one
+    before has run (steadier than the Run menu, whose clicks a busy page can drop); the
+    first key is pressed again if the page was not ready for it."""
+    url, token, _ = lab
+    page.goto(f"{url}/lab/tree/{name}?token={token}")
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+    prompts = page.locator(".jp-Notebook .jp-CodeCell .jp-InputPrompt")
+    for _attempt in range(5):  # a key pressed while the page is still settling is lost
+        prompts.first.click()
+        page.keyboard.press("Escape")  # command mode: Shift+Enter runs and moves on
+        page.keyboard.press("Shift+Enter")
+        started = time.monotonic()
+        while time.monotonic() - started < 8:
+            if re.search(r"\[(\d+|\*)\]", prompts.first.inner_text()):
+                break
+            time.sleep(0.2)
+        else:
+            continue
+        break
+    deadline = time.monotonic() + timeout_s
+    for index in range(prompts.count()):
+        if index:
+            page.keyboard.press("Shift+Enter")
+        while not re.search(r"\[\d+\]", prompts.nth(index).inner_text()):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"cell {index} still running after {timeout_s} s: "
+                                     f"{prompts.all_inner_texts()}")
+            time.sleep(0.2)
+    if page.get_by_text("Would you like to get notified").count():  # JupyterLab's news toast
+        page.get_by_role("button", name="No", exact=True).first.click()

@@ -4,11 +4,7 @@ impossible choice, and log no console errors."""
 
 from __future__ import annotations
 
-import re
-import time
-
 import jupyter_lab
-import nbformat
 
 pytestmark = jupyter_lab.needs_browser
 # the session's JupyterLab and browser, a fresh page per test, the screenshot folder
@@ -22,45 +18,6 @@ NOTEBOOK = [
     'TimelineViewer(simulate(schedule("gpipe", 2, 4), {"F": 1e-3, "B": 2e-3}), '
     'title="gpipe, 2 stages", play_ms=600)',
 ]
-
-
-def _write(folder, name: str, cells: list[str]) -> str:
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    nbformat.write(nb, folder / name)
-    return name
-
-
-def run_all(page, lab, name: str, timeout_s: float = 120) -> None:
-    """Open a notebook and run its cells one by one with Shift+Enter, each after the one
-    before has run (steadier than the Run menu, whose clicks a busy page can drop); the
-    first key is pressed again if the page was not ready for it."""
-    url, token, _ = lab
-    page.goto(f"{url}/lab/tree/{name}?token={token}")
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
-    prompts = page.locator(".jp-Notebook .jp-CodeCell .jp-InputPrompt")
-    for _attempt in range(5):  # a key pressed while the page is still settling is lost
-        prompts.first.click()
-        page.keyboard.press("Escape")  # command mode: Shift+Enter runs and moves on
-        page.keyboard.press("Shift+Enter")
-        started = time.monotonic()
-        while time.monotonic() - started < 8:
-            if re.search(r"\[(\d+|\*)\]", prompts.first.inner_text()):
-                break
-            time.sleep(0.2)
-        else:
-            continue
-        break
-    deadline = time.monotonic() + timeout_s
-    for index in range(prompts.count()):
-        if index:
-            page.keyboard.press("Shift+Enter")
-        while not re.search(r"\[\d+\]", prompts.nth(index).inner_text()):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"cell {index} still running after {timeout_s} s: "
-                                     f"{prompts.all_inner_texts()}")
-            time.sleep(0.2)
 
 
 def _gantt_state(page, index: int) -> dict:
@@ -79,8 +36,8 @@ def _gantt_state(page, index: int) -> dict:
 
 
 def test_schedule_explorer_and_timeline_viewer(page, lab, screenshots):
-    name = _write(lab[2], "gantt.ipynb", NOTEBOOK)
-    run_all(page, lab, name)
+    name = jupyter_lab.write_notebook(lab[2], "gantt.ipynb", NOTEBOOK)
+    jupyter_lab.run_all(page, lab, name)
     page.wait_for_selector(".mp-gantt svg rect[data-e]", timeout=30_000)
     if page.get_by_text("Would you like to get notified").count():  # JupyterLab's news toast
         page.get_by_role("button", name="No", exact=True).first.click()
