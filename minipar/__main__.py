@@ -37,12 +37,19 @@ def _parser() -> OneLineParser:
     bench.add_argument("--out", default="bench-out", type=output_folder,
                        help="folder for the JSON and the plot (default: bench-out)")
     lessons = commands.add_parser(
-        "lessons", help="write learners' copies of the lessons",
-        description="Write learners' copies of the lesson notebooks: every solution "
-                    "replaced by a stub naming its exercise, outputs and saved widget state "
-                    "cleared. Notebooks already in the folder are kept unless --force.")
-    lessons.add_argument("--student", required=True, metavar="DIR",
-                         help="folder for the copies")
+        "lessons", help="learners' copies of the lessons, or the lessons as an offline site",
+        description="--student DIR: write learners' copies of the lesson notebooks (every "
+                    "solution replaced by a stub naming its exercise, outputs and saved widget "
+                    "state cleared; notebooks already in DIR are kept unless --force). "
+                    "--html DIR: run every lesson and write it as an HTML page with its "
+                    "widgets, plus index.html; every script is in DIR, so the site works "
+                    "offline (npm is needed once, to fetch the widget manager).")
+    target = lessons.add_mutually_exclusive_group(required=True)
+    target.add_argument("--student", metavar="DIR", help="folder for the learners' copies")
+    target.add_argument("--html", metavar="DIR", help="folder for the offline site")
+    lessons.add_argument("--no-execute", action="store_true",
+                         help="with --html: use the outputs saved in the notebooks instead "
+                              "of running them (seconds instead of minutes)")
     lessons.add_argument("--source", default=None, metavar="DIR",
                          help="lessons folder (default: this checkout's lessons/)")
     lessons.add_argument("--force", action="store_true",
@@ -74,6 +81,18 @@ def _run(args) -> int:
         from .doctor import print_report
 
         print_report()
+        return 0
+    if args.html:
+        from .lesson_site import build_site
+
+        try:
+            pages = build_site(args.source or _default_lessons(), args.html,
+                               execute=not args.no_execute)
+        except RuntimeError as err:  # npm missing or the registry unreachable: say so
+            print(f"minipar lessons: {err}", file=sys.stderr)
+            return 1
+        print(f"wrote {len(pages)} lessons and index.html to {args.html}; open "
+              f"{Path(args.html) / 'index.html'} in a browser")
         return 0
     from .lessons import write_student_copies
 

@@ -49,6 +49,12 @@ def _exercise_name(before: list[str], indent: str) -> str | None:
     return None
 
 
+def without_test_markers(source: str) -> str:
+    """A code cell's source without the `# NBVAL_*` lines that only the tests read."""
+    return "\n".join(line for line in source.split("\n")
+                     if not line.strip().startswith("# NBVAL_"))
+
+
 def student_notebook(notebook: dict) -> dict:
     """A learner's copy of a notebook: solutions stubbed, every output and the saved
     widget state cleared, and the test-only `# NBVAL_*` marker lines dropped."""
@@ -60,9 +66,7 @@ def student_notebook(notebook: dict) -> dict:
         source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
         if BEGIN in source:
             source = strip_solutions(source, f"cell {index}")
-        source = "\n".join(line for line in source.split("\n")
-                           if not line.strip().startswith("# NBVAL_"))
-        cell["source"] = source.splitlines(keepends=True)
+        cell["source"] = without_test_markers(source).splitlines(keepends=True)
         cell["outputs"], cell["execution_count"] = [], None
     return copy
 

@@ -1,6 +1,7 @@
 """Shared fixtures: one set of live ranks for the whole session keeps the suite fast."""
 
 import os
+import tempfile
 import time
 
 import pytest
@@ -8,6 +9,8 @@ import pytest
 import minipar
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+# Lessons under nbval write their benchmarks' JSON and plots here, never into lessons/.
+os.environ.setdefault("MINIPAR_OUT", tempfile.mkdtemp(prefix="minipar-test-out-"))
 
 
 def pytest_collection_modifyitems(items):

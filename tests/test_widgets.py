@@ -147,7 +147,8 @@ def test_split_frames_render_for_every_kind_and_size():
         render_split("row", 8, 0)
     box = split_viewer("row", 2)
     view = box.children[-1]
-    assert len(view.frames) == len(split_frames("row")) and view.captions[0].startswith("step 1 of 4")
+    assert len(view.frames) == len(split_frames("row"))
+    assert view.captions[0].startswith("step 1 of 4")
     sizes = {svg[:svg.index(">")].split("viewBox=")[1] for svg in view.frames}
     assert len(sizes) == 1  # every step drawn at one size: Play never resizes the page
     box.children[0].children[0].value = "column"

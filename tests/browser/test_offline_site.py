@@ -1,0 +1,118 @@
+"""The lessons as an offline site (`minipar lessons --html`), opened in Chromium with every
+request outside the site refused: every widget of every lesson renders from its saved
+state, the schedule and collective widgets still Play with no kernel, nothing is fetched
+from elsewhere and nothing logs an error."""
+
+from __future__ import annotations
+
+import functools
+import http.server
+import json
+import re
+import threading
+from pathlib import Path
+
+import jupyter_lab
+import pytest
+
+from minipar.lesson_site import build_site, site_assets
+
+pytestmark = jupyter_lab.needs_browser
+browser, screenshots = jupyter_lab.browser, jupyter_lab.screenshots
+LESSONS = Path(__file__).resolve().parents[2] / "lessons"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site built from the lessons' saved outputs, served on a free loopback port."""
+    try:
+        site_assets()
+    except RuntimeError as err:
+        pytest.skip(f"no site assets: {err}")
+    folder = tmp_path_factory.mktemp("site")
+    pages = build_site(LESSONS, folder, execute=False, progress=lambda _: None)
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):  # the test reports what matters
+            pass
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Quiet, directory=str(folder)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/", [p.name for p in pages]
+    server.shutdown()
+
+
+@pytest.fixture
+def offline(browser, site):
+    """A page that may load only the site: anything else is refused and recorded."""
+    base, _ = site
+    context = browser.new_context(viewport={"width": 1280, "height": 1000})
+    page = context.new_page()
+    page.refused, page.errors = [], []
+
+    def only_the_site(route):
+        if route.request.url.startswith(base):
+            return route.continue_()
+        page.refused.append(route.request.url)
+        return route.abort()
+
+    context.route("**/*", only_the_site)
+    page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+    page.on("response", lambda r: page.errors.append(f"{r.status} {r.url}")
+            if r.status >= 400 else None)
+    yield page
+    context.close()
+
+
+VIEWS = "script[type='application/vnd.jupyter.widget-view+json']"
+
+
+def test_every_lesson_page_renders_its_widgets_offline(offline, site, screenshots):
+    base, pages = site
+    with_formulas = {p.with_suffix(".html").name for p in LESSONS.glob("*.ipynb")
+                     if re.search(r"\$[^$\n]+\$", "".join(
+                         "".join(c["source"]) for c in json.loads(p.read_text())["cells"]
+                         if c["cell_type"] == "markdown"))}
+    assert with_formulas  # the check below has something to check
+    offline.goto(base + "index.html")
+    assert offline.locator("li a").count() == len(pages) == len(list(LESSONS.glob("*.ipynb")))
+    for name in pages:
+        offline.goto(base + name)
+        expected = offline.locator(VIEWS).count()
+        offline.wait_for_function(
+            f"document.querySelectorAll('.widget-subarea > *').length >= {expected}",
+            timeout=20_000)
+        offline.wait_for_function(  # the browser-drawn views have drawn
+            "[...document.querySelectorAll('.mp-view')].every(v => v.querySelector('svg'))",
+            timeout=20_000)
+        assert offline.get_by_text("Error displaying widget").count() == 0, name
+        if name in with_formulas:  # MathJax, served from the site, typeset them
+            offline.wait_for_selector("mjx-container svg", timeout=20_000)
+        assert offline.refused == [] and offline.errors == [], (name, offline.refused,
+                                                                offline.errors)
+
+
+def test_schedule_and_collective_widgets_play_without_a_kernel(offline, site, screenshots):
+    base, _ = site
+    offline.goto(base + "03_pipeline.html")
+    gantt = offline.locator(".mp-gantt").first
+    gantt.wait_for(timeout=20_000)
+    gantt.scroll_into_view_if_needed()
+    gantt.locator("button.play").click()
+    offline.wait_for_function("Number(document.querySelector('.mp-gantt').dataset.cursor) < 1",
+                              timeout=5_000)
+    offline.wait_for_function("Number(document.querySelector('.mp-gantt').dataset.cursor) === 1",
+                              timeout=10_000)
+    gantt.screenshot(path=str(screenshots / "offline_schedule_explorer.png"))
+
+    offline.goto(base + "01_collectives.html")
+    collective = offline.locator(".mp-collective").first
+    collective.wait_for(timeout=20_000)
+    collective.scroll_into_view_if_needed()
+    collective.locator("button.play").click()
+    offline.wait_for_function(
+        "Number(document.querySelector('.mp-collective').dataset.frame) >= 2", timeout=10_000)
+    collective.screenshot(path=str(screenshots / "offline_collective_animator.png"))
+    assert offline.refused == [] and offline.errors == [], (offline.refused, offline.errors)
