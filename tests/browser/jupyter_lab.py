@@ -34,6 +34,22 @@ def _have_browser() -> bool:
 
 needs_browser = pytest.mark.skipif(not _have_browser(), reason=HOW)
 
+# every widget drawn by the browser, one per cell in this order (screenshots are named by it)
+WIDGETS = {
+    "collective_animator": 'CollectiveAnimator("ring", 4)',
+    "ring_animator": "RingAnimator(ranks=4, causal=True, balanced=False)",
+    "all_to_all_animator": 'AllToAllAnimator(layout="2 nodes x 4", kind="hierarchical")',
+    "split_viewer": 'split_viewer("megatron_mlp", 2)',
+    "router_explorer": "RouterExplorer()",
+    "memory_explorer": "MemoryExplorer(params=65e9, ranks=64, mixed=True, device_gb=80)",
+    "mesh_viewer": "MeshViewer(dp=2, pp=2, tp=2)",
+    "planner_explorer": 'PlannerExplorer("13B", nodes=2)',
+}
+WIDGETS_NOTEBOOK = [
+    "from minipar.widgets import (AllToAllAnimator, CollectiveAnimator, MemoryExplorer, "
+    "MeshViewer, PlannerExplorer, RingAnimator, RouterExplorer, split_viewer)",
+    *WIDGETS.values()]
+
 
 def _free_port() -> int:
     with socket.socket() as s:

@@ -11,20 +11,7 @@ pytestmark = jupyter_lab.needs_browser
 browser, lab, page, screenshots = (jupyter_lab.browser, jupyter_lab.lab, jupyter_lab.page,
                                    jupyter_lab.screenshots)
 
-# one widget per cell, in this order (the screenshot names follow it)
-WIDGETS = {
-    "collective_animator": 'CollectiveAnimator("ring", 4)',
-    "ring_animator": "RingAnimator(ranks=4, causal=True, balanced=False)",
-    "all_to_all_animator": 'AllToAllAnimator(layout="2 nodes x 4", kind="hierarchical")',
-    "split_viewer": 'split_viewer("megatron_mlp", 2)',
-    "router_explorer": "RouterExplorer()",
-    "memory_explorer": "MemoryExplorer(params=65e9, ranks=64, mixed=True, device_gb=80)",
-    "mesh_viewer": "MeshViewer(dp=2, pp=2, tp=2)",
-    "planner_explorer": 'PlannerExplorer("13B", nodes=2)',
-}
-NOTEBOOK = ["from minipar.widgets import (AllToAllAnimator, CollectiveAnimator, MemoryExplorer,"
-            " MeshViewer, PlannerExplorer, RingAnimator, RouterExplorer, split_viewer)",
-            *WIDGETS.values()]
+WIDGETS, NOTEBOOK = jupyter_lab.WIDGETS, jupyter_lab.WIDGETS_NOTEBOOK
 
 
 def _state(page, index: int) -> dict:
