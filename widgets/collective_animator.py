@@ -18,6 +18,7 @@ from .collective_view import (
     render_collective_strip,
 )
 from .esm import esm
+from .labels import full_labels
 
 
 class CollectiveView(anywidget.AnyWidget):
@@ -56,6 +57,7 @@ class CollectiveAnimator(w.VBox):
         self.run_button.on_click(lambda _: self.record())
         super().__init__([w.HBox([self.algorithm, self.ranks, self.run_button]), self.status,
                           self.view])
+        full_labels(self)
         self.record()
 
     def _cluster(self, k: int) -> Cluster:

@@ -6,6 +6,7 @@ import ipywidgets as w
 
 from .exchange_view import STEP_NAMES, render_exchange, routed_counts
 from .figure_view import FigureView
+from .labels import full_labels
 
 LAYOUTS = {"2 nodes x 2": (2, 2), "2 nodes x 4": (2, 4), "4 nodes x 2": (4, 2),
            "3 nodes x 4": (3, 4)}
@@ -34,6 +35,7 @@ class AllToAllAnimator(w.VBox):
             control.observe(lambda _: self.draw(), names="value")
         super().__init__([w.HBox([self.topology, self.skew]), self.kind, self.status,
                           self.view])
+        full_labels(self)
         self.draw()
 
     def counts(self) -> list[list[int]]:

@@ -10,6 +10,7 @@ from minipar.data_parallel.zero_bench import formula_memory, measure_memory
 from minipar.plots import memory_total
 
 from .figure_view import FigureView
+from .labels import full_labels
 from .render import STAGE_NAMES, render_memory
 
 PRECISIONS = {"float32": False, "bf16 + fp32 master": True}
@@ -52,6 +53,7 @@ class MemoryExplorer(w.VBox):
         super().__init__([w.HBox([self.params, self.ranks, self.precision]),
                           w.HBox([self.recompute, self.micro_batch, self.seq_len]),
                           w.HBox([self.device, self.button]), self.status, self.view])
+        full_labels(self)
         self.draw()
 
     def shape(self) -> tuple[int, int, int]:

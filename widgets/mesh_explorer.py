@@ -10,6 +10,7 @@ from minipar.mesh import Mesh
 from minipar.mesh.planner import Cluster, explain, plan
 
 from .figure_view import FigureView
+from .labels import full_labels
 from .mesh_view import render_mesh, render_plans
 
 _SIZES = [1, 2, 4, 8]
@@ -35,6 +36,7 @@ class MeshViewer(w.VBox):
         self.ranks.observe(lambda _: self.draw(), names="value")
         super().__init__([w.HBox(list(self.sizes.values())), self.colour_by, self.ranks,
                           self.status, self.view])
+        full_labels(self)
         self._reset_ranks()
 
     @property
@@ -92,6 +94,7 @@ class PlannerExplorer(w.VBox):
         super().__init__([w.HBox([self.model, self.nodes, self.per_node]),
                           w.HBox([self.memory, self.nic, self.batch]), self.status,
                           self.view])
+        full_labels(self)
         self.draw()
 
     @property

@@ -8,6 +8,7 @@ from matplotlib.figure import Figure
 from minipar.data_parallel.lab import METHODS, network_run
 
 from .figure_view import FigureView
+from .labels import full_labels
 
 LINKS = {"none": None, "ranks 0-1": (0, 1), "ranks 2-3": (2, 3)}
 KILLS = {"nobody": None, "rank 1": 1, "rank 2": 2, "rank 3": 3, "rank 4": 4}
@@ -58,6 +59,7 @@ class NetworkLab(w.VBox):
         super().__init__([w.HBox([self.method, self.latency, self.steps]),
                           w.HBox([self.link, self.kill, self.button, self.clear]),
                           self.status, self.view])
+        full_labels(self)
 
     def _method_changed(self) -> None:
         method = self.method.value

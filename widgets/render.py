@@ -67,6 +67,7 @@ def render_pipeline(ideal: Timeline, measured: Timeline | None = None, upto: flo
         curve_ax.step(xs, ys, where="post", label=f"rank {rank}")
     curve_ax.set_xlim(0, ideal.makespan * 1e3 * 1.02)
     curve_ax.set_ylabel("activations held")
+    curve_ax.yaxis.get_major_locator().set_params(integer=True)  # a count: no 2.5
     curve_ax.set_xlabel("time (ms)")
     curve_ax.legend(fontsize=7, ncol=min(ranks, 4))
     return fig

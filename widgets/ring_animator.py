@@ -6,6 +6,7 @@ from __future__ import annotations
 import ipywidgets as w
 
 from .figure_view import FigureView
+from .labels import full_labels
 from .ring_view import render_ring
 
 
@@ -24,6 +25,7 @@ class RingAnimator(w.VBox):
             control.observe(lambda _: self.draw(), names="value")
         super().__init__([w.HBox([self.ranks, self.causal, self.balanced]), self.status,
                           self.view])
+        full_labels(self)
         self.draw()
 
     def draw(self) -> None:

@@ -77,6 +77,7 @@ def render_ring(world_size: int, step: int, causal: bool = True, balanced: bool 
     bars.invert_yaxis()
     bars.set_xlim(0, max(total) * 1.15)
     bars.set_xlabel("score cells computed")
+    bars.xaxis.get_major_locator().set_params(integer=True)  # a count: no 2.5
     layout = "balanced (zig-zag)" if balanced else "contiguous"
     bars.set_title(f"work per rank, {layout}, {'causal' if causal else 'no mask'}\n"
                    f"busiest / idlest rank: {max(total) / min(total):.2f}", fontsize=9)

@@ -39,6 +39,7 @@ def render_routing(routing: Routing, title: str = "") -> Figure:
     bars.set_xticks(range(experts))
     bars.set_xlabel("expert")
     bars.set_ylabel("token choices")
+    bars.yaxis.get_major_locator().set_params(integer=True)  # a count: no 2.5
     bars.legend(fontsize=7)
     bars.set_title(f"balance loss {routing.balance_loss.item():.3f}, z-loss "
                    f"{routing.z_loss.item():.2f}, drops {routing.drop_rate:.0%}, imbalance "
@@ -56,6 +57,7 @@ class RouterExplorer:
         import ipywidgets as w
 
         from .figure_view import FigureView
+        from .labels import full_labels
 
         k = w.IntSlider(min=1, max=4, value=2, description="k", continuous_update=False)
         factor = w.FloatSlider(min=0.25, max=2.0, step=0.25, value=1.0,
@@ -101,4 +103,5 @@ class RouterExplorer:
             control.observe(build, names="value")
         train.on_click(step)
         build()
-        return w.VBox([w.HBox([k, factor]), w.HBox([experts, noisy, train]), status, view])
+        return full_labels(w.VBox([w.HBox([k, factor]), w.HBox([experts, noisy, train]), status,
+                                   view]))

@@ -14,6 +14,7 @@ from minipar.pipeline import (
 )
 
 from .gantt import GanttView, gantt_panel, step_panel
+from .labels import full_labels
 from .render import compared_runs
 
 
@@ -44,15 +45,13 @@ class ScheduleExplorer(w.VBox):
         self.view = GanttView()
         self.measured = self.predicted = None
         for control in (self.name, self.stages, self.microbatches, self.virtual, self.backward,
-                        self.weight_share):
-            control.style.description_width = "initial"  # labels never cut short
-        for control in (self.name, self.stages, self.microbatches, self.virtual, self.backward,
                         self.weight_share, self.fill):
             control.observe(lambda _: self.update(), names="value")
         self.measure_button.on_click(lambda _: self.measure())
         super().__init__([w.HBox([self.name, self.stages, self.microbatches]),
                           w.HBox([self.virtual, self.backward, self.weight_share]),
                           w.HBox([self.fill, self.measure_button]), self.status, self.view])
+        full_labels(self)
         self.update()
 
     def costs(self) -> dict[str, float]:

@@ -7,6 +7,7 @@ import ipywidgets as w
 from minipar.data_parallel.speedup import COMPRESSION_CHOICES, measure_speedup
 
 from .figure_view import FigureView
+from .labels import full_labels
 from .render import render_speedup
 
 BUCKETS = {"one per parameter": None, "256 KiB": 256 << 10, "1 MiB": 1 << 20, "25 MiB": 25 << 20}
@@ -34,6 +35,7 @@ class SpeedupLab(w.VBox):
         super().__init__([w.HBox([self.ranks, self.width, self.per_rank]),
                           w.HBox([self.bucket, self.compression, self.button]),
                           self.status, self.view])
+        full_labels(self)
         for control in (self.ranks, self.width, self.per_rank, self.bucket, self.compression):
             control.observe(lambda _: self._changed(), names="value")
 

@@ -112,6 +112,7 @@ def split_viewer(kind: str = "megatron_mlp", tp: int = 2):
     import ipywidgets as w
 
     from .figure_view import FigureView
+    from .labels import full_labels
 
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
@@ -128,4 +129,4 @@ def split_viewer(kind: str = "megatron_mlp", tp: int = 2):
     for control in (kind_box, tp_box):
         control.observe(draw, names="value")
     draw()
-    return w.VBox([w.HBox([kind_box, tp_box]), view])
+    return full_labels(w.VBox([w.HBox([kind_box, tp_box]), view]))
