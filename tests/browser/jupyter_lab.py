@@ -80,11 +80,25 @@ def _fresh_jupyter(state: Path) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="session")
-def lab(tmp_path_factory):
-    """(base url, token, notebook folder) of a JupyterLab started for the session."""
-    folder = tmp_path_factory.mktemp("notebooks")
-    state = tmp_path_factory.mktemp("jupyter-state")
+# Each test module that assigns these fixtures gets its own copy of them, so the
+# session-wide things (one JupyterLab, one Playwright with its browser) are shared here,
+# counted, and stopped when the last module using them is done.
+_SHARED: dict[str, list] = {}
+
+
+def _shared(name: str, start, stop):
+    if name not in _SHARED:
+        _SHARED[name] = [start(), 0]
+    _SHARED[name][1] += 1
+    try:
+        yield _SHARED[name][0]
+    finally:
+        _SHARED[name][1] -= 1
+        if _SHARED[name][1] == 0:
+            stop(_SHARED.pop(name)[0])
+
+
+def _start_lab(folder: Path, state: Path):
     port, token = _free_port(), secrets.token_hex(16)
     jupyter = Path(sys.executable).with_name("jupyter")
     server = subprocess.Popen(
@@ -94,33 +108,62 @@ def lab(tmp_path_factory):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_fresh_jupyter(state))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError("JupyterLab did not start within 60 s") from None
-                time.sleep(0.5)
-        yield url, token, folder
-    finally:
-        server.terminate()
+        wait_for(f"{url}/api/status?token={token}", server, "JupyterLab")
+    except RuntimeError:
+        stop_server(server)
+        raise
+    return server, (url, token, folder)
+
+
+def wait_for(url: str, server: subprocess.Popen, what: str, seconds: float = 60) -> None:
+    """Return once `url` answers; raise if `server` exits or `seconds` pass first."""
+    deadline = time.monotonic() + seconds
+    while True:
         try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            if time.monotonic() > deadline or server.poll() is not None:
+                raise RuntimeError(f"{what} did not start within {seconds:.0f} s") from None
+            time.sleep(0.5)
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    server.terminate()
+    try:
+        server.wait(10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+
+
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory):
+    """(base url, token, notebook folder) of a JupyterLab started for the session."""
+    folder = tmp_path_factory.mktemp("notebooks")
+    state = tmp_path_factory.mktemp("jupyter-state")
+    for server_and_lab in _shared("lab", lambda: _start_lab(folder, state),
+                                  lambda started: stop_server(started[0])):
+        yield server_and_lab[1]
+
+
+def _start_browser():
+    from playwright.sync_api import sync_playwright
+
+    playwright = sync_playwright().start()
+    return playwright, playwright.chromium.launch(executable_path=CHROMIUM,
+                                                  args=["--no-sandbox", "--disable-gpu"])
+
+
+def _stop_browser(started) -> None:
+    playwright, chromium = started
+    chromium.close()
+    playwright.stop()
 
 
 @pytest.fixture(scope="session")
 def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path=CHROMIUM,
-                                     args=["--no-sandbox", "--disable-gpu"])
-        yield chromium
-        chromium.close()
+    for started in _shared("browser", _start_browser, _stop_browser):
+        yield started[1]
 
 
 @pytest.fixture

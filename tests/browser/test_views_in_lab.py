@@ -67,7 +67,7 @@ def test_every_widget_draws_plays_and_answers_its_controls(page, lab, screenshot
     draws = _state(page, 0)["draws"]
     page.locator(".jupyter-widgets select").first.select_option("tree")
     page.wait_for_function("document.querySelectorAll('.mp-view')[0].querySelector('svg text')"
-                           ".textContent.includes('tree')", timeout=30_000)
+                           ".textContent.includes('tree')", timeout=90_000)
     assert _state(page, 0)["draws"] > draws and _state(page, 0)["frame"] == 0
 
     # RingAnimator: Play advances the frames without the page moving; an impossible

@@ -8,8 +8,6 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import jupyter_lab
@@ -36,22 +34,10 @@ def voila(tmp_path_factory):
         env=jupyter_lab._fresh_jupyter(tmp_path_factory.mktemp("voila-state")))
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(url, timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise RuntimeError("Voilà did not start within 60 s") from None
-                time.sleep(0.5)
+        jupyter_lab.wait_for(url, server, "Voilà")
         yield url
     finally:
-        server.terminate()
-        try:
-            server.wait(10)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        jupyter_lab.stop_server(server)
 
 
 @pytest.fixture
