@@ -7,7 +7,7 @@ from minipar.basics import demo as basics
 from minipar.collectives import demo as collectives
 from minipar.context_parallel import demo as context_parallel
 from minipar.data_parallel import demo as data_parallel
-from minipar.demo import Check, combine
+from minipar.demo import WIDTH, Check, Row, combine, format_rows, skip
 from minipar.mesh import demo as mesh
 from minipar.moe import demo as moe
 from minipar.pipeline import demo as pipeline
@@ -24,6 +24,7 @@ def test_every_demo_matches_one_process(cluster2, technique, args):
     assert rows
     assert all(row.matches is not False for row in rows), [r for r in rows if not r.matches]
     assert any(row.matches for row in rows)
+    assert max(len(line) for line in format_rows(rows).splitlines()) <= WIDTH
 
 
 def test_demos_on_four_ranks_include_the_parameter_server(cluster4):
@@ -41,7 +42,8 @@ def test_the_mesh_demo_refuses_degrees_that_do_not_multiply_to_the_ranks(capsys)
 
     with pytest.raises(SystemExit):
         run_demo(mesh.demo, "mesh", argv=["--ranks", "4", "--dp", "3"],
-                 options={"dp": 0, "pp": 0, "tp": 0}, check_options=mesh.check_options)
+                 options={"dp": (0, "dp"), "pp": (0, "pp"), "tp": (0, "tp")},
+                 check_options=mesh.check_options)
     assert "--dp x --pp x --tp must equal --ranks (4); got dp=3 x pp=1 x tp=1" in \
         capsys.readouterr().err
 
@@ -53,3 +55,15 @@ def test_combine_judges_only_ranks_that_checked_something():
     assert (x.matches, x.seconds, x.bytes_moved, x.ranks) == (True, 3.0, 15, 2)
     assert y.matches is None and y.bytes_moved is None
     assert combine([[Check("x", True, 1.0)], [Check("x", False, 1.0)]])[0].matches is False
+
+
+def test_the_report_fits_a_terminal_and_says_why_a_case_was_skipped():
+    long = "a technique whose name goes on and on " * 3
+    rows = [Row(long, 4, True, 12.5, speedup=1.5, bytes_moved=10**12, note="why " * 60),
+            *combine([[skip("interleaved 1F1B", "impossible on 3 ranks; it runs with --ranks 2")]])]
+    text = format_rows(rows)
+    assert max(len(line) for line in text.splitlines()) <= WIDTH
+    words = " ".join(text.split())
+    assert words.count("whose name") == 3 and words.count("why") == 60  # wrapped, not cut
+    assert "skipped: impossible on 3 ranks; it runs with --ranks 2" in words
+    assert rows[1].skipped and rows[1].matches is None

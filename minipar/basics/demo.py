@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..demo import Check, Context, Row, best_run, combine, one_process
+from ..demo import Check, Context, Row, best_run, combine, one_process, start_clock
 from ..plots import render_timeline, to_png
 from ..runtime import rank, world_size
 from .steps import busy_work, hello, synchronized_steps
@@ -31,14 +31,14 @@ def demo(cases: tuple[str, ...] = ("hello", "split_work"), tasks: int = 16,
     against what one process computes."""
     k, checks = world_size(), []
     if "hello" in cases:
-        start = time.perf_counter()
+        start = start_clock()
         total = hello()
         checks.append(Check("hello: all-reduce of rank+1", total == k * (k + 1) / 2,
                             time.perf_counter() - start,
                             note=f"every rank holds {'+'.join(str(r + 1) for r in range(k))}"))
     if "split_work" in cases:
         expected = sum(busy_work(units + t) for t in range(tasks))
-        start = time.perf_counter()
+        start = start_clock()
         got = _split_work(tasks, units)
         checks.append(Check("independent work split over ranks + all-reduce",
                             math.isclose(got, expected, rel_tol=1e-9),
