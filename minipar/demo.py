@@ -177,6 +177,13 @@ def demo_parser(description: str, default_ranks: int = 2, prog: str | None = Non
     return parser
 
 
+def check_torchrun_ranks(parser: argparse.ArgumentParser, ranks: int) -> None:
+    """Under torchrun, --ranks must be torchrun's world size: say so in its terms."""
+    if under_torchrun() and ranks != int(os.environ["WORLD_SIZE"]):
+        parser.error(f"--ranks {ranks} differs from torchrun's --nproc-per-node x --nnodes "
+                     f"= {os.environ['WORLD_SIZE']}; drop --ranks under torchrun")
+
+
 def run_demo(demo: Callable[..., list[Check]], description: str, default_ranks: int = 2,
              argv: list[str] | None = None, options: dict[str, tuple[int, str]] | None = None,
              cases: Sequence[str] = (),
@@ -206,9 +213,7 @@ def run_demo(demo: Callable[..., list[Check]], description: str, default_ranks: 
             check_options(ranks, **args)
         except ValueError as error:
             parser.error(str(error))
-    if under_torchrun() and ranks != int(os.environ["WORLD_SIZE"]):
-        parser.error(f"--ranks {ranks} differs from torchrun's --nproc-per-node x --nnodes "
-                     f"= {os.environ['WORLD_SIZE']}; drop --ranks under torchrun")
+    check_torchrun_ranks(parser, ranks)
     rows: list[Row] = []
 
     def body() -> int:
