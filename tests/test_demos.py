@@ -67,3 +67,15 @@ def test_the_report_fits_a_terminal_and_says_why_a_case_was_skipped():
     assert words.count("whose name") == 3 and words.count("why") == 60  # wrapped, not cut
     assert "skipped: impossible on 3 ranks; it runs with --ranks 2" in words
     assert rows[1].skipped and rows[1].matches is None
+
+
+def test_a_sleeping_straggler_does_the_same_work(cluster2):
+    """The tour's slow rank sleeps instead of computing more, so it shows on any number
+    of cores; its work, hence the checksum, is every other rank's."""
+    from minipar.basics import busy_work, synchronized_steps
+
+    run = cluster2.run(synchronized_steps, 2, 10, slow_rank=1, straggle="sleep")
+    assert list(run) == pytest.approx([2 * busy_work(10)] * 2, rel=1e-6)
+    assert [e.rank for e in run.timeline if e.kind == "compute"].count(1) == 2
+    with pytest.raises(ValueError, match="straggle must be one of work, sleep; got 'nap'"):
+        synchronized_steps(straggle="nap")
