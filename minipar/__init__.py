@@ -4,6 +4,7 @@ Start with `minipar.launch(fn, world_size)`; see README.md for the lessons.
 """
 
 from . import trace
+from .cli import refuse_library_modules
 from .runtime import (
     Cluster,
     RankDied,
@@ -19,6 +20,8 @@ from .runtime import (
 from .trace import Event, Timeline, record
 
 __version__ = "0.1.0"
+
+refuse_library_modules()  # `python -m minipar.<library module>`: one line, not silence
 
 __all__ = [
     "Cluster", "Event", "RankDied", "RankError", "RankTimeout", "Results", "Timeline", "device",

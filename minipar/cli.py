@@ -1,9 +1,12 @@
 """What every minipar command line shares: errors in one line (never a traceback),
-counts that must be positive, an --out that must be a folder, and Ctrl-C."""
+counts that must be positive, an --out that must be a folder, Ctrl-C, and a one-line
+answer to `python -m` of a module that is not a command."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -58,3 +61,51 @@ def run_command(prog: str, body: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+
+
+def module_run_by_dash_m() -> str | None:
+    """The module `python -m MODULE` is starting, while Python imports its packages
+    (sys.argv[0] is "-m" until the module itself runs); None otherwise."""
+    if sys.argv[:1] != ["-m"]:
+        return None
+    argv = getattr(sys, "orig_argv", [])
+    for i, arg in enumerate(argv[1:-1], start=1):
+        if arg == "-m":
+            return argv[i + 1]
+    return None
+
+
+def _spec(module: str):
+    try:
+        return importlib.util.find_spec(module)
+    except ImportError:  # a parent package that does not exist
+        return None
+
+
+def is_command(module: str) -> bool:
+    """Whether `python -m module` runs something: a package with a __main__.py, or a
+    module with an `if __name__ == "__main__":` block."""
+    spec = _spec(module)
+    if spec is None or module.endswith(".__main__"):
+        return spec is not None
+    if spec.submodule_search_locations is not None:
+        return _spec(f"{module}.__main__") is not None
+    source = Path(spec.origin).read_text() if spec.origin else ""
+    return re.search(r"^if __name__ == .__main__.:", source, re.MULTILINE) is not None
+
+
+def refuse_library_modules() -> None:
+    """`python -m minipar.<module>` for a library module would print nothing (or a runpy
+    warning about the module being imported twice): say in one line that it is not a
+    command and which command shows it, and exit with status 2. Called while the
+    `minipar` package is imported, before Python runs the module."""
+    module = module_run_by_dash_m()
+    if module is None or not module.startswith("minipar.") or _spec(module) is None \
+            or is_command(module):
+        return  # not ours, not there (Python says so), or a command
+    parent = module.rsplit(".", 1)[0]
+    while parent != "minipar" and not is_command(parent):
+        parent = parent.rsplit(".", 1)[0]
+    hint = f"python -m {parent}" + (" --help" if parent == "minipar" else "")
+    print(f"{module} is a library module, not a command; try: {hint}", file=sys.stderr)
+    raise SystemExit(2)

@@ -14,16 +14,19 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from .cli import OneLineParser, nonnegative_int, positive_int, run_command
-from .report import format_table
-from .runtime import BACKENDS, Cluster, Results, launch, rank, under_torchrun
+from .runtime import BACKENDS, DEFAULT_TIMEOUT, Cluster, Results, launch, rank, under_torchrun
+
+WIDTH = 120  # the report fits a terminal this many columns wide
 
 
 @dataclass
@@ -35,6 +38,21 @@ class Check:
     seconds: float
     bytes_sent: int | None = None  # metered traffic, where a meter exists
     note: str = ""
+    skipped: str = ""  # why the case did not run on these ranks (empty: it ran)
+
+
+def skip(technique: str, why: str) -> Check:
+    """A case that cannot run on these ranks, saying why and what to change."""
+    return Check(technique, None, 0.0, skipped=why)
+
+
+def start_clock() -> float:
+    """Every rank passes a barrier, then reads the clock: each rank times a case from the
+    same moment, so per-rank times compare (without it, a rank that arrives first counts
+    its wait for the others, say the time they took to start or to build their
+    reference)."""
+    dist.barrier()
+    return time.perf_counter()
 
 
 @dataclass
@@ -48,6 +66,7 @@ class Row:
     speedup: float | None = None  # one process's time / the parallel run's time
     bytes_moved: int | None = None  # all ranks' sent bytes added up
     note: str = ""
+    skipped: str = ""
 
 
 def combine(results: list[list[Check]]) -> list[Row]:
@@ -60,22 +79,40 @@ def combine(results: list[list[Check]]) -> list[Row]:
         judged = [c.matches for c in checks if c.matches is not None]
         matches = all(judged) if judged else None  # a rank may hold nothing to compare
         rows.append(Row(first.technique, len(checks), matches, max(c.seconds for c in checks),
-                        bytes_moved=sum(sent) if sent else None, note=first.note))
+                        bytes_moved=sum(sent) if sent else None, note=first.note,
+                        skipped=first.skipped))
     return rows
 
 
-def format_rows(rows: list[Row]) -> str:
-    """The report table every demo and the tour print."""
-    shown = [{"technique": r.technique, "ranks": r.ranks,
-              "matches": {True: "yes", False: "NO", None: "-"}[r.matches],
-              "time": f"{r.seconds * 1e3:.0f} ms",
+COLUMNS = (("ranks", "ranks"), ("matches", "matches one process?"), ("time", "time"),
+           ("speedup", "speedup"), ("bytes", "bytes moved"))
+
+
+def format_rows(rows: list[Row], width: int = WIDTH) -> str:
+    """The report table every demo and the tour print, at most `width` columns wide: a
+    technique's name wraps inside its column, and its note goes on the lines below it,
+    indented."""
+    cells = [{"ranks": str(r.ranks), "matches": {True: "yes", False: "NO", None: "-"}[r.matches],
+              "time": "-" if r.skipped else f"{r.seconds * 1e3:.0f} ms",
               "speedup": "-" if r.speedup is None else f"{r.speedup:.2f}x",
-              "bytes": "-" if r.bytes_moved is None else f"{r.bytes_moved:,}",
-              "note": r.note} for r in rows]
-    return format_table(shown, [("technique", "technique"), ("ranks", "ranks"),
-                                ("matches", "matches one process?"), ("time", "time"),
-                                ("speedup", "speedup"), ("bytes", "bytes moved"),
-                                ("note", "note")])
+              "bytes": "-" if r.bytes_moved is None else f"{r.bytes_moved:,}"} for r in rows]
+    widths = [max([len(header)] + [len(c[key]) for c in cells]) for key, header in COLUMNS]
+    room = max(width - sum(widths) - 2 * len(widths), 20)
+    name_width = min(room, max([len("technique")] + [len(r.technique) for r in rows]))
+
+    def line(name: str, values: list[str]) -> str:
+        return "  ".join([name.ljust(name_width)]
+                         + [v.ljust(w) for v, w in zip(values, widths, strict=True)]).rstrip()
+
+    lines = [line("technique", [h for _, h in COLUMNS]),
+             line("-" * name_width, ["-" * w for w in widths])]
+    for row, cell in zip(rows, cells, strict=True):
+        names = textwrap.wrap(row.technique, name_width) or [""]
+        lines.append(line(names[0], [cell[key] for key, _ in COLUMNS]))
+        lines += names[1:]
+        note = f"skipped: {row.skipped}" if row.skipped else row.note
+        lines += textwrap.wrap(note, width, initial_indent="    ", subsequent_indent="    ")
+    return "\n".join(lines)
 
 
 class Context:
@@ -123,46 +160,64 @@ def best_run(cluster: Cluster, fn: Callable, *args, repeats: int = 3, **kwargs) 
 
 def demo_parser(description: str, default_ranks: int = 2, prog: str | None = None
                 ) -> argparse.ArgumentParser:
-    """The options every `python -m minipar.<technique>` demo shares: --ranks (torchrun's
-    WORLD_SIZE when set) and --backend. Modules add their own before parsing; mistakes
-    are one line (see `minipar.cli`)."""
-    parser = OneLineParser(prog=prog, description=description)
+    """The options every `python -m minipar.<technique>` command shares: --ranks (torchrun's
+    WORLD_SIZE when set), --backend and --timeout. Modules add their own before parsing;
+    mistakes are one line (see `minipar.cli`)."""
+    parser = OneLineParser(prog=prog, description=" ".join(description.split()))
     parser.add_argument("--ranks", type=positive_int,
                         default=int(os.environ.get("WORLD_SIZE", default_ranks)),
                         help=f"how many ranks to spawn (default {default_ranks}; under "
                              "torchrun, its world size)")
     parser.add_argument("--backend", default="auto", choices=BACKENDS,
                         help="auto: nccl with one GPU per rank, else gloo (CPU processes)")
+    parser.add_argument("--timeout", type=positive_int, default=int(DEFAULT_TIMEOUT),
+                        metavar="SECONDS",
+                        help=f"end the run with an error saying where each rank waits if it "
+                             f"takes longer (default {DEFAULT_TIMEOUT:g})")
     return parser
 
 
+def check_torchrun_ranks(parser: argparse.ArgumentParser, ranks: int) -> None:
+    """Under torchrun, --ranks must be torchrun's world size: say so in its terms."""
+    if under_torchrun() and ranks != int(os.environ["WORLD_SIZE"]):
+        parser.error(f"--ranks {ranks} differs from torchrun's --nproc-per-node x --nnodes "
+                     f"= {os.environ['WORLD_SIZE']}; drop --ranks under torchrun")
+
+
 def run_demo(demo: Callable[..., list[Check]], description: str, default_ranks: int = 2,
-             argv: list[str] | None = None, options: dict[str, int] | None = None,
+             argv: list[str] | None = None, options: dict[str, tuple[int, str]] | None = None,
+             cases: Sequence[str] = (),
              check_options: Callable[..., None] | None = None) -> list[Row]:
-    """Parse --ranks, --backend and the demo's own integer `options` (name: default), run
-    `demo(**options)` on every rank (spawned, or the ranks torchrun started), and print
-    the table on rank 0. `check_options(ranks, **options)` may raise ValueError before
-    any rank starts; its message, like any ValueError of the launch (a backend this
-    machine lacks), becomes a one-line error, and Ctrl-C a one-line "interrupted"."""
+    """Parse --ranks, --backend, --timeout, the demo's own integer `options` (name:
+    (default, help)) and, when the demo names its `cases`, --cases; run `demo(**options)`
+    on every rank (spawned, or the ranks torchrun started), print the table on rank 0,
+    and exit with status 1 if a case does not match one process. `check_options(ranks,
+    **options)` may raise ValueError before any rank starts; its message, like any
+    ValueError of the launch (a backend this machine lacks), becomes a one-line error,
+    and Ctrl-C a one-line "interrupted"."""
     prog = "python -m " + demo.__module__.rsplit(".", 1)[0]
     parser = demo_parser(description, default_ranks, prog)
-    for name, default in (options or {}).items():
+    for name, (default, what) in (options or {}).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=nonnegative_int, default=default,
-                            help=f"default {default}")
+                            help=f"{what} (default {default})")
+    if cases:
+        parser.add_argument("--cases", nargs="+", choices=cases, default=list(cases),
+                            metavar="CASE", help=f"run only these: {', '.join(cases)} "
+                                                 "(default: all)")
     args = vars(parser.parse_args(argv))
-    ranks, backend = args.pop("ranks"), args.pop("backend")
+    ranks, backend, timeout = args.pop("ranks"), args.pop("backend"), args.pop("timeout")
+    if cases:
+        args["cases"] = tuple(args["cases"])
     if check_options is not None:
         try:
             check_options(ranks, **args)
         except ValueError as error:
             parser.error(str(error))
-    if under_torchrun() and ranks != int(os.environ["WORLD_SIZE"]):
-        parser.error(f"--ranks {ranks} differs from torchrun's --nproc-per-node x --nnodes "
-                     f"= {os.environ['WORLD_SIZE']}; drop --ranks under torchrun")
+    check_torchrun_ranks(parser, ranks)
     rows: list[Row] = []
 
     def body() -> int:
-        rows.extend(combine(launch(demo, ranks, backend=backend, **args)))
+        rows.extend(combine(launch(demo, ranks, backend=backend, timeout=timeout, **args)))
         return 0
 
     status = run_command(prog, body)
@@ -170,7 +225,16 @@ def run_demo(demo: Callable[..., list[Check]], description: str, default_ranks: 
         raise SystemExit(status)
     if rank() == 0:
         print(format_rows(rows))
-        exact = [r for r in rows if r.matches is not None]
-        print(f"{sum(bool(r.matches) for r in exact)}/{len(exact)} checked cases match one "
-              "process")
+        print(match_summary(rows))
+        print("time: the slowest rank's; every rank starts its clock at the same barrier")
+    if any(row.matches is False for row in rows):
+        raise SystemExit(1)
     return rows
+
+
+def match_summary(rows: list[Row]) -> str:
+    """How many checked cases match one process, and how many did not run."""
+    exact = [r for r in rows if r.matches is not None]
+    skipped = sum(bool(r.skipped) for r in rows)
+    return (f"{sum(bool(r.matches) for r in exact)}/{len(exact)} checked cases match one "
+            f"process" + (f", {skipped} skipped (see why in its note)" if skipped else ""))

@@ -27,8 +27,12 @@ def format_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-def save_results(rows: list[dict], fig, out_dir: Path, name: str) -> None:
-    """Write a benchmark's rows as bench_NAME.json and its figure as bench_NAME.png."""
+def save_results(rows: list[dict], fig, out_dir: Path, name: str, title: str) -> None:
+    """Write a benchmark's rows as bench_NAME.json and its figure, with `title` (what it
+    compares, on what) on top, as bench_NAME.png."""
+    if not title.strip():
+        raise ValueError("title must say what the plot compares; got an empty one")
+    fig.suptitle(title, fontsize=11)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"bench_{name}.json").write_text(json.dumps(rows, indent=2))
     fig.savefig(out_dir / f"bench_{name}.png", dpi=100)

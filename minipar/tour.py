@@ -45,6 +45,6 @@ def run_tour(out_dir: str | Path = "minipar-out") -> list[Row]:
     (out_dir / "report.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
     exact = [r for r in rows if r.matches is not None]
     print(f"\n{sum(bool(r.matches) for r in exact)}/{len(exact)} exact techniques match one "
-          f"process ({len(rows) - len(exact)} more are approximate by design). "
+          f"process ({len(rows) - len(exact)} more are approximate by design).\n"
           f"Pictures, Chrome traces (open in Perfetto) and the report are in {out_dir}/")
     return rows

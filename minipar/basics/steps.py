@@ -3,6 +3,8 @@ costs everyone."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -29,20 +31,34 @@ def busy_work(units: int, size: int = 96) -> float:
     return float(x.sum())
 
 
+STRAGGLES = ("work", "sleep")
+
+
 def synchronized_steps(steps: int = 3, units: int = 40, slow_rank: int | None = None,
-                       slowdown: float = 2.0) -> float:
+                       slowdown: float = 2.0, straggle: str = "work") -> float:
     """Data-parallel-style steps: compute, then wait for everyone (an all-reduce).
 
-    Rank `slow_rank` does `slowdown` times the work, as a straggler would. Every
-    rank records its compute and its wait, so the Timeline shows who idles.
+    Rank `slow_rank` is a straggler, `slowdown` times slower. With straggle="work" it
+    does `slowdown` times the work (a longer input): visible when every rank has a core
+    of its own, since ranks sharing cores take turns and the extra work hides in the
+    time-sharing. With straggle="sleep" it does the same work as the others, then
+    sleeps (slowdown - 1) times as long as that took (a slower or busier device): its
+    step is `slowdown` times its compute on any number of cores. Every rank records its
+    step (work and any sleep) and its wait, so the Timeline shows who idles.
     Returns the sum of all ranks' checksums from the last step.
     """
+    if straggle not in STRAGGLES:
+        raise ValueError(f"straggle must be one of {', '.join(STRAGGLES)}; got {straggle!r}")
     me = rank()
-    my_units = round(units * slowdown) if me == slow_rank else units
+    slow = me == slow_rank
+    my_units = round(units * slowdown) if slow and straggle == "work" else units
     total = torch.zeros(1, dtype=torch.float64)
     for step in range(steps):
         with record("compute", f"step {step}", step=step):
+            start = time.perf_counter()
             total = torch.tensor([busy_work(my_units)], dtype=torch.float64)
+            if slow and straggle == "sleep":
+                time.sleep((slowdown - 1) * (time.perf_counter() - start))
         with record("wait", "all_reduce", step=step):
             dist.all_reduce(total)
     return total.item()

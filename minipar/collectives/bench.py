@@ -175,7 +175,9 @@ def report(rows: list[dict], out_dir: Path) -> str:
         ax.set_title(f"all-reduce on {k} CPU ranks (gloo)", fontsize=10)
         ax.legend(fontsize=7)
     plot_predictions(fig.add_subplot(1, len(world_sizes) + 1, len(world_sizes) + 1), rows)
-    save_results(rows, fig, out_dir, "collectives")
+    save_results(rows, fig, out_dir, "collectives",
+                 title="all-reduce algorithms: bus bandwidth by size, and measured vs "
+                       "the fitted model")
     table, verdict = _prediction_table(rows)
     fits = {(r["world_size"], r["bytes"]): r for r in rows}.values()  # one fit per (K, size)
     alphas = [r["alpha"] * 1e6 for r in fits]

@@ -167,7 +167,9 @@ def report(rows: list[dict], out_dir: Path) -> str:
     ax.set_xlabel("sequence length")
     ax.set_ylabel("speedup vs one process, blocked")
     ax.legend(fontsize=7)
-    save_results(rows + placement, fig, out_dir, "context_parallel")
+    save_results(rows + placement, fig, out_dir, "context_parallel",
+                 title="context parallelism on 2 ranks: speedup over one process (blocked) by "
+                       "sequence length")
     shown = [{"S": r["seq_len"], "method": r["method"], "ranks": r["ranks"],
               "time": f"{r['seconds'] * 1e3:.1f} ms", "speedup": ratio_cell(r["speedups"]),
               "blocked": "-" if r["vs_blocked"] is None

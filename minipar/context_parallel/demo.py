@@ -10,7 +10,7 @@ import time
 import torch
 
 from .. import collectives
-from ..demo import Check, Context, Row
+from ..demo import Check, Context, Row, start_clock
 from ..runtime import rank, world_size
 from .attention import attention, positions
 from .ring import RingWork, ring_attention
@@ -31,7 +31,7 @@ def _case(method: str, seq_len: int) -> Check:
     pos = positions(me, k, seq_len, balanced)
     mine = [t[..., pos, :].clone().requires_grad_() for t in (q, kk, v)]
     work = RingWork()
-    start = time.perf_counter()
+    start = start_clock()
     with collectives.meter() as m:
         if method == "ring":
             out = ring_attention(*mine, causal=True, balanced=True, work=work)

@@ -127,10 +127,10 @@ def report(rows: list[dict], out_dir: Path) -> str:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names)
     ax.set_ylabel("speedup over one process")
-    ax.set_title(f"data parallelism on {rows[0]['world_size']} CPU ranks (median, min-max)",
-                 fontsize=10)
     ax.legend(fontsize=7)
-    save_results(rows, fig, out_dir, "data_parallel")
+    save_results(rows, fig, out_dir, "data_parallel",
+                 title=f"data parallelism on {rows[0]['world_size']} CPU ranks: speedup over "
+                       "one process (median, min-max)")
     return ("per round the trainers take turns; ratios are per round, median (min-max)\n"
             + format_table(shown, [("size", "model"), ("variant", "trainer"),
                                    ("samples/s", "samples/s"), ("speedup", "vs one process"),

@@ -66,11 +66,12 @@ def average_gradients(params: list[nn.Parameter], group=None) -> None:
         start += p.numel()
 
 
-def single_process_sgd(model: nn.Module, batches, loss_fn, lr: float
+def single_process_sgd(model: nn.Module, batches, loss_fn, lr: float, momentum: float = 0.0
                        ) -> tuple[list[float], torch.Tensor]:
     """The reference every data-parallel method is held to: one process, whole batches,
-    plain SGD. Returns the loss of each step and the final flattened parameters."""
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    SGD (plain unless `momentum`). Returns the loss of each step and the final flattened
+    parameters."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     losses = []
     for x, y in batches:
         loss = loss_fn(model(x), y)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
 from .. import collectives
-from ..demo import Check, Context, Row
+from ..demo import Check, Context, Row, skip, start_clock
 from ..models import mlp, regression_data
 from ..runtime import RankError, launch, rank, world_size
 from .checkpoint import train_resumable
@@ -55,7 +55,7 @@ def _all_reduce_trainer() -> Check:
     ddp = DataParallel(model, bucket_bytes=64 << 10, overlap=True)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
-    start = time.perf_counter()
+    start = start_clock()
     with collectives.meter() as m:
         for x, y in _batches():
             lx, ly = shard(x), shard(y)
@@ -88,7 +88,7 @@ def _zero(stage: int) -> Check:
     model = _model()
     wrapped = FullyShardedDataParallel(model, _adam) if stage == 3 else \
         ZeroDataParallel(model, _adam, stage=stage, bucket_bytes=64 << 10)
-    start = time.perf_counter()
+    start = start_clock()
     with collectives.meter() as m:
         for x, y in _batches():
             lx, ly = shard(x), shard(y)
@@ -106,19 +106,23 @@ def _zero(stage: int) -> Check:
 
 
 def _parameter_server() -> Check:
+    if world_size() < 2:
+        return skip("parameter server, sync", "needs a server and at least one worker; it "
+                                              "runs with --ranks 2 or more")
     _, ref_params = single_process_sgd(_model(), _batches(), _mse, LR)
-    start = time.perf_counter()
+    start = start_clock()
     with collectives.meter() as m:
         report = train_parameter_server(_model(), _batches(), _mse, LR)
     same = _same(report.params, ref_params) if report.role == "server" else None
-    return Check(f"parameter server, sync (1 server, {world_size() - 1} workers)", same,
+    workers = f"{world_size() - 1} worker{'s' if world_size() > 2 else ''}"
+    return Check(f"parameter server, sync (1 server, {workers})", same,
                  time.perf_counter() - start, m.sent_bytes,
                  note="server's weights vs single-process SGD")
 
 
 def _local_sgd() -> Check:
     _, ref_params = single_process_sgd(_model(), _batches(), _mse, LR)
-    start = time.perf_counter()
+    start = start_clock()
     _, params = train_relaxed("local_sgd", _model, _batches(), _mse, LR, local_steps=1)
     return Check("local SGD, H=1 (average every step)", _same(params, ref_params),
                  time.perf_counter() - start, note="H=1 is synchronous SGD")
@@ -134,12 +138,12 @@ def _shared_file() -> str:
 def _relaxed(method: str) -> Check:
     dtype = torch.float32 if method == "hogwild" else torch.float64
     kwargs = {"shared_file": _shared_file()} if method == "hogwild" else {"local_steps": 4}
-    start = time.perf_counter()
+    start = start_clock()
     report, _ = train_relaxed(method, lambda: _model(dtype), _batches(24, dtype), _mse, LR,
                               **kwargs)
     seconds = time.perf_counter() - start
     if method == "hogwild":
-        dist.barrier()
+        dist.barrier()  # every rank is done with the shared file
         if rank() == 0:
             os.remove(kwargs["shared_file"])
     label = {"co2": "CO2-style local SGD, H=4, async average",
@@ -150,7 +154,7 @@ def _relaxed(method: str) -> Check:
 
 def _top_k() -> Check:
     batches = _batches(24)
-    start = time.perf_counter()
+    start = start_clock()
     report = train_compressed(_model(), batches, _mse, LR, TopK(0.05))
     share = sum(report.payload_bytes) / (len(batches) * report.dense_bytes)
     return Check("data parallel, top-5% gradients + error feedback", None,
@@ -167,7 +171,7 @@ def _gossip(case: str) -> Check:
         "grouped": ("grouped", {"group_size": 2, "swap_every": 2},
                     "grouped all-reduce, pairs swapped every 2 steps")}[case]
     batches = _batches(4 if case == "sgp_complete" else 24)
-    start = time.perf_counter()
+    start = start_clock()
     report, params = train_gossip(method, _model, batches, _mse, LR, **options)
     seconds = time.perf_counter() - start
     if case == "sgp_complete":
@@ -181,17 +185,17 @@ def _gossip(case: str) -> Check:
 def _killed_and_resumed(ctx: Context) -> Row:
     """Driver side: 4 ranks, rank 2 SIGKILLed at step 5, resumed on 3 ranks, against an
     uninterrupted 3-rank run (fresh processes: a death ends a run's group)."""
-    folder = tempfile.mkdtemp(prefix="minipar-checkpoint-")
-    start = time.perf_counter()
-    try:
-        launch(train_resumable, 4, _model, _batches(8), _mse, LR, folder, 2, kill_at=(2, 5))
-        died = False
-    except RankError:
-        died = True
-    resumed = launch(train_resumable, 3, _model, _batches(8), _mse, LR, folder, 2)
-    seconds = time.perf_counter() - start
-    fresh = launch(train_resumable, 3, _model, _batches(8), _mse, LR,
-                   tempfile.mkdtemp(prefix="minipar-checkpoint-"), 2)
+    with tempfile.TemporaryDirectory(prefix="minipar-checkpoint-") as folder, \
+            tempfile.TemporaryDirectory(prefix="minipar-checkpoint-") as fresh_folder:
+        start = time.perf_counter()
+        try:
+            launch(train_resumable, 4, _model, _batches(8), _mse, LR, folder, 2, kill_at=(2, 5))
+            died = False
+        except RankError:
+            died = True
+        resumed = launch(train_resumable, 3, _model, _batches(8), _mse, LR, folder, 2)
+        seconds = time.perf_counter() - start
+        fresh = launch(train_resumable, 3, _model, _batches(8), _mse, LR, fresh_folder, 2)
     same = died and all(_same(a[1], b[1]) for a, b in zip(resumed, fresh, strict=True))
     return Row("checkpoint, rank 2 killed, resumed on 3 of 4 ranks", 4, same, seconds,
                note=f"SIGKILL at step 5; resumed from step {8 - len(resumed[0][0])} (the last "

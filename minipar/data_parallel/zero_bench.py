@@ -192,7 +192,8 @@ def report(rows: list[dict], out_dir: Path) -> str:
         ax.set_title(f"{k} ranks: MiB per rank after backward", fontsize=9)
         ax.tick_params(axis="x", labelsize=7)
         ax.legend(fontsize=7)
-    save_results(rows, fig, out_dir, "zero")
+    save_results(rows, fig, out_dir, "zero",
+                 title="ZeRO stages and FSDP: memory per rank by kind, measured vs formula")
     header = ("measured / formula MiB per rank after backward (rank 0); activ. peak and peak = "
               "largest activations and largest total sampled over the step; step = median, "
               "slowest rank; the trainers take turns, vs DP and vs FSDP2 = step time ratios "

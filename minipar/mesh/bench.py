@@ -183,7 +183,8 @@ def report(rows: list[dict], out_dir: Path) -> str:
         ax.plot([0, top], [0, top], color="grey", lw=0.8, ls="--")
         ax.set(title=f"{k} ranks (dp/pp/tp), rho = {rho:+.2f}", xlabel="predicted ms",
                ylabel="measured ms")
-    save_results(rows, fig, out_dir, "mesh")
+    save_results(rows, fig, out_dir, "mesh",
+                 title="GPT on every dp x pp x tp mesh: measured step time vs the planner's")
     header = ("step time of a 4-layer GPT (hidden 256, batch 32, 4 micro-batches) per "
               "configuration: measured (median of steps, each the slowest rank's; min-max) and "
               "the planner's estimate on this machine's fitted constants; ranks by each")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from .. import collectives
-from ..demo import Check, Context, Row
+from ..demo import Check, Context, Row, start_clock
 from ..runtime import world_size
 from .gpt import check_against_twin
 from .moe import check_moe_against_twin
@@ -44,7 +44,7 @@ def _label(dims: dict[str, int]) -> str:
 
 
 def _check(title: str, fn, *args) -> Check:
-    start = time.perf_counter()
+    start = start_clock()
     with collectives.meter() as m:
         result = fn(*args)
     ok = result["loss_gap"] < 1e-12 and not result["wrong_grads"] and not result["wrong_params"]

@@ -1,8 +1,11 @@
-"""python -m minipar.moe --ranks 2, or under torchrun: expert parallelism with all-to-all
-dispatch and combine, checked against the one-process MoE layer."""
+"""Expert parallelism: an MoE layer's 4 experts spread over the ranks, tokens dispatched
+and combined by all-to-all, each rank's outputs checked against the one-process layer
+(dropped tokens included). On 4 ranks (the default) also Tutel's hierarchical all-to-all,
+Pipeline MoE, Tutel's adaptive parallelism at every degree, and expert choice. Runs on
+CPU processes it spawns (--ranks), or under torchrun."""
 
 from ..demo import run_demo
 from .demo import demo
 
 if __name__ == "__main__":
-    run_demo(demo, __doc__.splitlines()[0], default_ranks=2)
+    run_demo(demo, __doc__, default_ranks=4)

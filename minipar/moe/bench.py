@@ -100,7 +100,9 @@ def report(rows: list[dict], out_dir: Path) -> str:
     ax.bar([r["layer"] for r in rows], [r["tokens_per_s"] for r in rows],
            color=["#8C8C8C", "#4C72B0", "#55A868"])
     ax.set_ylabel("tokens / s (forward + backward)")
-    save_results(everything, fig, out_dir, "moe")
+    save_results(everything, fig, out_dir, "moe",
+                 title="tokens/s: an MoE layer, a dense FFN of its active size, and the MoE "
+                       "expert-parallel")
     shown = [{"layer": r["layer"], "tps": f"{r['tokens_per_s']:.0f}",
               "dense": ratio_cell(r["vs_dense_rounds"]),
               "one": ratio_cell(r["vs_one_rounds"], 2.0 if "EP=2" in r["layer"] else None),

@@ -10,7 +10,7 @@ import time
 import torch
 
 from .. import collectives
-from ..demo import Check, Context, Row
+from ..demo import Check, Context, Row, skip, start_clock
 from ..mesh import Mesh
 from ..runtime import device, rank, world_size
 from .adaptive import AdaptiveMoE
@@ -34,8 +34,9 @@ def demo() -> list[Check]:
     k = world_size()
     title = f"expert parallel MoE (E={EXPERTS}, k=2, shared expert), EP={k}"
     if EXPERTS % k:
-        return [Check(title, None, 0.0, note=f"skipped: {EXPERTS} experts do not split over "
-                                             f"{k} ranks")]
+        fits = [str(d) for d in range(1, EXPERTS + 1) if EXPERTS % d == 0]
+        return [skip(title, f"{EXPERTS} experts do not split evenly over {k} ranks; it runs "
+                            f"with --ranks {', '.join(fits)}")]
     checks = [_expert_parallel(title)]
     if k == 4:
         checks += [_expert_parallel("expert parallel MoE, hierarchical all-to-all (2 nodes x 2)",
@@ -54,7 +55,7 @@ def _expert_parallel(title: str, hierarchical: bool = False) -> Check:
     reference = twin(tokens)[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK]
     layer = ExpertParallelMoE(twin, hierarchy=hierarchy).to(device())
     x = tokens[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK].to(device())
-    start = time.perf_counter()
+    start = start_clock()
     with collectives.meter() as m:
         y = layer(x)
     seconds = time.perf_counter() - start
@@ -69,7 +70,7 @@ def _pipeline_moe() -> Check:
     twin, tokens = _twin(), _tokens()
     reference = twin(tokens)
     layer = PipelineMoE(twin).to(device())
-    start = time.perf_counter()
+    start = start_clock()
     with collectives.meter() as m:
         y = layer(tokens.to(device()))
     seconds = time.perf_counter() - start
@@ -91,7 +92,7 @@ def _adaptive() -> Check:
     mine = slice(me * TOKENS_PER_RANK, (me + 1) * TOKENS_PER_RANK)
     reference = twin(tokens)[mine]
     layer = AdaptiveMoE(twin).to(device())
-    start, same, sent = time.perf_counter(), True, {}
+    start, same, sent = start_clock(), True, {}
     with collectives.meter() as m:
         for degree in layer.degrees:
             y = layer(tokens[mine].to(device()), degree)
@@ -110,7 +111,7 @@ def _expert_choice() -> Check:
                            seed=11, dtype=torch.float64)
     reference = twin(tokens)[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK]
     layer = ExpertParallelMoE(twin).to(device())
-    start = time.perf_counter()
+    start = start_clock()
     with collectives.meter() as m:
         y = layer(tokens[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK].to(device()))
     return Check("expert choice, expert-parallel",

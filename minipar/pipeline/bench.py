@@ -168,9 +168,9 @@ def report(rows: list[dict], out_dir: Path) -> str:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("micro-batches m")
     ax.set_ylabel("speedup over one process")
-    ax.set_title("2 pipeline stages on 2 CPU ranks", fontsize=10)
     ax.legend(fontsize=8)
-    save_results(rows, fig, out_dir, "pipeline")
+    save_results(rows, fig, out_dir, "pipeline",
+                 title="2 pipeline stages on 2 CPU ranks: speedup over one process")
     shown = []
     for r in rows:
         error = r["seconds_last"] / r["step_predicted"] - 1

@@ -11,7 +11,7 @@ import torch
 
 from .. import collectives
 from ..data_parallel import single_process_sgd
-from ..demo import Check, Context, Row, combine
+from ..demo import Check, Context, Row, combine, skip, start_clock
 from ..models import linear_stack, mlp, regression_data
 from ..runtime import RankDied, launch, world_size
 from .engine import Pipeline, split_model
@@ -32,14 +32,16 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def _case(name: str, microbatches: int, virtual: int) -> Check:
     k = world_size()
     title = f"pipeline {name} (m={microbatches}{f', v={virtual}' if virtual > 1 else ''})"
-    if name == "interleaved_1f1b" and microbatches % k:
-        return Check(title, None, 0.0, note=f"skipped: {name} needs micro-batches "
-                                            f"({microbatches}) divisible by ranks ({k})")
+    try:
+        plan = schedule(name, k, microbatches, virtual)
+    except ValueError as impossible:  # e.g. interleaved 1F1B with 8 micro-batches on 3 ranks
+        fits = [str(p) for p in range(1, 9) if _possible(name, p, microbatches, virtual)]
+        return skip(title, f"impossible on {k} ranks: {impossible}; it runs with --ranks "
+                           f"{', '.join(fits)}")
     stages = k * virtual
     x, y = regression_data(BATCH, WIDTH, outputs=WIDTH, seed=9, dtype=torch.float64)
-    plan = schedule(name, k, microbatches, virtual)
     pipe = Pipeline(split_model(linear_stack(WIDTH, stages, dtype=torch.float64), stages), plan)
-    start = time.perf_counter()
+    start = start_clock()
     with collectives.meter() as m:
         loss = pipe.train_step(x, y, _mse)
     seconds = time.perf_counter() - start
@@ -53,6 +55,14 @@ def _case(name: str, microbatches: int, virtual: int) -> Check:
         same = same and math.isclose(loss, ref_loss.item(), rel_tol=1e-10)
     ideal = simulate(plan, {"F": 1, "B": 2, "I": 1, "W": 1}).summary(k).bubble_fraction
     return Check(title, same, seconds, m.sent_bytes, note=f"ideal bubble {ideal:.2f}")
+
+
+def _possible(name: str, ranks: int, microbatches: int, virtual: int) -> bool:
+    try:
+        schedule(name, ranks, microbatches, virtual)
+    except ValueError:
+        return False
+    return True
 
 
 def demo(cases: tuple[tuple[str, int, int], ...] = CASES) -> list[Check]:

@@ -125,9 +125,10 @@ def report(rows: list[dict], out_dir: Path) -> str:
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
-    ax.set_title("2-stage pipeline, ill-conditioned regression", fontsize=10)
     ax.legend(fontsize=8)
-    save_results(rows, fig, out_dir, "pipefisher")
+    save_results(rows, fig, out_dir, "pipefisher",
+                 title="PipeFisher: training loss by optimizer, 2-stage pipeline, "
+                       "ill-conditioned regression")
     last = len(convergence[0]["losses"])
     marks = sorted({s for s in (1, 5, 10, 20) if s < last} | {last})
     loss_table = format_table(

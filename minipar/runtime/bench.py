@@ -108,7 +108,7 @@ def report(rows: list[dict], out_dir: Path) -> str:
             color=["#55A868" if r["meets_goal"] else "#C44E52" for r in goals])
     ax.axvline(1.0, color="black", linewidth=1)
     ax.set_xlabel("measured / goal (left of the line meets the goal)")
-    ax.set_title("launch and recording costs against their goals", fontsize=10)
-    save_results(rows, fig, out_dir, "launch")
+    save_results(rows, fig, out_dir, "launch",
+                 title="launch and recording costs against their goals")
     return format_table(shown, [("measure", "measure"), ("median", "median (min-max)"),
                                 ("goal", "goal"), ("ok", "meets goal")])

@@ -1,8 +1,10 @@
-"""python -m minipar.tensor_parallel --ranks 2, or under torchrun: the Megatron MLP and a
-transformer block split over the ranks, checked against their one-process twins."""
+"""Tensor parallelism: the Megatron MLP and a transformer block (with and without
+sequence parallelism) split over the ranks, each rank's output checked against the
+one-process twin. Any --ranks runs (the heads and the sequence are rounded up to split
+evenly). Runs on CPU processes it spawns, or under torchrun."""
 
 from ..demo import run_demo
 from .demo import demo
 
 if __name__ == "__main__":
-    run_demo(demo, __doc__.splitlines()[0], default_ranks=2)
+    run_demo(demo, __doc__, default_ranks=2)

@@ -75,7 +75,8 @@ def report(rows: list[dict], out_dir: Path) -> str:
     ax.set_xlabel("hidden size")
     ax.set_ylabel("speedup of TP=2 over one process")
     ax.legend(fontsize=8)
-    save_results(rows, fig, out_dir, "tensor_parallel")
+    save_results(rows, fig, out_dir, "tensor_parallel",
+                 title="tensor parallelism, TP=2: speedup over one process by hidden size")
     shown = [{"block": r["block"], "hidden": r["hidden"],
               "one": f"{r['one_process_s'] * 1e3:.1f} ms", "tp2": f"{r['tp2_s'] * 1e3:.1f} ms",
               "speedup": ratio_cell(r["speedups"], 2.0)} for r in rows]

@@ -10,7 +10,7 @@ import time
 import torch
 
 from .. import collectives
-from ..demo import Check, Context, Row
+from ..demo import Check, Context, Row, start_clock
 from ..models import FFN, TransformerBlock
 from ..runtime import device, rank, world_size
 from .layers import ParallelMLP, ParallelTransformerBlock
@@ -41,7 +41,7 @@ def _case(kind: str, sequence_parallel: bool) -> Check:
     parallel = ParallelMLP(twin, sequence_parallel=sequence_parallel) if kind == "mlp" \
         else ParallelTransformerBlock(twin, sequence_parallel=sequence_parallel)
     local = x.chunk(k, 0)[me].contiguous() if sequence_parallel else x
-    start = time.perf_counter()
+    start = start_clock()
     with collectives.meter() as m:
         out = parallel(local)
         out.sum().backward()
