@@ -74,9 +74,11 @@ def _anywidget_front_end() -> Path:
 
 
 # Before the widget manager asks for "anywidget", tell require.js where it is (the
-# manager would otherwise fetch it from a CDN), and configure MathJax 3 for $...$. The
+# manager would otherwise fetch it from a CDN), and configure MathJax 3 for $...$ (and
+# ask for no favicon: nothing is requested that the site does not hold). The
 # widget manager typesets labels through MathJax 2's Hub.Queue; the shim hands that to 3.
-HEAD = """<script>
+HEAD = """<link rel="icon" href="data:,">
+<script>
 require.config({paths: {anywidget: "static/anywidget",  // fonts load beside these:
   "@jupyter-widgets/base": "static/base", "@jupyter-widgets/base7": "static/base7",
   "@jupyter-widgets/controls": "static/controls",
@@ -174,6 +176,7 @@ def build_site(source_dir: str | Path, dest_dir: str | Path, execute: bool = Tru
             entries.append(f'<li><a href="{page.name}">{_title(notebook, path.stem)}</a></li>')
     (dest / "index.html").write_text(
         "<!doctype html>\n<meta charset='utf-8'><title>minipar lessons</title>\n"
+        "<link rel='icon' href='data:,'>\n"
         "<style>body{font:16px system-ui,sans-serif;max-width:46em;margin:3em auto;"
         "line-height:1.5}</style>\n<h1>minipar: the lessons</h1>\n"
         "<p>Each page is a lesson as it ran, widgets included: they draw and Play here "

@@ -38,7 +38,7 @@ function render({ model, el: host }) {
     const cellW = Math.max(22, Math.min(42, 520 / Math.max(numel, 1)));
     const gridX = LABELS + GUTTER, gridW = numel * cellW;
     const matrixX = gridX + gridW + 70;
-    const width = matrixX + k * MCELL + 20;
+    const width = Math.max(matrixX + k * MCELL + 20, matrixX + 200);  // room for the heading
     const rowY = (r) => TITLE + r * (CELL_H + GAP);
     const height = Math.max(rowY(k), TITLE + k * MCELL + 20) + 40;
     const svg = el("svg", { viewBox: `0 0 ${width} ${height}`, width: "100%",

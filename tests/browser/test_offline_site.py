@@ -85,7 +85,8 @@ def test_every_lesson_page_renders_its_widgets_offline(offline, site, screenshot
             f"document.querySelectorAll('.widget-subarea > *').length >= {expected}",
             timeout=20_000)
         offline.wait_for_function(  # the browser-drawn views have drawn
-            "[...document.querySelectorAll('.mp-view')].every(v => v.querySelector('svg'))",
+            "[...document.querySelectorAll('.mp-view')].every("
+            "v => v.querySelector('svg') || v.dataset.frames === '0')",  # 0: empty until run
             timeout=20_000)
         assert offline.get_by_text("Error displaying widget").count() == 0, name
         if name in with_formulas:  # MathJax, served from the site, typeset them
