@@ -196,7 +196,9 @@ def run_all(page, lab, name: str, timeout_s: float = 120) -> None:
     before has run (steadier than the Run menu, whose clicks a busy page can drop); the
     first key is pressed again if the page was not ready for it."""
     url, token, _ = lab
-    page.goto(f"{url}/lab/tree/{name}?token={token}")
+    # a workspace of its own: JupyterLab would otherwise reopen the notebooks an earlier
+    # test left open, and their widgets would be on the page too
+    page.goto(f"{url}/lab/workspaces/{Path(name).stem}/tree/{name}?token={token}")
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
     prompts = page.locator(".jp-Notebook .jp-CodeCell .jp-InputPrompt")
     for _attempt in range(5):  # a key pressed while the page is still settling is lost
