@@ -151,13 +151,11 @@ def build_site(source_dir: str | Path, dest_dir: str | Path, execute: bool = Tru
     lands in `source_dir`. Returns the pages written."""
     import nbformat
 
-    source, dest = Path(source_dir), Path(dest_dir)
-    lessons = sorted(source.glob("[0-9][0-9]_*.ipynb"))
-    if not lessons:
-        raise ValueError(f"source_dir {source} has no lessons (NN_name.ipynb); pass the "
-                         "lessons folder of a minipar checkout")
-    if dest.exists() and not dest.is_dir():
-        raise ValueError(f"--html {dest} is a file; name a folder (new or existing)")
+    from .lessons import folder_to_write, lesson_notebooks
+
+    dest = Path(dest_dir)
+    lessons = lesson_notebooks(source_dir)
+    folder_to_write(dest, "--html")
     static = dest / "static"
     static.mkdir(parents=True, exist_ok=True)
     for item in site_assets().iterdir():

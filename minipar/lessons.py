@@ -71,18 +71,29 @@ def student_notebook(notebook: dict) -> dict:
     return copy
 
 
+def lesson_notebooks(source_dir: str | Path) -> list[Path]:
+    """The lessons (NN_name.ipynb) in `source_dir`, in order; a ValueError if there are none."""
+    notebooks = sorted(Path(source_dir).glob("[0-9][0-9]_*.ipynb"))
+    if not notebooks:
+        raise ValueError(f"no lesson notebooks (NN_name.ipynb) in {source_dir}; "
+                         "pass --source with the lessons folder of a minipar checkout")
+    return notebooks
+
+
+def folder_to_write(path: Path, option: str) -> None:
+    """Refuse an output folder that is a file, naming the command-line option."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{option} {path} is a file; name a folder (new or existing)")
+
+
 def write_student_copies(source_dir: str | Path, dest_dir: str | Path, force: bool = False
                          ) -> tuple[list[Path], list[Path]]:
     """Write a learner's copy of every lesson notebook in `source_dir` into `dest_dir`.
     A notebook already there is a learner's work: it is kept unless `force`. Returns the
     paths written and the paths kept."""
     source_dir, dest_dir = Path(source_dir), Path(dest_dir)
-    notebooks = sorted(source_dir.glob("[0-9][0-9]_*.ipynb"))
-    if not notebooks:
-        raise ValueError(f"no lesson notebooks (NN_name.ipynb) in {source_dir}; "
-                         "pass --source with the lessons folder of a minipar checkout")
-    if dest_dir.exists() and not dest_dir.is_dir():
-        raise ValueError(f"--student {dest_dir} is a file; name a folder (new or existing)")
+    notebooks = lesson_notebooks(source_dir)
+    folder_to_write(dest_dir, "--student")
     if dest_dir.resolve() == source_dir.resolve():
         raise ValueError("the student folder must differ from the lessons folder, "
                          "or the solutions would be overwritten")

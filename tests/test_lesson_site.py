@@ -38,7 +38,7 @@ def test_a_page_loads_its_scripts_from_the_site_only():
 
 
 def test_bad_folders_are_refused_before_anything_runs(tmp_path):
-    with pytest.raises(ValueError, match="has no lessons"):
+    with pytest.raises(ValueError, match="no lesson notebooks"):
         build_site(tmp_path, tmp_path / "site")
     (tmp_path / "00_a.ipynb").write_text(nbformat.writes(_notebook()))
     (tmp_path / "taken").write_text("a file")

@@ -166,16 +166,25 @@ def browser():
         yield started[1]
 
 
-@pytest.fixture
-def page(browser):
-    """A fresh page that records console errors in `page.errors`."""
+def recording_page(browser):
+    """A fresh page (and its context) that records console errors and page errors in
+    `page.errors`, responses of 400 and above in `page.missing`, and requests that got
+    no answer in `page.failed`."""
     context = browser.new_context(viewport={"width": 1280, "height": 1000})
     page = context.new_page()
-    page.errors, page.missing = [], []
+    page.errors, page.missing, page.failed = [], [], []
     page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e: page.errors.append(str(e)))
     page.on("response", lambda r: page.missing.append(f"{r.status} {r.url}")
             if r.status >= 400 else None)
+    page.on("requestfailed", lambda r: page.failed.append(r.url))
+    return context, page
+
+
+@pytest.fixture
+def page(browser):
+    """A fresh page that records what went wrong (see `recording_page`)."""
+    context, page = recording_page(browser)
     yield page
     context.close()
 

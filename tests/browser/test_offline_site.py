@@ -47,9 +47,8 @@ def site(tmp_path_factory):
 def offline(browser, site):
     """A page that may load only the site: anything else is refused and recorded."""
     base, _ = site
-    context = browser.new_context(viewport={"width": 1280, "height": 1000})
-    page = context.new_page()
-    page.refused, page.errors = [], []
+    context, page = jupyter_lab.recording_page(browser)
+    page.refused = []
 
     def only_the_site(route):
         if route.request.url.startswith(base):
@@ -58,10 +57,6 @@ def offline(browser, site):
         return route.abort()
 
     context.route("**/*", only_the_site)
-    page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: page.errors.append(str(e)))
-    page.on("response", lambda r: page.errors.append(f"{r.status} {r.url}")
-            if r.status >= 400 else None)
     yield page
     context.close()
 
@@ -91,8 +86,8 @@ def test_every_lesson_page_renders_its_widgets_offline(offline, site, screenshot
         assert offline.get_by_text("Error displaying widget").count() == 0, name
         if name in with_formulas:  # MathJax, served from the site, typeset them
             offline.wait_for_selector("mjx-container svg", timeout=20_000)
-        assert offline.refused == [] and offline.errors == [], (name, offline.refused,
-                                                                offline.errors)
+        assert offline.refused == offline.errors == offline.missing == [], (
+            name, offline.refused, offline.errors, offline.missing)
 
 
 def test_schedule_and_collective_widgets_play_without_a_kernel(offline, site, screenshots):
@@ -116,4 +111,5 @@ def test_schedule_and_collective_widgets_play_without_a_kernel(offline, site, sc
     offline.wait_for_function(
         "Number(document.querySelector('.mp-collective').dataset.frame) >= 2", timeout=10_000)
     collective.screenshot(path=str(screenshots / "offline_collective_animator.png"))
-    assert offline.refused == [] and offline.errors == [], (offline.refused, offline.errors)
+    assert offline.refused == offline.errors == offline.missing == [], (
+        offline.refused, offline.errors, offline.missing)

@@ -42,12 +42,7 @@ def voila(tmp_path_factory):
 
 @pytest.fixture
 def app_page(browser):
-    context = browser.new_context(viewport={"width": 1280, "height": 1000})
-    page = context.new_page()
-    page.errors, page.failed = [], []
-    page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: page.errors.append(str(e)))
-    page.on("requestfailed", lambda r: page.failed.append(r.url))
+    context, page = jupyter_lab.recording_page(browser)
     yield page
     context.close()
 
