@@ -13,7 +13,7 @@ function render({ model, el: host }) {
   const bar = html("div", "bar", root);
   const recording = () => model.get("recording");
   const frames = () => (recording().steps || []).length + 1;
-  const steps = stepper(bar, frames, () => model.get("frame_ms"), (i) => show(i));
+  const steps = stepper(bar, model, frames, (i) => draw(i));
   const label = html("span", "step", bar);
   const reason = html("div", "reason", root);
   html("div", "key", root, "cells: each rank's buffer, coloured by chunk, darker = more of " +
@@ -22,11 +22,6 @@ function render({ model, el: host }) {
   const stage = html("div", "stage", root);
   const tip = html("div", "tip", root);
   let draws = 0;
-
-  function show(frame) {
-    try { model.set("frame", frame); model.save_changes(); } catch (e) { /* no kernel */ }
-    draw(frame);
-  }
 
   function draw(frame) {
     const rec = recording();
@@ -78,10 +73,8 @@ function render({ model, el: host }) {
                                   markerWidth: 7, markerHeight: 7, orient: "auto-start-reverse" },
                       el("defs", {}, svg));
     el("path", { d: "M0,0 L10,5 L0,10 z", fill: "#333" }, marker);
-    // bytes per link, steps before this frame
-    const links = Array.from({ length: k }, () => new Array(k).fill(0));
-    rec.steps.slice(0, frame).forEach((s) => s.sends.forEach(([a, b, , n]) => { links[a][b] += n; }));
-    const most = Math.max(1, ...totalLinks(rec).flat());  // the last frame's busiest link
+    const links = linkBytes(rec, frame);
+    const most = Math.max(1, ...linkBytes(rec, rec.steps.length).flat());  // the busiest, at the end
     const all = links.flat().reduce((a, b) => a + b, 0);
     el("text", { x: matrixX, y: TITLE - 10, "font-size": 12 }, svg).textContent =
       `bytes per link so far: ${all}`;
@@ -112,9 +105,10 @@ function render({ model, el: host }) {
     Object.assign(root.dataset, { frame, frames: frames(), draws });
   }
 
-  function totalLinks(rec) {
+  // bytes[src][dst] sent in the steps before `frame`
+  function linkBytes(rec, frame) {
     const k = rec.world_size, links = Array.from({ length: k }, () => new Array(k).fill(0));
-    rec.steps.forEach((s) => s.sends.forEach(([a, b, , n]) => { links[a][b] += n; }));
+    rec.steps.slice(0, frame).forEach((s) => s.sends.forEach(([a, b, , n]) => { links[a][b] += n; }));
     return links;
   }
 
@@ -125,18 +119,9 @@ function render({ model, el: host }) {
   });
   stage.addEventListener("mouseleave", () => { tip.style.display = "none"; });
 
-  const restart = () => {
-    steps.stop();
-    steps.setCount(frames());
-    const frame = Math.min(model.get("frame"), frames() - 1);
-    steps.go(frame);
-  };
-  model.on("change:recording", restart);
+  model.on("change:recording", () => steps.reset(frames()));
   model.on("change:greyed", () => draw(steps.value()));
-  model.on("change:frame", () => {
-    if (model.get("frame") !== steps.value()) steps.go(model.get("frame"));
-  });
-  restart();
+  steps.reset(frames());
   return () => steps.stop();
 }
 

@@ -13,6 +13,7 @@ from minipar.runtime import Cluster
 
 from .collective_view import (
     CollectiveRecording,
+    check_choice,
     record_all_reduce,
     recording_data,
     render_collective_strip,
@@ -40,11 +41,7 @@ class CollectiveAnimator(w.VBox):
 
     def __init__(self, algorithm: str = "ring", world_size: int = 4) -> None:
         self._clusters: dict[int, Cluster] = {}
-        if algorithm not in collectives.ALL_REDUCE_ALGORITHMS:
-            raise ValueError(f"algorithm must be one of {collectives.ALL_REDUCE_ALGORITHMS}; "
-                             f"got {algorithm!r}")
-        if not isinstance(world_size, int) or not 2 <= world_size <= 8:
-            raise ValueError(f"world_size must be an int from 2 to 8; got {world_size!r}")
+        check_choice(algorithm, world_size)
         self.algorithm = w.Dropdown(options=collectives.ALL_REDUCE_ALGORITHMS, value=algorithm,
                                     description="algorithm")
         self.ranks = w.IntSlider(min=2, max=8, value=world_size, description="ranks",
@@ -77,9 +74,10 @@ class CollectiveAnimator(w.VBox):
             self.status.value = f"<b>failed:</b> {err}"
             return None
         self.recording = recording
-        self.view.recording = recording_data(recording)
-        self.view.frame = 0
-        self.view.greyed = ""
+        with self.view.hold_sync():  # one message: the new run, from its start, ungreyed
+            self.view.recording = recording_data(recording)
+            self.view.frame = 0
+            self.view.greyed = ""
         sent = recording.link_bytes(recording.frames - 1).sum()
         self.status.value = (f"{algorithm}, {k} ranks: {recording.frames - 1} steps, "
                              f"{sent:g} bytes sent in all")

@@ -66,17 +66,25 @@ def _rank_side(algorithm: str, numel: int) -> tuple:
     return initial, snaps, sends
 
 
-def record_all_reduce(algorithm: str, world_size: int, numel: int | None = None,
-                      cluster=None) -> CollectiveRecording:
-    """Run minipar's all-reduce on real ranks (rank r starts with r+1 everywhere), metered."""
+def check_choice(algorithm: str, world_size: int) -> None:
+    """A ValueError naming what to change unless `algorithm` is one of minipar's
+    all-reduces and `world_size` an int from 2 to 8 (what the pictures can show)."""
     from minipar import collectives
-    from minipar.runtime import launch
 
     if algorithm not in collectives.ALL_REDUCE_ALGORITHMS:
         allowed = ", ".join(collectives.ALL_REDUCE_ALGORITHMS)
         raise ValueError(f"algorithm must be one of {allowed}; got {algorithm!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or not 2 <= world_size <= 8:
         raise ValueError(f"world_size must be an int from 2 to 8; got {world_size!r}")
+
+
+def record_all_reduce(algorithm: str, world_size: int, numel: int | None = None,
+                      cluster=None) -> CollectiveRecording:
+    """Run minipar's all-reduce on real ranks (rank r starts with r+1 everywhere), metered."""
+    from minipar import collectives
+    from minipar.runtime import launch
+
+    check_choice(algorithm, world_size)
     numel = numel or (2 * world_size if world_size <= 4 else world_size)
     if cluster is None:
         results = launch(_rank_side, world_size, algorithm, numel, backend="gloo", timeout=60)

@@ -64,8 +64,10 @@ function showTip(tip, root, event, text) {
 }
 
 // Play / pause and a slider over frames 0..count()-1, run by the browser alone: a static
-// page with no kernel still steps through. `show(i)` draws frame i.
-function stepper(bar, count, delayMs, show) {
+// page with no kernel still steps through. `show(i)` draws frame i. The model's `frame`
+// follows the slider (when a kernel listens) and the slider follows `frame` set from
+// Python; `frame_ms` is how long Play shows each frame.
+function stepper(bar, model, count, show) {
   const play = html("button", "play", bar, "\u25B6 play");
   const slider = html("input", "frame", bar);
   Object.assign(slider, { type: "range", min: 0, step: 1, value: 0 });
@@ -75,7 +77,11 @@ function stepper(bar, count, delayMs, show) {
     timer = null;
     play.textContent = "\u25B6 play";
   };
-  const go = (i) => { slider.value = i; show(i); };
+  const go = (i) => {
+    slider.value = i;
+    try { model.set("frame", i); model.save_changes(); } catch (e) { /* no kernel */ }
+    show(i);
+  };
   play.addEventListener("click", () => {
     if (timer !== null) return stop();
     if (Number(slider.value) >= count() - 1) go(0);
@@ -84,12 +90,21 @@ function stepper(bar, count, delayMs, show) {
       const next = Number(slider.value) + 1;
       if (next >= count()) return stop();
       go(next);
-    }, Math.max(delayMs(), 100));
+    }, Math.max(model.get("frame_ms"), 100));
   });
-  slider.addEventListener("input", () => { stop(); show(Number(slider.value)); });
+  slider.addEventListener("input", () => { stop(); go(Number(slider.value)); });
+  model.on("change:frame", () => {
+    if (model.get("frame") !== Number(slider.value)) go(model.get("frame"));
+  });
   return {
     stop, go,
-    setCount(n) { slider.max = Math.max(n - 1, 0); play.disabled = slider.disabled = n < 2; },
+    // a new set of `n` frames: stay on the frame shown, if it still exists
+    reset(n) {
+      stop();
+      slider.max = Math.max(n - 1, 0);
+      play.disabled = slider.disabled = n < 2;
+      go(Math.min(model.get("frame"), Math.max(n - 1, 0)));
+    },
     value: () => Number(slider.value),
   };
 }

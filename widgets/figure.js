@@ -14,14 +14,13 @@ function render({ model, el: host }) {
   const root = viewRoot(host, "mp-figure", STYLE);
   const bar = html("div", "bar", root);
   const frames = () => model.get("frames");
-  const steps = stepper(bar, () => frames().length, () => model.get("frame_ms"), (i) => show(i));
+  const steps = stepper(bar, model, () => frames().length, (i) => show(i));
   const caption = html("span", "caption", bar);
   const reason = html("div", "reason", root);
   const stack = html("div", "frames", root);
   let draws = 0;
 
   function show(i) {
-    try { model.set("frame", i); model.save_changes(); } catch (e) { /* no kernel */ }
     [...stack.children].forEach((div, j) => div.classList.toggle("on", j === i));
     caption.textContent = model.get("captions")[i] || "";
     greyOut(root, reason, model.get("greyed"));
@@ -30,7 +29,6 @@ function render({ model, el: host }) {
   }
 
   function load() {
-    steps.stop();
     stack.replaceChildren(...frames().map((svg) => {
       const div = html("div", "");
       div.innerHTML = svg;
@@ -44,15 +42,11 @@ function render({ model, el: host }) {
       return div;
     }));
     bar.style.display = frames().length > 1 ? "" : "none";
-    steps.setCount(frames().length);
-    steps.go(Math.min(model.get("frame"), Math.max(frames().length - 1, 0)));
+    steps.reset(frames().length);
   }
 
   model.on("change:frames", load);
   model.on("change:greyed", () => greyOut(root, reason, model.get("greyed")));
-  model.on("change:frame", () => {
-    if (model.get("frame") !== steps.value()) steps.go(model.get("frame"));
-  });
   load();
   return () => steps.stop();
 }
