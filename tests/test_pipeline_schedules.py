@@ -74,6 +74,23 @@ def test_simulated_makespan_and_p2p():
         simulate(plan, {"F": -1.0})
 
 
+def test_last_step_cuts_each_rank_on_its_own_clock():
+    from minipar.pipeline.bench import last_step
+    from minipar.trace import Timeline
+
+    plan = schedule("gpipe", 2, 2)
+    step = simulate(plan, UNIT)
+    # two steps; rank 1's clock runs 2.5 units behind rank 0's (a late barrier exit), so
+    # its last step's first F starts before rank 0's last "0F0"
+    skew = {0: 0.0, 1: -2.5}
+    events = [dataclasses.replace(e, start=e.start + s * 20 + skew[e.rank],
+                                  end=e.end + s * 20 + skew[e.rank])
+              for s in (0, 1) for e in step.events]
+    last = last_step(Timeline(events), plan)
+    assert sorted(e.label for e in last) == sorted(e.label for e in step.events)
+    assert min(e.start for e in last.for_rank(1)) >= 20 - 2.5
+
+
 @pytest.mark.parametrize("args, words", [
     (("gpipe", 4, 8, 2), "virtual stages apply to"),
     (("interleaved_1f1b", 4, 6, 2), "microbatches must be a multiple of 4"),

@@ -116,7 +116,7 @@ class ScheduleExplorer(w.VBox):
         width, batch = 512, 2048
         run = launch(schedule_step_seconds, self.plan.ranks, self.plan.name, self.plan.microbatches,
                      self.plan.virtual, width, batch, 4, 1, backend="gloo", timeout=120)
-        self.measured = last_step(run.timeline)
+        self.measured = last_step(run.timeline, self.plan)
         try:
             p2p = Machine.load("gloo").p2p_seconds(batch * width * 4 / self.plan.microbatches)
             fitted = ""

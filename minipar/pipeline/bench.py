@@ -18,7 +18,7 @@ from ..collectives import fit_machine
 from ..models import linear_stack
 from ..report import format_table, progress, ratio_cell, save_results, spread
 from ..runtime import Cluster, rank, world_size
-from . import Pipeline, peak_in_flight, schedule, simulate, split_model
+from . import Pipeline, Schedule, peak_in_flight, schedule, simulate, split_model
 from .simulate import costs_from_timeline
 
 BUBBLE_WITHIN, STEP_WITHIN = 0.05, 0.15  # the simulator's goals against a measured run
@@ -70,10 +70,22 @@ def _in_turns(name: str, microbatches: int, width: int, batch: int, layers_per_s
     return {"one": one[1:], "steps": steps[1:]}
 
 
-def last_step(timeline: trace.Timeline) -> trace.Timeline:
-    """The events of a run's final step: those from its last "0F0" on."""
-    cut = sorted(e.start for e in timeline if e.label == "0F0")[-1]
-    return trace.Timeline(e for e in timeline if e.start >= cut)
+def last_step(timeline: trace.Timeline, plan: Schedule) -> trace.Timeline:
+    """The events of a run's final step. Each rank is cut on its own clock, at the earliest
+    of its plan's actions' last occurrences: ranks agree on t=0 only as well as a barrier
+    lets them, so one cut for all (say at the last "0F0") can drop a rank's first action."""
+    kept = []
+    for r in timeline.ranks:
+        mine = timeline.for_rank(r)
+        labels = {str(a) for a in plan.actions[r]}
+        latest: dict[str, float] = {}
+        for e in mine:
+            if e.label in labels:
+                latest[e.label] = max(latest.get(e.label, e.start), e.start)
+        if latest:
+            cut = min(latest.values())
+            kept += [e for e in mine if e.start >= cut]
+    return trace.Timeline(kept)
 
 
 def predicted_vs_measured(timeline: trace.Timeline, plan, p2p: float) -> dict:
@@ -126,8 +138,8 @@ def measure(microbatches: tuple[int, ...] = (1, 2, 4, 8, 16), width: int = 512,
                                                             strict=True)]
                 last = [r["steps"][-1] for r in run]
                 p2p = machine.p2p_seconds(batch * width * 4 / m)
-                compared = predicted_vs_measured(last_step(run.timeline), schedule(name, 2, m),
-                                                 p2p)
+                plan = schedule(name, 2, m)
+                compared = predicted_vs_measured(last_step(run.timeline, plan), plan, p2p)
                 rows.append({"schedule": name, "microbatches": m,
                              "seconds": statistics.median(per_round), "seconds_last": max(last),
                              "speedups": speedups, "speedup": statistics.median(speedups),
