@@ -36,6 +36,11 @@ def _call_logged(fn: Callable, numel: int, *args) -> tuple[list, list[float]]:
     return [(dst, t.tolist()) for dst, t in sent], tensor.tolist()
 
 
+def _call_logged_from_each(fn: Callable, numel: int, sources: list[int]) -> list:
+    """`_call_logged(fn, numel, src)` for each source in turn, on ranks started once."""
+    return [_call_logged(fn, numel, src) for src in sources]
+
+
 def _ring_problem(k: int, numel: int, results: list) -> str | None:
     bounds = split_bounds(numel, k)
     total = sum(_marked(r, numel) for r in range(k))
@@ -153,10 +158,11 @@ def check_tree_broadcast(tree_broadcast: Callable,
     """
     refuse_library("tree_broadcast", tree_broadcast)
     for k in world_sizes:
-        for src in sorted({0, k - 1}):
-            results = run_on_ranks("tree_broadcast", _call_logged, k, tree_broadcast, 5, src,
-                                    timeout=timeout)
-            problem = _tree_problem(k, src, 5, results)
+        sources = sorted({0, k - 1})
+        results = run_on_ranks("tree_broadcast", _call_logged_from_each, k, tree_broadcast, 5,
+                               sources, timeout=timeout)
+        for i, src in enumerate(sources):
+            problem = _tree_problem(k, src, 5, [per_source[i] for per_source in results])
             if problem:
                 raise ExerciseError(f"tree_broadcast with {k} ranks from src={src}: {problem}")
     return (f"tree_broadcast: correct on {', '.join(map(str, world_sizes))} ranks, every rank "
