@@ -75,8 +75,10 @@ def _timed(sizes: list[int], repeats: int, once, halve: bool = False) -> list[fl
         for nbytes in sizes:
             buffer, spare = torch.zeros(max(nbytes // 4, 1)), torch.zeros(max(nbytes // 4, 1))
             times = []
+            # small messages are bimodal on shared cores: time more of them; the largest
+            # are steady and take the longest, so fewer do
             count = 8 * repeats if nbytes <= 256 << 10 else 3 * repeats if nbytes <= 1 << 20 \
-                else repeats  # small messages are bimodal on shared cores: time more of them
+                else repeats if nbytes <= 16 << 20 else max(3, repeats // 2)
             for _ in range(count + 1):
                 dist.barrier()
                 start = time.perf_counter()
