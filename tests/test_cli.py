@@ -84,6 +84,20 @@ def test_ctrl_c_is_one_line_and_leaves_no_rank_behind():
     assert all(process_gone(p) for p in ranks)
 
 
+@pytest.mark.parametrize("after", [0.3, 1.2])
+def test_ctrl_c_while_starting_is_one_line_too(after):
+    """Before any rank runs (Python importing torch, the forkserver importing it too):
+    still one line and 130, from the command alone."""
+    command = subprocess.Popen([sys.executable, "-m", "minipar.mesh", "--ranks", "2"],
+                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    time.sleep(after)
+    os.killpg(command.pid, signal.SIGINT)
+    out, err = command.communicate(timeout=60)
+    assert command.returncode == 130, err
+    assert err.strip().splitlines() == ["python -m minipar.mesh: interrupted"], err
+
+
 def _children(pid: int) -> list[int]:
     """Every process below `pid` (ranks and their forkserver), from /proc."""
     parents: dict[int, int] = {}

@@ -159,6 +159,28 @@ def test_no_rank_outlives_its_caller(tmp_path):
     assert wait_gone(pids, seconds=10) == []
 
 
+def test_a_rank_its_launcher_lost_track_of_leaves_too(tmp_path):
+    """Ctrl-C can cut a rank's start short: the rank runs, but its launcher never learned
+    its pid, so cannot kill it. It must still leave when its group stops, or the launcher
+    waits for it at exit (and the caller reading the launcher's output waits too)."""
+    script = tmp_path / "owner.py"
+    script.write_text(textwrap.dedent("""
+        import threading, time, minipar
+        if __name__ == "__main__":
+            c = minipar.Cluster(2, backend="gloo")
+            threading.Thread(target=c.run, args=(time.sleep, 600), daemon=True).start()
+            time.sleep(1)  # both ranks are now busy, not reading their pipes
+            lost = c._group.procs.pop()  # as if its start had been cut short
+            print(lost.pid, flush=True)
+    """))
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = owner.communicate(timeout=30)
+    finally:
+        owner.kill()
+    assert owner.returncode == 0 and wait_gone([int(out.split()[0])], seconds=10) == []
+
+
 def test_launch_returns_and_leaves_nothing():
     before = child_pids()
     results = minipar.launch(lambda: os.getpid(), 3, backend="gloo", timeout=30)

@@ -64,7 +64,11 @@ class RankGroup:
         if start_method == "forkserver":
             ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle",
                                         "minipar.runtime.worker"])
+            _start_forkserver_deaf_to_ctrl_c()
         self.conns, self.procs = [], []
+        # every rank watches the read end and exits at its end-of-file: when stop() closes
+        # the write end, or this process exits
+        self.lifeline, self._lifeline_w = ctx.Pipe(duplex=False)
         self.offsets = [[0, 0] for _ in range(size)]
         _live_groups.add(self)
         try:
@@ -84,11 +88,11 @@ class RankGroup:
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_worker_main, name=f"minipar-rank-{r}",
                                args=(r, self.size, self.backend, self.store.port,
-                                     self.io_dir, os.getpid(), threads, child_end))
+                                     self.io_dir, self.lifeline, threads, child_end))
+            self.conns.append(parent_end)
+            self.procs.append(proc)  # before start: stop() ends it even if start is cut short
             proc.start()
             child_end.close()
-            self.conns.append(parent_end)
-            self.procs.append(proc)
 
     def run(self, task: bytes, timeout: float, tolerate_deaths: bool = False) -> list:
         for conn in self.conns:
@@ -208,14 +212,16 @@ class RankGroup:
         """End every rank; graceful lets them leave their loop first."""
         for conn in self.conns:
             conn.close()
+        started = [proc for proc in self.procs if proc.pid is not None]
         if graceful:
             deadline = time.monotonic() + 2.0
-            for proc in self.procs:
+            for proc in started:
                 proc.join(timeout=max(deadline - time.monotonic(), 0.0))
-        for proc in self.procs:
+        for proc in started:
             if proc.is_alive():
                 proc.kill()
-        for proc in self.procs:
+        self._lifeline_w.close()  # and any rank whose start was cut short leaves by itself
+        for proc in started:
             proc.join(timeout=2.0)
         self.conns, self.procs = [], []
         _live_groups.discard(self)
@@ -226,6 +232,24 @@ class RankGroup:
     @property
     def alive(self) -> bool:
         return bool(self.procs)
+
+
+def _start_forkserver_deaf_to_ctrl_c() -> None:
+    """Start multiprocessing's forkserver (if it is not running) with SIGINT ignored, a
+    setting it and the ranks it forks inherit. Ctrl-C in a terminal reaches every process
+    of the foreground group: the launcher turns it into one line and stops the ranks, and
+    the forkserver, importing torch for a second or two, would otherwise print a traceback
+    of its own. Only the main thread may change signal handlers; elsewhere, start as is."""
+    import multiprocessing.forkserver as forkserver
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 _live_groups: weakref.WeakSet[RankGroup] = weakref.WeakSet()

@@ -14,7 +14,6 @@ import re
 import signal
 import sys
 import threading
-import time
 import traceback
 from typing import Any
 
@@ -36,24 +35,27 @@ def in_rank() -> bool:
     return os.environ.get(IN_RANK_ENV) == "1"
 
 
-def _die_with_parent(launcher_pid: int) -> None:
-    """End this rank if the launching process goes away, so no rank is orphaned."""
+def _die_with_parent(lifeline: Any) -> None:
+    """End this rank when its group is stopped or the launching process goes away, so no
+    rank is orphaned: `lifeline` is the read end of a pipe whose only write end the
+    launcher holds, and reads end-of-file the moment the launcher closes it or exits (even
+    as a zombie nobody has reaped yet, and even for a rank whose start the launcher was
+    interrupted in and never learned of)."""
     if sys.platform.startswith("linux"):
         try:
             import ctypes
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (the forkserver)
         except (OSError, AttributeError):
             pass
 
     def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            try:
-                os.kill(launcher_pid, 0)
-            except OSError:
-                os._exit(1)
+        try:
+            lifeline.recv_bytes()  # nothing is ever sent: this returns only at end-of-file
+        except (EOFError, OSError):
+            pass
+        os._exit(1)
 
-    threading.Thread(target=watch, name="minipar-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="minipar-lifeline", daemon=True).start()
 
 
 def _redirect_output(out_path: str, err_path: str) -> None:
@@ -96,12 +98,16 @@ def _run_task(task: bytes) -> tuple:
 
 
 def _worker_main(rank_: int, size: int, backend: str, port: int, io_dir: str,
-                 launcher_pid: int, threads: int, conn: Any) -> None:
-    _redirect_output(os.path.join(io_dir, f"{rank_}.out"), os.path.join(io_dir, f"{rank_}.err"))
-    stack_file = open(os.path.join(io_dir, f"{rank_}.stack"), "w")
+                 lifeline: Any, threads: int, conn: Any) -> None:
+    _die_with_parent(lifeline)
+    try:
+        _redirect_output(os.path.join(io_dir, f"{rank_}.out"),
+                         os.path.join(io_dir, f"{rank_}.err"))
+        stack_file = open(os.path.join(io_dir, f"{rank_}.stack"), "w")
+    except FileNotFoundError:  # the group was stopped (and its files removed) before this
+        os._exit(1)            # rank began, e.g. Ctrl-C during start-up: leave quietly
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    _die_with_parent(launcher_pid)
     os.environ.update(RANK=str(rank_), WORLD_SIZE=str(size), LOCAL_RANK=str(rank_),
                       LOCAL_WORLD_SIZE=str(size), **{IN_RANK_ENV: "1"})
     if backend == "gloo":
