@@ -17,8 +17,8 @@ function render({ model, el: host }) {
   const label = html("span", "step", bar);
   const reason = html("div", "reason", root);
   html("div", "key", root, "cells: each rank's buffer, coloured by chunk, darker = more of " +
-       "the sum; outlined = being sent; arrows: this step's messages; right: bytes per link " +
-       "so far. Hover for details.");
+       "the sum; outlined = being sent; arrows: this step's messages (down the ranks on the " +
+       "left, up on the right); right: bytes per link so far. Hover for details.");
   const stage = html("div", "stage", root);
   const tip = html("div", "tip", root);
   let draws = 0;
@@ -33,7 +33,7 @@ function render({ model, el: host }) {
     const cellW = Math.max(22, Math.min(42, 520 / Math.max(numel, 1)));
     const gridX = LABELS + GUTTER, gridW = numel * cellW;
     const matrixX = gridX + gridW + 70;
-    const width = Math.max(matrixX + k * MCELL + 20, matrixX + 200);  // room for the heading
+    const width = Math.max(matrixX + k * MCELL + 20, matrixX + 240);  // room for the heading
     const rowY = (r) => TITLE + r * (CELL_H + GAP);
     const height = Math.max(rowY(k), TITLE + k * MCELL + 20) + 40;
     const svg = el("svg", { viewBox: `0 0 ${width} ${height}`, width: "100%",
@@ -59,11 +59,17 @@ function render({ model, el: host }) {
                      fill: dark ? ink(fill) : "#222" }, svg).textContent = `${value}`;
       });
     }
+    // Messages down the ranks curve on the left, up the ranks on the right, longer ones
+    // further out; each leaves its row's lower half towards where it goes and lands in the
+    // upper half of the next, so arrows meeting at one row never share a point.
     (step ? step.sends : []).forEach(([src, dst, chunk, bytes]) => {
-      const y0 = rowY(src) + CELL_H / 2, y1 = rowY(dst) + CELL_H / 2;
-      const bend = LABELS + GUTTER - 6 - Math.min(40, 10 + 8 * Math.abs(dst - src));
+      const down = dst > src, side = down ? gridX - 4 : gridX + gridW + 4;
+      const nudge = down ? 5 : -5;
+      const y0 = rowY(src) + CELL_H / 2 + nudge, y1 = rowY(dst) + CELL_H / 2 - nudge;
+      const depth = Math.min(GUTTER - 8, 10 + 9 * Math.abs(dst - src));
+      const bend = down ? side - 2 * depth : side + 2 * depth;  // a quadratic reaches half-way
       const color = chunk === null ? "#111" : PALETTE[chunk % PALETTE.length];
-      el("path", { d: `M${gridX - 4},${y0} Q${bend},${(y0 + y1) / 2} ${gridX - 4},${y1}`,
+      el("path", { d: `M${side},${y0} Q${bend},${(y0 + y1) / 2} ${side},${y1}`,
                    fill: "none", stroke: color, "stroke-width": 2, "marker-end": "url(#arrow)",
                    "data-tip": `rank ${src} \u2192 rank ${dst}: ` +
                      `${chunk === null ? "the whole buffer" : `chunk ${chunk}`}, ${bytes} bytes` },
