@@ -96,7 +96,7 @@ class RouterExplorer:
                 return
             history = train_router_stats(state["layer"], x, target, 20, lr=0.2,
                                          balance_weight=0.5)
-            state["steps"] = state.get("steps", 0) + 20
+            state["steps"] += 20
             draw(f"after {state['steps']} training steps (last loss {history[-1]['loss']:.3f})")
 
         for control in (k, factor, noisy, experts):

@@ -68,7 +68,7 @@ class RankGroup:
         self.conns, self.procs = [], []
         # every rank watches the read end and exits at its end-of-file: when stop() closes
         # the write end, or this process exits
-        self.lifeline, self._lifeline_w = ctx.Pipe(duplex=False)
+        self._lifeline, self._lifeline_w = ctx.Pipe(duplex=False)
         self.offsets = [[0, 0] for _ in range(size)]
         _live_groups.add(self)
         try:
@@ -88,7 +88,7 @@ class RankGroup:
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_worker_main, name=f"minipar-rank-{r}",
                                args=(r, self.size, self.backend, self.store.port,
-                                     self.io_dir, self.lifeline, threads, child_end))
+                                     self.io_dir, self._lifeline, threads, child_end))
             self.conns.append(parent_end)
             self.procs.append(proc)  # before start: stop() ends it even if start is cut short
             proc.start()
@@ -221,6 +221,7 @@ class RankGroup:
             if proc.is_alive():
                 proc.kill()
         self._lifeline_w.close()  # and any rank whose start was cut short leaves by itself
+        self._lifeline.close()
         for proc in started:
             proc.join(timeout=2.0)
         self.conns, self.procs = [], []
