@@ -13,14 +13,13 @@ MAX_LINES = 400
 
 
 def _modules() -> dict[str, Path]:
-    """Dotted name -> file, for the library and the widgets (installed as minipar.widgets)."""
+    """Dotted name -> file, for the library and its widgets."""
     found = {}
-    for base, prefix in ((ROOT / "minipar", "minipar"), (ROOT / "widgets", "minipar.widgets")):
-        for path in sorted(base.rglob("*.py")):
-            parts = list(path.relative_to(base).with_suffix("").parts)
-            if parts[-1] == "__init__":
-                parts.pop()
-            found[".".join([prefix, *parts])] = path
+    for path in sorted((ROOT / "minipar").rglob("*.py")):
+        parts = ["minipar", *path.relative_to(ROOT / "minipar").with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
     return found
 
 

@@ -162,6 +162,7 @@ def test_router_explorer_draws_routing_and_trains():
     routing = route(torch.randn(12, 4), k=2, capacity_factor=0.5)
     assert render_routing(routing, "test").axes
     box = RouterExplorer(tokens=16, hidden=8)
+    assert isinstance(box, RouterExplorer)
     view = box.children[-1]
     first = view.frames
     box.children[1].children[2].click()  # train 20 steps
