@@ -127,16 +127,25 @@ def _command_name() -> str | None:
     return "minipar" if os.path.basename(sys.argv[0] if sys.argv else "") == "minipar" else None
 
 
+# The command's name, taken when the start-up handler is installed: by the time Ctrl-C
+# lands, runpy may already have replaced sys.argv[0] ("-m") with the module's path, and on
+# a cold start (no .pyc yet) that window is seconds wide.
+_starting_command: str | None = None
+
+
 def _interrupted_while_starting(signum: int, frame: object) -> None:
-    print(f"{_command_name()}: interrupted", file=sys.stderr, flush=True)
+    print(f"{_starting_command}: interrupted", file=sys.stderr, flush=True)
     os._exit(130)  # nothing to clean up yet: no rank has started
 
 
 def _quiet_interrupts_while_starting() -> None:
     """Until `run_command` takes over, Ctrl-C in a minipar command is one line and exit
     status 130, not a KeyboardInterrupt traceback from inside an import."""
-    if _command_name() is None or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    global _starting_command
+    name = _command_name()
+    if name is None or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         return  # someone else's program, or Ctrl-C already handled by whoever runs us
+    _starting_command = name
     try:
         signal.signal(signal.SIGINT, _interrupted_while_starting)
     except ValueError:  # not the main thread

@@ -84,18 +84,38 @@ def test_ctrl_c_is_one_line_and_leaves_no_rank_behind():
     assert all(process_gone(p) for p in ranks)
 
 
-@pytest.mark.parametrize("after", [0.3, 1.2])
-def test_ctrl_c_while_starting_is_one_line_too(after):
-    """Before any rank runs (Python importing torch, the forkserver importing it too):
-    still one line and 130, from the command alone."""
+@pytest.mark.parametrize("after", [0.3, 1.2, 3.0])
+def test_ctrl_c_while_starting_is_one_line_too(after, tmp_path):
+    """Before any rank runs (Python importing torch, runpy running the package's
+    __main__, the forkserver importing torch too): still one line and 130, from the
+    command alone. Each start is cold (an empty bytecode cache), as on a fresh clone,
+    where compiling every module widens each window."""
+    env = dict(os.environ, PYTHONPYCACHEPREFIX=str(tmp_path / "pycache"))
     command = subprocess.Popen([sys.executable, "-m", "minipar.mesh", "--ranks", "2"],
                                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+                               text=True, start_new_session=True, env=env)
     time.sleep(after)
     os.killpg(command.pid, signal.SIGINT)
     out, err = command.communicate(timeout=60)
     assert command.returncode == 130, err
     assert err.strip().splitlines() == ["python -m minipar.mesh: interrupted"], err
+
+
+def test_ctrl_c_after_runpy_took_argv_still_names_the_command():
+    """The name is taken when the start-up handler is installed: once runpy has replaced
+    sys.argv[0] ("-m") with the module's path, it can no longer be worked out (a cold
+    start once printed "None: interrupted" there)."""
+    script = ("import os, signal, sys\n"
+              "sys.argv = ['-m', '--ranks', '2']\n"
+              "sys.orig_argv = [sys.executable, '-m', 'minipar.mesh', '--ranks', '2']\n"
+              "import minipar.cli\n"
+              "sys.argv[0] = '/somewhere/minipar/mesh/__main__.py'  # what runpy does\n"
+              "os.kill(os.getpid(), signal.SIGINT)\n"
+              "import time; time.sleep(10)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT)
+    assert done.returncode == 130, done.stderr
+    assert done.stderr.strip().splitlines() == ["python -m minipar.mesh: interrupted"]
 
 
 def _children(pid: int) -> list[int]:
