@@ -14,7 +14,7 @@ from pathlib import Path
 BENCHMARKS = {"launch": "minipar.runtime.bench",
               "collectives": "minipar.collectives.bench",
               "data-parallel": "minipar.data_parallel.bench",
-              "zero": "minipar.data_parallel.zero_bench",
+              "zero": "minipar.sharded.bench",
               "pipeline": "minipar.pipeline.bench",
               "pipefisher": "minipar.pipeline.pipefisher_bench",
               "tensor-parallel": "minipar.tensor_parallel.bench",

@@ -133,6 +133,12 @@ class TiedAutoencoder(nn.Module):
         return (h @ self.encoder.weight + self.decoder_bias) * self.scale
 
 
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean squared error, the loss of every regression twin (written out, not
+    `F.mse_loss`, so a learner reads the whole arithmetic)."""
+    return ((out - target) ** 2).mean()
+
+
 def regression_data(samples: int, features: int, outputs: int = 1, seed: int = 0,
                     noise: float = 0.1, dtype: torch.dtype = torch.float32
                     ) -> tuple[torch.Tensor, torch.Tensor]:

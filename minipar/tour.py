@@ -19,11 +19,15 @@ from .demo import Context, Row, format_rows
 from .mesh import demo as mesh
 from .moe import demo as moe
 from .pipeline import demo as pipeline
+from .sharded import demo as sharded
+from .slow_networks import demo as slow_networks
 from .tensor_parallel import demo as tensor_parallel
 
+# In lesson order (00-10), one package per lesson topic.
 TECHNIQUES = {"basics": basics, "collectives": collectives, "data parallelism": data_parallel,
               "pipelines": pipeline, "tensor parallelism": tensor_parallel, "experts": moe,
-              "a mesh of them": mesh, "long sequences": context_parallel}
+              "sharded data parallelism": sharded, "a mesh of them": mesh,
+              "long sequences": context_parallel, "slow networks": slow_networks}
 
 
 def run_tour(out_dir: str | Path = "minipar-out") -> list[Row]:

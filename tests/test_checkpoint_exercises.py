@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from minipar.data_parallel.checkpoint import load_checkpoint
-from minipar.data_parallel.checkpoint_exercises import check_resume
 from minipar.grading import ExerciseError
 from minipar.runtime import rank
+from minipar.slow_networks.checkpoint import load_checkpoint
+from minipar.slow_networks.exercises import check_resume
 
 
 def right(directory, model, optimizer):

@@ -11,13 +11,15 @@ from minipar.demo import WIDTH, Check, Row, combine, format_rows, skip
 from minipar.mesh import demo as mesh
 from minipar.moe import demo as moe
 from minipar.pipeline import demo as pipeline
+from minipar.sharded import demo as sharded
+from minipar.slow_networks import demo as slow_networks
 from minipar.tensor_parallel import demo as tensor_parallel
 
 
 @pytest.mark.parametrize("technique, args", [
     (basics, (("hello", "split_work"), 4, 20)), (collectives, (1 << 12, 1)),
     (data_parallel, ()), (pipeline, ()), (tensor_parallel, ()), (moe, ()),
-    (mesh, ()), (context_parallel, ()),
+    (sharded, ()), (mesh, ()), (context_parallel, ()), (slow_networks, ()),
 ], ids=lambda v: getattr(v, "__name__", ""))
 def test_every_demo_matches_one_process(cluster2, technique, args):
     rows = combine(cluster2.run(technique.demo, *args))

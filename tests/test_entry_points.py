@@ -19,8 +19,9 @@ README_COMMANDS = sorted(set(re.findall(r"-m\s+(minipar(?:\.\w+)*)",
 TECHNIQUES = sorted(f"minipar.{p.parent.name}" for p in (ROOT / "minipar").glob("*/__main__.py"))
 SMALL = {  # options that keep each run short; every command also gets --ranks 2
     "minipar.collectives": ["--numel", "4096"],
-    "minipar.data_parallel": ["--cases", "all_reduce", "parameter_server", "top_k"],
-    "minipar.data_parallel.elastic": ["--steps", "4"],
+    "minipar.sharded": ["--cases", "zero1", "zero3"],
+    "minipar.slow_networks": ["--cases", "local_sgd", "top_k"],
+    "minipar.slow_networks.elastic": ["--steps", "4"],
 }
 
 

@@ -15,16 +15,13 @@ from minipar import collectives
 from minipar.__main__ import main as cli
 from minipar.basics.exercises import check_global_mean_loss
 from minipar.collectives.exercises import check_ring_all_reduce, check_tree_broadcast
-from minipar.data_parallel.exercises import (
-    check_bucketing,
-    check_error_feedback,
-    check_gradient_hook,
-)
+from minipar.data_parallel.exercises import check_bucketing, check_gradient_hook
 from minipar.grading import ExerciseError
 from minipar.lessons import BEGIN, END, strip_solutions
 from minipar.moe import route
 from minipar.moe.exercises import check_dispatch, check_topk_routing
 from minipar.pipeline.exercises import check_one_f_one_b, check_stage_step
+from minipar.slow_networks.exercises import check_error_feedback
 from minipar.tensor_parallel.exercises import check_g_operator, check_row_parallel_linear
 
 LESSONS = Path(__file__).resolve().parent.parent / "lessons"

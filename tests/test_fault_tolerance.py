@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import minipar
-from minipar.data_parallel.checkpoint import latest_step, train_resumable
-from minipar.data_parallel.elastic import batches, model, mse
+from minipar.slow_networks.checkpoint import latest_step, train_resumable
+from minipar.slow_networks.elastic import batches, model, mse
 
 STEPS = 8
 
@@ -45,7 +45,7 @@ def test_torchrun_restarts_the_workers_and_they_resume(tmp_path):
     ckpt = tmp_path / "ckpt"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", "--max-restarts", "1", "-m",
-               "minipar.data_parallel.elastic", "--dir", str(ckpt), "--steps", str(STEPS),
+               "minipar.slow_networks.elastic", "--dir", str(ckpt), "--steps", str(STEPS),
                "--kill-at", "1:5"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, timeout=150, env=env)

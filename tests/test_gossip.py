@@ -9,9 +9,9 @@ from conftest import mse
 
 from minipar import collectives
 from minipar.data_parallel import single_process_sgd
-from minipar.data_parallel.gossip import butterfly_groups, out_peers, push_sum, train_gossip
 from minipar.models import mlp, regression_data
 from minipar.runtime import rank
+from minipar.slow_networks.gossip import butterfly_groups, out_peers, push_sum, train_gossip
 
 BATCH = 16
 

@@ -6,8 +6,8 @@ from conftest import mse, value_errors
 
 import minipar
 from minipar.data_parallel import single_process_sgd
-from minipar.data_parallel.relaxed import train_relaxed
 from minipar.models import mlp, regression_data
+from minipar.slow_networks.relaxed import train_relaxed
 
 BATCH = 16
 

@@ -333,7 +333,7 @@ def test_exchange_picture_counts_links_inside_and_across_nodes():
 
 @pytest.mark.slow
 def test_network_lab_runs_real_ranks_and_survives_a_kill():
-    from minipar.data_parallel.lab import network_run
+    from minipar.slow_networks.lab import network_run
     from minipar.widgets import NetworkLab
 
     lab = NetworkLab("all-reduce", latency_ms=0.0, steps=4)

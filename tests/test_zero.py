@@ -9,9 +9,9 @@ from torch import nn
 import minipar
 from minipar import collectives
 from minipar.data_parallel import shard, shard_weight
-from minipar.data_parallel.fsdp import FullyShardedDataParallel
-from minipar.data_parallel.zero import FlatShard, ZeroDataParallel
 from minipar.models import regression_data
+from minipar.sharded.fsdp import FullyShardedDataParallel
+from minipar.sharded.zero import FlatShard, ZeroDataParallel
 
 STEPS, BATCH, LR = 3, 12, 0.05
 
@@ -199,7 +199,7 @@ def test_matches_torchs_own(stage, kind, cluster2):
 
 def _measured_after_backward(stage):
     from minipar.data_parallel import DataParallel
-    from minipar.data_parallel.memory import MemoryTracker
+    from minipar.sharded.memory import MemoryTracker
 
     model = plain_model()
     if stage == 0:
@@ -242,7 +242,7 @@ def _mixed(stage):
     model = plain_model_float32()
     wrapped = FullyShardedDataParallel(model, adam, param_dtype=torch.bfloat16) if stage == 3 \
         else ZeroDataParallel(model, adam, stage=stage, param_dtype=torch.bfloat16)
-    from minipar.data_parallel.memory import MemoryTracker
+    from minipar.sharded.memory import MemoryTracker
 
     tracker = MemoryTracker(model, wrapped.optimizer, wrapped.shards)
     losses, held = [], None
@@ -285,8 +285,8 @@ def test_mixed_precision_keeps_16_bytes_per_parameter_sharded(cluster2):
 
 
 def _with_recomputation(stage, on):
-    from minipar.data_parallel.fsdp import default_units
-    from minipar.data_parallel.memory import MemoryTracker, recompute
+    from minipar.sharded.fsdp import default_units
+    from minipar.sharded.memory import MemoryTracker, recompute
 
     torch.manual_seed(8)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16),

@@ -5,9 +5,9 @@ import torch
 import torch.distributed as dist
 
 from minipar import collectives
-from minipar.data_parallel.fsdp import FullyShardedDataParallel
-from minipar.data_parallel.zero_exercises import check_fsdp_forward, check_zero1_step
 from minipar.grading import ExerciseError
+from minipar.sharded.exercises import check_fsdp_forward, check_zero1_step
+from minipar.sharded.fsdp import FullyShardedDataParallel
 
 
 def zero1(flat, grad, momentum, lr, beta, *, reduce="reduce_scatter", op="avg", gather=True):

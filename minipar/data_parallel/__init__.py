@@ -1,21 +1,18 @@
-"""Data parallelism: the same model on every rank, different samples.
+"""Data parallelism (lesson 02): the same model on every rank, different samples.
 
 - `ddp.py`: all-reduce data parallelism from scratch (`DataParallel`: per parameter or
   in buckets, overlapped with backward), the sharding and loss-scaling convention
   (`shard`, `shard_weight`) and the single-process reference (`single_process_sgd`);
-- `zero.py`: ZeRO stages 1 and 2 (`ZeroDataParallel`: optimizer state, then gradients,
-  sharded over the ranks on a padded flat view, `FlatShard`);
-- `fsdp.py`: ZeRO stage 3 / FSDP (`FullyShardedDataParallel`: parameters sharded too,
-  gathered one unit at a time for forward and again for backward);
 - `parameter_server.py`: server ranks hold the weights, workers push gradients;
-- `relaxed.py`: local SGD, CO2-style overlapped averaging, Hogwild!;
-- `compression.py`: top-k, int8, PowerSGD and per-layer levels, with error feedback;
-- `gossip.py`: stochastic gradient push and grouped all-reduce with group swapping;
-- `checkpoint.py`: checkpoint and resume after a killed rank, on fewer ranks;
-  `elastic.py`: the same under torchrun --max-restarts;
+- `compression.py`: top-k, int8, PowerSGD and per-layer levels, with error feedback
+  (measured here by the SpeedupLab; lesson 10 builds on it);
 - `speedup.py`: the SpeedupLab's weak-scaling measurement and model;
+- `task.py`: the small regression task every data-parallel demo trains;
 - `bench.py`, `exercises.py` (lesson 02's checks), `demo.py` (`python -m
   minipar.data_parallel`).
+
+Sharding the model's states (ZeRO, FSDP) is `minipar.sharded` (lesson 06); talking less
+or to fewer peers, and surviving a dead rank, is `minipar.slow_networks` (lesson 10).
 """
 
 from .ddp import (
@@ -26,9 +23,6 @@ from .ddp import (
     shard_weight,
     single_process_sgd,
 )
-from .fsdp import FullyShardedDataParallel
-from .zero import FlatShard, ZeroDataParallel
 
-__all__ = ["FIRST_BUCKET_BYTES", "DataParallel", "FlatShard", "FullyShardedDataParallel",
-           "ZeroDataParallel", "average_gradients", "shard", "shard_weight",
+__all__ = ["FIRST_BUCKET_BYTES", "DataParallel", "average_gradients", "shard", "shard_weight",
            "single_process_sgd"]

@@ -25,10 +25,11 @@ import torch
 from torch import nn
 
 from .. import collectives
-from ..data_parallel import ZeroDataParallel, average_gradients, shard
+from ..data_parallel import average_gradients, shard
 from ..models import TinyGPT
 from ..pipeline import Pipeline, schedule, split_model
 from ..runtime import rank, world_size
+from ..sharded import ZeroDataParallel
 from ..tensor_parallel import ParallelTransformerBlock
 from .mesh import MeshGroups
 

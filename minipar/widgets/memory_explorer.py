@@ -6,8 +6,8 @@ from __future__ import annotations
 import ipywidgets as w
 
 from minipar import cost
-from minipar.data_parallel.zero_bench import formula_memory, measure_memory
 from minipar.plots import memory_total
+from minipar.sharded.bench import formula_memory, measure_memory
 
 from .figure_view import FigureView
 from .labels import full_labels

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipywidgets as w
 from matplotlib.figure import Figure
 
-from minipar.data_parallel.lab import METHODS, network_run
+from minipar.slow_networks.lab import METHODS, network_run
 
 from .figure_view import FigureView
 from .labels import full_labels

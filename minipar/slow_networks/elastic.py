@@ -1,7 +1,7 @@
 """The elastic path: data parallelism under torchrun that survives a killed worker.
 
     torchrun --standalone --nproc-per-node 2 --max-restarts 1 \\
-        -m minipar.data_parallel.elastic --dir CKPT --kill-at 1:5
+        -m minipar.slow_networks.elastic --dir CKPT --kill-at 1:5
 
 On the first attempt rank 1 kills itself (SIGKILL) at step 5. torchrun's agent sees
 the worker die, stops the others and starts every worker again; the new workers find
@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 
 from ..cli import positive_int, run_command
+from ..data_parallel import single_process_sgd
 from ..demo import check_torchrun_ranks, demo_parser
-from ..models import mlp, regression_data
+from ..models import mlp, mse, regression_data
 from ..runtime import launch, rank, under_torchrun
 from .checkpoint import train_resumable
-from .ddp import single_process_sgd
 
 BATCH, FEATURES = 20, 8  # 20 rows: 5 per rank on 4, uneven on 3
 
@@ -40,14 +40,10 @@ def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(x.split(BATCH), y.split(BATCH), strict=True))
 
 
-def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((out - target) ** 2).mean()
-
-
 def main(argv: list[str] | None = None) -> int:
     """Parse the options, train (resuming from --dir), and on rank 0 print the steps this
     attempt ran and whether the final parameters match one process."""
-    prog = "python -m minipar.data_parallel.elastic"
+    prog = "python -m minipar.slow_networks.elastic"
     parser = demo_parser(
         "Data-parallel SGD with momentum that checkpoints every few steps and resumes from "
         "the latest checkpoint, its final weights checked against one process. Under "

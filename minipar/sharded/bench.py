@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 
 from .. import cost
+from ..data_parallel import DataParallel, shard
 from ..models import mlp, mlp_parameters
 from ..plots import stack_memory
 from ..report import format_table, progress, save_results, spread
 from ..runtime import Cluster, world_size
-from .ddp import DataParallel, shard
 from .fsdp import FullyShardedDataParallel, default_units
 from .memory import MemoryTracker, recompute
 from .zero import ZeroDataParallel

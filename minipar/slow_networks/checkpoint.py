@@ -13,7 +13,7 @@ world size, each rank's loss scaled by `shard_weight` as everywhere in the packa
 the averaged gradient is the whole batch's whatever K is and a resumed run equals an
 uninterrupted one (tested, momentum buffers included, shards that do not divide).
 Under torchrun with `--max-restarts` the same code is the elastic path: the restarted
-workers find the checkpoint and go on (`python -m minipar.data_parallel.elastic`).
+workers find the checkpoint and go on (`python -m minipar.slow_networks.elastic`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
+from ..data_parallel import average_gradients, shard, shard_weight
 from ..runtime import rank, world_size
 from ..trace import record
-from .ddp import average_gradients, shard, shard_weight
 
 
 def save_checkpoint(directory: str | Path, steps_done: int, model: nn.Module,

@@ -31,9 +31,9 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from .. import collectives
+from ..data_parallel import shard
 from ..runtime import rank, world_size
 from ..trace import record
-from .ddp import shard
 from .relaxed import RelaxedReport
 
 GRAPHS = ("exponential", "complete")

@@ -17,9 +17,10 @@ import signal
 from collections.abc import Sequence
 
 from ..collectives import Link, slow_network
+from ..models import mse
 from ..pipeline.swarm import swarm
 from ..runtime import RankDied, launch, rank
-from .elastic import batches, model, mse
+from .elastic import batches, model
 from .gossip import GossipReport, grouped, sgp
 
 METHODS = ("all-reduce", "SGP", "grouped pairs", "SWARM")

@@ -1,0 +1,16 @@
+"""Slow and unreliable networks (lesson 10): training that talks less, to fewer peers, and
+survives a dead rank.
+
+- `relaxed.py`: local SGD, CO2-style overlapped averaging, Hogwild!;
+- `gossip.py`: stochastic gradient push (push-sum) and grouped all-reduce with group
+  swapping;
+- `checkpoint.py`: checkpoint and resume after a killed rank, on fewer ranks;
+  `elastic.py`: the same under torchrun --max-restarts;
+- `lab.py`: the NetworkLab's runs (a method over an emulated network, a kill);
+- `exercises.py` (lesson 10's checks: push-sum, resume, error feedback), `demo.py`
+  (`python -m minipar.slow_networks`).
+
+Gradient compression, which these methods combine with, is in
+`minipar.data_parallel.compression`; SWARM and SkipPipe are pipelines
+(`minipar.pipeline`).
+"""

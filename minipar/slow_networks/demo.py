@@ -1,0 +1,130 @@
+"""The slow-networks demo (lesson 10): trainers that talk less (local SGD, CO2, Hogwild!,
+top-k compression) or to fewer peers (gossip: SGP, grouped all-reduce) on the same small
+regression task, and a checkpointed run that loses a rank and resumes on fewer. The exact
+ones are checked against one process; the others are approximate by design and show
+their loss going down. `python -m minipar.slow_networks`, `minipar tour` and the tests
+run `demo`."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..data_parallel import single_process_sgd, task
+from ..data_parallel.compression import TopK, train_compressed
+from ..demo import Check, Context, Row, start_clock
+from ..models import mse
+from ..runtime import RankError, launch, rank
+from .checkpoint import train_resumable
+from .gossip import train_gossip
+from .relaxed import train_relaxed
+
+CASES = ("local_sgd", "co2", "hogwild", "top_k", "sgp_complete", "sgp", "grouped")
+
+
+def _local_sgd() -> Check:
+    _, ref_params = single_process_sgd(task.model(), task.batches(), mse, task.LR)
+    start = start_clock()
+    _, params = train_relaxed("local_sgd", task.model, task.batches(), mse, task.LR, local_steps=1)
+    return Check("local SGD, H=1 (average every step)", task.same(params, ref_params),
+                 time.perf_counter() - start, note="H=1 is synchronous SGD")
+
+
+def _shared_file() -> str:
+    """A path every rank maps for Hogwild!: rank 0 picks it, the others are told."""
+    path = [tempfile.mkstemp(prefix="minipar-hogwild-")[1] if rank() == 0 else None]
+    dist.broadcast_object_list(path)
+    return path[0]
+
+
+def _relaxed(method: str) -> Check:
+    dtype = torch.float32 if method == "hogwild" else torch.float64
+    kwargs = {"shared_file": _shared_file()} if method == "hogwild" else {"local_steps": 4}
+    start = start_clock()
+    report, _ = train_relaxed(method, lambda: task.model(dtype), task.batches(24, dtype), mse,
+                              task.LR, **kwargs)
+    seconds = time.perf_counter() - start
+    if method == "hogwild":
+        dist.barrier()  # every rank is done with the shared file
+        if rank() == 0:
+            os.remove(kwargs["shared_file"])
+    label = {"co2": "CO2-style local SGD, H=4, async average",
+             "hogwild": "Hogwild!, lock-free shared memory"}[method]
+    return Check(label, None, seconds, note=f"not exact by design; loss {report.losses[0]:.3f} "
+                                            f"-> {report.losses[-1]:.3f}")
+
+
+def _top_k() -> Check:
+    batches = task.batches(24)
+    start = start_clock()
+    report = train_compressed(task.model(), batches, mse, task.LR, TopK(0.05))
+    share = sum(report.payload_bytes) / (len(batches) * report.dense_bytes)
+    return Check("data parallel, top-5% gradients + error feedback", None,
+                 time.perf_counter() - start,
+                 note=f"payload {share:.0%} of dense; loss {report.losses[0]:.3f} -> "
+                      f"{report.losses[-1]:.3f}")
+
+
+def _gossip(case: str) -> Check:
+    """SGP on the complete graph (exact), on the exponential graph, and grouped pairs."""
+    method, options, label = {
+        "sgp_complete": ("sgp", {"graph": "complete"}, "SGP, complete graph (exact average)"),
+        "sgp": ("sgp", {}, "SGP, exponential graph, one push a step"),
+        "grouped": ("grouped", {"group_size": 2, "swap_every": 2},
+                    "grouped all-reduce, pairs swapped every 2 steps")}[case]
+    batches = task.batches(4 if case == "sgp_complete" else 24)
+    start = start_clock()
+    report, params = train_gossip(method, task.model, batches, mse, task.LR, **options)
+    seconds = time.perf_counter() - start
+    if case == "sgp_complete":
+        _, reference = single_process_sgd(task.model(), batches, mse, task.LR)
+        return Check(label, task.same(params, reference), seconds, sum(report.sent_bytes),
+                     note="one push to everyone = all-reduce")
+    return Check(label, None, seconds, sum(report.sent_bytes),
+                 note=f"not exact by design; loss {report.losses[0]:.3f} -> "
+                      f"{report.losses[-1]:.3f}, consensus distance {report.consensus[-1]:.1e}")
+
+
+def _killed_and_resumed(ctx: Context) -> Row:
+    """Driver side: 4 ranks, rank 2 SIGKILLed at step 5, resumed on 3 ranks, against an
+    uninterrupted 3-rank run (fresh processes: a death ends a run's group)."""
+    with tempfile.TemporaryDirectory(prefix="minipar-checkpoint-") as folder, \
+            tempfile.TemporaryDirectory(prefix="minipar-checkpoint-") as fresh_folder:
+        run = (task.model, task.batches(8), mse, task.LR)
+        start = time.perf_counter()
+        try:
+            launch(train_resumable, 4, *run, folder, 2, kill_at=(2, 5))
+            died = False
+        except RankError:
+            died = True
+        resumed = launch(train_resumable, 3, *run, folder, 2)
+        seconds = time.perf_counter() - start
+        fresh = launch(train_resumable, 3, *run, fresh_folder, 2)
+    same = died and all(task.same(a[1], b[1]) for a, b in zip(resumed, fresh, strict=True))
+    return Row("checkpoint, rank 2 killed, resumed on 3 of 4 ranks", 4, same, seconds,
+               note=f"SIGKILL at step 5; resumed from step {8 - len(resumed[0][0])} (the last "
+                    "checkpoint); final weights vs an uninterrupted 3-rank run")
+
+
+RUNS = {"local_sgd": _local_sgd, "co2": lambda: _relaxed("co2"),
+        "hogwild": lambda: _relaxed("hogwild"), "top_k": _top_k,
+        **{case: (lambda case=case: _gossip(case)) for case in ("sgp_complete", "sgp",
+                                                                 "grouped")}}
+
+
+def demo(cases: tuple[str, ...] = CASES) -> list[Check]:
+    """On every rank: run each named trainer (see RUNS) on the same small regression task."""
+    unknown = [c for c in cases if c not in RUNS]
+    if unknown:
+        raise ValueError(f"cases must be among {', '.join(RUNS)}; got {unknown}")
+    return [RUNS[case]() for case in cases]
+
+
+def tour(ctx: Context) -> list[Row]:
+    return (ctx.checks(2, demo, ("local_sgd", "co2", "hogwild", "top_k"))
+            + ctx.checks(4, demo, ("sgp_complete", "sgp", "grouped"))
+            + [_killed_and_resumed(ctx)])
