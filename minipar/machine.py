@@ -35,7 +35,7 @@ def machine_file() -> Path:
 
 
 @dataclass(frozen=True)
-class Step:
+class CommStep:
     """One communication step of a collective: `transfers` messages of `nbytes` each in
     flight at once among `ranks` busy ranks, each receiver adding `reduced` bytes."""
 
@@ -68,9 +68,9 @@ class Machine:
 
     def p2p_seconds(self, nbytes: float) -> float:
         """One message of `nbytes` between two otherwise idle ranks."""
-        return self.step_seconds(Step(1, nbytes, 2))
+        return self.step_seconds(CommStep(1, nbytes, 2))
 
-    def step_seconds(self, step: Step) -> float:
+    def step_seconds(self, step: CommStep) -> float:
         """Latency and per-byte cost of a step with `transfers` messages at once, measured
         at two points (one transfer alone; busy_ranks transfers, every rank sending and
         receiving) and linear in the transfers between and beyond them, as CPU copying
@@ -114,7 +114,7 @@ class Machine:
         return cls(**saved[backend])
 
 
-def all_reduce_steps(algorithm: str, world_size: int, nbytes: float) -> list[Step]:
+def all_reduce_steps(algorithm: str, world_size: int, nbytes: float) -> list[CommStep]:
     """The steps minipar's all-reduce algorithms take, with how many transfers each has in
     flight and how many ranks are busy: the schedule `Machine.all_reduce_seconds` prices."""
     all_reduce_cost(algorithm, max(world_size, 1), 0)  # checks the arguments
@@ -122,20 +122,21 @@ def all_reduce_steps(algorithm: str, world_size: int, nbytes: float) -> list[Ste
     if k == 1:
         return []
     if algorithm == "ring":
-        return [Step(k, n / k, k, n / k)] * (k - 1) + [Step(k, n / k, k)] * (k - 1)
+        return [CommStep(k, n / k, k, n / k)] * (k - 1) + [CommStep(k, n / k, k)] * (k - 1)
     if algorithm == "naive":  # the root takes one rank at a time, then sends to each
-        return [Step(1, n, 2, n)] * (k - 1) + [Step(1, n, 2)] * (k - 1)
+        return [CommStep(1, n, 2, n)] * (k - 1) + [CommStep(1, n, 2)] * (k - 1)
     if algorithm == "tree":  # binomial: round i pairs ranks 2^i apart
         rounds = []
         for i in range((k - 1).bit_length()):
             pairs = sum(1 for r in range(k) if r % (2 << i) == 1 << i)
             rounds.append(pairs)
-        return [Step(t, n, 2 * t, n) for t in rounds] \
-            + [Step(t, n, 2 * t) for t in reversed(rounds)]
+        return [CommStep(t, n, 2 * t, n) for t in rounds] \
+            + [CommStep(t, n, 2 * t) for t in reversed(rounds)]
     p = 1 << (k.bit_length() - 1)  # halving_doubling: fold the extra ranks in first
     extra = k - p
     sizes = [n / (2 << j) for j in range((p - 1).bit_length())]
-    fold = [Step(extra, n, 2 * extra, n)] if extra else []
-    unfold = [Step(extra, n, 2 * extra)] if extra else []
-    return fold + [Step(p, s, p, s) for s in sizes] + [Step(p, s, p) for s in reversed(sizes)] \
-        + unfold
+    fold = [CommStep(extra, n, 2 * extra, n)] if extra else []
+    unfold = [CommStep(extra, n, 2 * extra)] if extra else []
+    halving = [CommStep(p, s, p, s) for s in sizes]  # reduce-scatter: halves, each reduced
+    doubling = [CommStep(p, s, p) for s in reversed(sizes)]  # all-gather: doubles back
+    return fold + halving + doubling + unfold

@@ -1,6 +1,7 @@
-"""The shape of the code, checked statically: small files, no import cycles (lazy imports
-count), the library never imports the widgets, and no package reaches into another's
-private names. ARCHITECTURE.md says why."""
+"""The shape of the code, checked statically: small files, no import cycles between
+modules or between packages (lazy imports count), the library never imports the widgets,
+no package reaches into another's private names, and no public class name is defined
+twice. ARCHITECTURE.md says why."""
 
 from __future__ import annotations
 
@@ -81,26 +82,60 @@ def test_every_file_is_small():
     assert not long, f"files over {MAX_LINES} lines (split them): {long}"
 
 
-def test_no_import_cycles():
-    graph = {m: _edges(m) for m in MODULES}
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` (its nodes, the first repeated at the end), or None."""
     state: dict[str, int] = {}
     stack: list[str] = []
 
-    def visit(m: str) -> None:
+    def visit(m: str) -> list[str] | None:
         state[m] = 1
         stack.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                cycle = stack[stack.index(n):] + [n]
-                raise AssertionError("import cycle: " + " -> ".join(cycle))
-            if n not in state:
-                visit(n)
+                return stack[stack.index(n):] + [n]
+            if n not in state and (cycle := visit(n)):
+                return cycle
         stack.pop()
         state[m] = 2
+        return None
 
     for m in sorted(graph):
-        if m not in state:
-            visit(m)
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def test_no_import_cycles():
+    cycle = _find_cycle({m: _edges(m) for m in MODULES})
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_no_package_imports_a_package_that_imports_it():
+    """Packages form layers: module-level rules can pass while two packages tangle (a.x
+    imports b.y, b.z imports a.w). Each top-level module counts as a package of its own."""
+    graph: dict[str, set[str]] = {_package(m): set() for m in MODULES}
+    why: dict[tuple[str, str], str] = {}
+    for m in MODULES:
+        for n in _edges(m):
+            a, b = _package(m), _package(n)
+            if a != b:
+                graph[a].add(b)
+                why.setdefault((a, b), f"{m} imports {n}")
+    cycle = _find_cycle(graph)
+    assert cycle is None, "package cycle: " + " -> ".join(cycle) + " (" + "; ".join(
+        why[(a, b)] for a, b in zip(cycle, cycle[1:])) + ")"
+
+
+def test_no_public_class_name_is_defined_twice():
+    """One class per name across the library: `from minipar.x import Step` must never
+    leave a reader wondering which Step."""
+    where: dict[str, list[str]] = {}
+    for m, path in MODULES.items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                where.setdefault(node.name, []).append(m)
+    twice = {name: modules for name, modules in where.items() if len(modules) > 1}
+    assert not twice, f"public class names defined in more than one module: {twice}"
 
 
 def test_the_library_never_imports_the_widgets():

@@ -5,7 +5,7 @@ import pytest
 
 from minipar.collectives import fit_machine
 from minipar.cost import all_reduce_cost
-from minipar.machine import Machine, Step, all_reduce_steps
+from minipar.machine import CommStep, Machine, all_reduce_steps
 from minipar.pipeline import schedule, simulate
 from minipar.report import ratio_cell
 
@@ -38,12 +38,12 @@ def test_step_price_is_linear_in_concurrent_transfers_between_the_two_measuremen
     m = Machine("gloo", alpha=1e-4, beta=1e-9, gamma=1e-10, cores=2, busy_ranks=4,
                 busy_alpha=4e-4, busy_beta=4e-9)
     assert m.p2p_seconds(1000) == pytest.approx(1e-4 + 1e-6)
-    assert m.step_seconds(Step(4, 1000, 4)) == pytest.approx(4e-4 + 4e-6)
-    assert m.step_seconds(Step(2, 1000, 4)) == pytest.approx(2e-4 + 2e-6)
+    assert m.step_seconds(CommStep(4, 1000, 4)) == pytest.approx(4e-4 + 4e-6)
+    assert m.step_seconds(CommStep(2, 1000, 4)) == pytest.approx(2e-4 + 2e-6)
     # additions stretch by ranks / cores when ranks outnumber cores
-    assert m.step_seconds(Step(1, 0, 4, reduced=1000)) == pytest.approx(1e-4 + 2e-7)
+    assert m.step_seconds(CommStep(1, 0, 4, reduced=1000)) == pytest.approx(1e-4 + 2e-7)
     unfitted = Machine("gloo", alpha=0.0, beta=1e-9, gamma=0.0, cores=2)
-    assert unfitted.step_seconds(Step(4, 1000, 4)) == pytest.approx(4e-6)  # 2 cores each
+    assert unfitted.step_seconds(CommStep(4, 1000, 4)) == pytest.approx(4e-6)  # 2 cores each
 
 
 def test_saved_and_loaded(tmp_path, monkeypatch):

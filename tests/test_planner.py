@@ -4,7 +4,7 @@ tensor parallelism stays inside a node, mixed NICs move data parallelism off slo
 import pytest
 
 from minipar.cost import OPT_CONFIGS, TransformerConfig
-from minipar.mesh.planner import Cluster, estimate, explain, plan, selene
+from minipar.mesh.planner import Hardware, estimate, explain, plan, selene
 
 # Narayanan et al. 2021, Table 1: (model, nodes of 8 A100, batch, pp, tp, TFLOP/s per GPU)
 MEGATRON = [(TransformerConfig(80, 12288, 96, 2048, 51200), 192, 2304, 8, 8, 148),
@@ -35,7 +35,7 @@ def test_what_does_not_fit_is_left_out():
 
 def test_mixed_nics_keep_data_parallelism_off_the_slow_path():
     nics = (25e9, 25e9, 12.5e9, 12.5e9)  # two InfiniBand nodes, two RoCE nodes
-    holmes = Cluster(4, 8, 312e12, 80e9, 300e9, nics, cross_nic_bandwidth=1.25e9)
+    holmes = Hardware(4, 8, 312e12, 80e9, 300e9, nics, cross_nic_bandwidth=1.25e9)
     model = OPT_CONFIGS["13B"]
     across = estimate(model, holmes, 256, 4, 1, 8, zero=1)  # dp groups span both kinds
     inside = estimate(model, holmes, 256, 2, 2, 8, zero=1)  # pp crosses, dp stays inside
@@ -55,13 +55,13 @@ def test_bad_configurations_say_what_to_change(kwargs, words):
 
 
 def test_explain_tells_a_pipeline_to_fit_from_one_for_its_links():
-    cluster = Cluster(2, 8, 312e12, 80e9, 300e9, 25e9)
+    cluster = Hardware(2, 8, 312e12, 80e9, 300e9, 25e9)
     plans = plan(OPT_CONFIGS["13B"], cluster, 64)
     best = plans[0]
     assert best.pp > 1 and any(p.pp == 1 for p in plans)  # it would fit without a pipeline
     assert "is not needed to fit; it puts the links between nodes on the pipeline" in \
         explain(best, cluster, plans)
-    small = Cluster(2, 8, 312e12, 16e9, 300e9, 25e9)
+    small = Hardware(2, 8, 312e12, 16e9, 300e9, 25e9)
     plans = plan(OPT_CONFIGS["13B"], small, 64)
     assert all(p.pp > 1 for p in plans)
     assert f"pp={plans[0].pp} splits the model so it fits" in explain(plans[0], small, plans)

@@ -11,7 +11,7 @@ import torch
 
 from .. import trace
 from ..collectives import fit_machine
-from ..machine import Machine, Step
+from ..machine import CommStep, Machine
 from ..models import mlp
 from ..runtime import Cluster, world_size
 from .compression import ErrorFeedback, Int8, PowerSGD, TopK
@@ -113,5 +113,5 @@ def _gradient_exchange_seconds(width: int, compression: str, k: int, machine: Ma
         elif compression.startswith("powersgd"):
             total += machine.all_reduce_seconds("ring", k, payload)
         elif k > 1:  # two ring all-gathers (data, index/scale): K-1 steps, every rank busy
-            total += 2 * (k - 1) * machine.step_seconds(Step(k, payload / 2, k))
+            total += 2 * (k - 1) * machine.step_seconds(CommStep(k, payload / 2, k))
     return total

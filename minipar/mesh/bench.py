@@ -22,10 +22,10 @@ from .. import cost
 from ..collectives import fit_machine
 from ..models import TinyGPT
 from ..report import format_table, progress, save_results
-from ..runtime import Cluster as Ranks
+from ..runtime import Cluster
 from .gpt import MeshGPT, gpt_loss
 from .mesh import Mesh
-from .planner import OPTIMIZER_BYTES_PER_PARAM, Cluster, estimate
+from .planner import OPTIMIZER_BYTES_PER_PARAM, Hardware, estimate
 
 SHAPE = dict(vocab=256, hidden=256, heads=4, layers=4, seq_len=64)
 BATCH, MICROBATCHES = 32, 4
@@ -119,11 +119,11 @@ def _on_rank_0(fn):
 
 
 def this_machine(ranks: int, flops: float, bandwidth: float, alpha: float,
-                 beta: float) -> Cluster:
+                 beta: float) -> Hardware:
     """The planner's description of `ranks` CPU processes on this machine: one node whose
     links are the fitted loopback and whose compute and memory rates were measured with
     all ranks busy."""
-    return Cluster(1, ranks, flops, 1e12, 1 / beta, 1 / beta, intra_latency=alpha,
+    return Hardware(1, ranks, flops, 1e12, 1 / beta, 1 / beta, intra_latency=alpha,
                    inter_latency=alpha, efficiency=1.0, memory_bandwidth=bandwidth,
                    cores=os.cpu_count() or 1, name="this machine")
 
@@ -131,7 +131,7 @@ def this_machine(ranks: int, flops: float, bandwidth: float, alpha: float,
 def measure(world_sizes: tuple[int, ...] = (4, 8), steps: int = 3) -> list[dict]:
     rows = []
     for k in world_sizes:
-        with Ranks(k, backend="gloo", timeout=120) as ranks:
+        with Cluster(k, backend="gloo", timeout=120) as ranks:
             progress(f"K={k}: fitting alpha and beta (ping-pong) and the compute rates")
             fitted = fit_machine(ranks, save=False)
             alpha, beta = fitted.alpha, fitted.beta

@@ -12,7 +12,7 @@ from .. import runtime
 from ..cost import GB, OPT_CONFIGS, TransformerConfig
 from ..grading import ExerciseError, refuse_library, run_on_ranks
 from .mesh import Mesh
-from .planner import Cluster, Plan, estimate, plan
+from .planner import Hardware, Plan, estimate, plan
 
 _MESHES = ({"dp": 2, "tp": 2}, {"dp": 2, "pp": 2, "tp": 2})
 _GROUPS_HINT = ("torch creates a group collectively: every rank must call dist.new_group for "
@@ -113,17 +113,17 @@ def check_mesh_groups(connect_mesh: Callable, meshes: tuple[dict[str, int], ...]
 
 # three clusters with three different winners: the NIC is fast, the NIC is slow, the
 # memory is small
-def degree_cases() -> list[tuple[str, TransformerConfig, Cluster, int]]:
+def degree_cases() -> list[tuple[str, TransformerConfig, Hardware, int]]:
     """(name, model, cluster, global batch) on which `check_pick_degrees` grades."""
-    fast = Cluster(2, 8, 312e12, 80 * GB, 300e9, 25e9, name="2 x 8 A100 80GB")
-    slow = Cluster(2, 8, 312e12, 80 * GB, 300e9, 1.25e9, name="2 x 8 A100, 10 Gb/s NICs")
-    small = Cluster(2, 8, 312e12, 24 * GB, 300e9, 25e9, name="2 x 8 24 GB GPUs")
+    fast = Hardware(2, 8, 312e12, 80 * GB, 300e9, 25e9, name="2 x 8 A100 80GB")
+    slow = Hardware(2, 8, 312e12, 80 * GB, 300e9, 1.25e9, name="2 x 8 A100, 10 Gb/s NICs")
+    small = Hardware(2, 8, 312e12, 24 * GB, 300e9, 25e9, name="2 x 8 24 GB GPUs")
     return [("OPT-1.3B on 2 x 8 A100 80GB", OPT_CONFIGS["1.3B"], fast, 64),
             ("OPT-1.3B on 2 x 8 A100, 10 Gb/s NICs", OPT_CONFIGS["1.3B"], slow, 64),
             ("OPT-13B on 2 x 8 GPUs of 24 GB", OPT_CONFIGS["13B"], small, 64)]
 
 
-def best_degrees(model: TransformerConfig, cluster: Cluster, global_batch: int) -> Plan:
+def best_degrees(model: TransformerConfig, cluster: Hardware, global_batch: int) -> Plan:
     """The planner's winner with the exercise's fixed choices (micro-batch 1, ZeRO-1 where
     dp > 1, selective recomputation)."""
     found = plan(model, cluster, global_batch, micro_batches=(1,), zero_stages=(0, 1),

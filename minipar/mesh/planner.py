@@ -38,7 +38,7 @@ OPTIMIZER_BYTES_PER_PARAM = 32  # Adam reads and writes weight, gradient and two
 
 
 @dataclass(frozen=True)
-class Cluster:
+class Hardware:
     """Devices in nodes: per-device peak FLOP/s and memory, the links inside a node, and
     each node's NIC bandwidth per device (one entry per node; uneven for mixed NICs, whose
     traffic between kinds may fall back to a slower path: `cross_nic_bandwidth`)."""
@@ -68,13 +68,13 @@ class Cluster:
 
 # published machines (data sheets): A100 80GB in DGX nodes with 8 x 200 Gb/s InfiniBand;
 # Frontier nodes of 4 MI250X (8 GCDs of 191.5 bf16 TFLOP/s) with 4 x 25 GB/s Slingshot
-def selene(nodes: int) -> Cluster:
-    return Cluster(nodes, 8, 312e12, 80 * GB, 300e9, 25e9, memory_bandwidth=2e12,
+def selene(nodes: int) -> Hardware:
+    return Hardware(nodes, 8, 312e12, 80 * GB, 300e9, 25e9, memory_bandwidth=2e12,
                    name="A100 (Selene)")
 
 
-def frontier(nodes: int) -> Cluster:
-    return Cluster(nodes, 8, 191.5e12, 64 * GB, 50e9, 12.5e9, memory_bandwidth=1.6e12,
+def frontier(nodes: int) -> Hardware:
+    return Hardware(nodes, 8, 191.5e12, 64 * GB, 50e9, 12.5e9, memory_bandwidth=1.6e12,
                    name="MI250X GCD (Frontier)")
 
 
@@ -112,7 +112,7 @@ class Plan:
                 f"zero={self.zero} recompute={self.recompute}")
 
 
-def _link(cluster: Cluster, ranks: list[int]) -> tuple[float, float]:
+def _link(cluster: Hardware, ranks: list[int]) -> tuple[float, float]:
     """(seconds per byte, latency) of a group: inside a node, or the slowest NIC it touches."""
     nodes = {r // cluster.devices_per_node for r in ranks}
     if len(nodes) == 1:
@@ -124,7 +124,7 @@ def _link(cluster: Cluster, ranks: list[int]) -> tuple[float, float]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _links(cluster: Cluster, dp: int, pp: int, tp: int) -> dict[str, tuple[float, float]]:
+def _links(cluster: Hardware, dp: int, pp: int, tp: int) -> dict[str, tuple[float, float]]:
     """(seconds per byte, latency) of each dimension's slowest group, ranks laid out
     pp (slowest), dp, tp (fastest); for pp, the link between neighbouring stages."""
     mesh = Mesh(pp=pp, dp=dp, tp=tp)
@@ -134,7 +134,7 @@ def _links(cluster: Cluster, dp: int, pp: int, tp: int) -> dict[str, tuple[float
                       for i in range(pp - 1)) if pp > 1 else (0.0, 0.0)}
 
 
-def estimate(model: TransformerConfig, cluster: Cluster, global_batch: int, dp: int, pp: int,
+def estimate(model: TransformerConfig, cluster: Hardware, global_batch: int, dp: int, pp: int,
              tp: int, micro_batch: int = 1, zero: int = 0, recompute: str = "selective",
              bytes_per_value: int = 2) -> Plan:
     """The memory and step time the model predicts for one configuration."""
@@ -181,7 +181,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def plan(model: TransformerConfig, cluster: Cluster, global_batch: int,
+def plan(model: TransformerConfig, cluster: Hardware, global_batch: int,
          micro_batches: tuple[int, ...] = (1, 2, 4, 8), zero_stages: tuple[int, ...] = (0, 1),
          recompute: tuple[str, ...] = cost.RECOMPUTE) -> list[Plan]:
     """Every configuration that fits in the device's memory, fastest first (then least
@@ -202,7 +202,7 @@ def plan(model: TransformerConfig, cluster: Cluster, global_batch: int,
     return sorted(found, key=lambda p: (round(p.step, 9), p.memory))
 
 
-def explain(best: Plan, cluster: Cluster, plans: list[Plan] | None = None) -> str:
+def explain(best: Plan, cluster: Hardware, plans: list[Plan] | None = None) -> str:
     """Why the winner wins, in the terms of the estimate. With `plans` (what `plan`
     returned) it can tell a pipeline needed to fit from one chosen for its links."""
     total = best.step

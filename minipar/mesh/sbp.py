@@ -149,7 +149,7 @@ _MATMUL = {  # (input, weight) -> output, for y = x @ W with x [tokens, in], W [
 
 
 @dataclass(frozen=True)
-class Step:
+class ChainStep:
     """One operation of a derived chain: what it takes, what it gives, and any conversion
     inserted before it to make its input acceptable."""
 
@@ -159,7 +159,7 @@ class Step:
 
 
 def derive(ops: list[tuple], x: str = "B", out: str = "B", nbytes: float = 1.0,
-           ranks: int = 2, alpha: float = 0.0, beta: float = 1.0) -> list[Step]:
+           ranks: int = 2, alpha: float = 0.0, beta: float = 1.0) -> list[ChainStep]:
     """Placements through `ops`, each ("matmul", weight placement[, output width / input
     width]) or ("elementwise", ""); a matmul whose input cannot meet its weight is preceded
     by the cheapest conversion of its input that can; an element-wise function (gelu)
@@ -184,14 +184,14 @@ def derive(ops: list[tuple], x: str = "B", out: str = "B", nbytes: float = 1.0,
                 before, here = conversion("P", "B", nbytes, ranks, alpha, beta), "B"
         else:
             raise ValueError(f"op must be 'matmul' or 'elementwise'; got {op!r}")
-        steps.append(Step(f"{op} {weight}".strip(), before, placement(here)))
+        steps.append(ChainStep(f"{op} {weight}".strip(), before, placement(here)))
     if here != str(placement(out)):
-        steps.append(Step(f"to {placement(out)}", conversion(here, out, nbytes, ranks, alpha,
-                                                             beta), placement(out)))
+        last = conversion(here, out, nbytes, ranks, alpha, beta)
+        steps.append(ChainStep(f"to {placement(out)}", last, placement(out)))
     return steps
 
 
-def chain_cost(steps: list[Step]) -> float:
+def chain_cost(steps: list[ChainStep]) -> float:
     return sum(s.before.seconds for s in steps if s.before is not None)
 
 
@@ -210,7 +210,7 @@ def mlp_placements(ranks: int = 2, nbytes: float = 1.0) -> list[tuple[str, str, 
     return sorted(rows, key=lambda r: r[2])
 
 
-def run_chain(x: torch.Tensor, weights: list[torch.Tensor], steps: list[Step],
+def run_chain(x: torch.Tensor, weights: list[torch.Tensor], steps: list[ChainStep],
               group=None) -> torch.Tensor:
     """Execute a chain from `derive` on real ranks: `x` placed as the chain's input,
     `weights` the full matrices of its matmuls (each rank keeps its own piece), every

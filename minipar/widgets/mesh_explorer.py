@@ -7,7 +7,7 @@ import ipywidgets as w
 
 from minipar.cost import GB, OPT_CONFIGS
 from minipar.mesh import Mesh
-from minipar.mesh.planner import Cluster, explain, plan
+from minipar.mesh.planner import Hardware, explain, plan
 
 from .figure_view import FigureView
 from .labels import full_labels
@@ -98,9 +98,9 @@ class PlannerExplorer(w.VBox):
         self.draw()
 
     @property
-    def cluster(self) -> Cluster:
+    def cluster(self) -> Hardware:
         """A100-like devices (312 TFLOP/s, 300 GB/s inside a node) with the chosen rest."""
-        return Cluster(self.nodes.value, self.per_node.value, 312e12, self.memory.value * GB,
+        return Hardware(self.nodes.value, self.per_node.value, 312e12, self.memory.value * GB,
                        300e9, self.nic.value * 1e9 / 8,
                        name=f"{self.nodes.value} x {self.per_node.value} devices")
 

@@ -16,7 +16,7 @@ from matplotlib.patches import FancyBboxPatch
 
 from minipar.cost import GB
 from minipar.mesh import Mesh
-from minipar.mesh.planner import Cluster, Plan
+from minipar.mesh.planner import Hardware, Plan
 
 DIM_COLORS = {"dp": "#4C72B0", "pp": "#DD8452", "tp": "#55A868", "ep": "#8172B3"}
 _OTHER = ["#C44E52", "#937860", "#64B5CD", "#CCB974"]
@@ -125,7 +125,7 @@ def render_mesh(mesh: Mesh, selected: int | None = None, colour_by: str | None =
     return fig
 
 
-def render_plans(plans: list[Plan], cluster: Cluster, title: str = "") -> Figure:
+def render_plans(plans: list[Plan], cluster: Hardware, title: str = "") -> Figure:
     """The planner's configurations, fastest at the top: each step's time stacked by where
     it goes, and beside it the memory on the fullest device against the device's."""
     if not plans:
