@@ -6,6 +6,7 @@ twice. ARCHITECTURE.md says why."""
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 from pathlib import Path
 
@@ -123,7 +124,7 @@ def test_no_package_imports_a_package_that_imports_it():
                 why.setdefault((a, b), f"{m} imports {n}")
     cycle = _find_cycle(graph)
     assert cycle is None, "package cycle: " + " -> ".join(cycle) + " (" + "; ".join(
-        why[(a, b)] for a, b in zip(cycle, cycle[1:])) + ")"
+        why[(a, b)] for a, b in itertools.pairwise(cycle)) + ")"
 
 
 def test_no_public_class_name_is_defined_twice():

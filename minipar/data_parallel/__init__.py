@@ -19,10 +19,11 @@ from .ddp import (
     FIRST_BUCKET_BYTES,
     DataParallel,
     average_gradients,
+    bucket_parameters,
     shard,
     shard_weight,
     single_process_sgd,
 )
 
-__all__ = ["FIRST_BUCKET_BYTES", "DataParallel", "average_gradients", "shard", "shard_weight",
-           "single_process_sgd"]
+__all__ = ["FIRST_BUCKET_BYTES", "DataParallel", "average_gradients", "bucket_parameters",
+           "shard", "shard_weight", "single_process_sgd"]

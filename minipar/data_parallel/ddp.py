@@ -82,6 +82,28 @@ def single_process_sgd(model: nn.Module, batches, loss_fn, lr: float, momentum: 
     return losses, parameters_to_vector(model.parameters()).detach()
 
 
+def bucket_parameters(params: list[nn.Parameter], bucket_bytes: int | None,
+                      first_bucket_bytes: int | None = None) -> list[list[nn.Parameter]]:
+    """Consecutive groups of `params` of at most `bucket_bytes` each (a larger parameter
+    gets a group of its own; None: one parameter per group). A change of dtype starts a new
+    group, since a bucket is one flat buffer. `first_bucket_bytes` caps the first group:
+    torch's DDP keeps it small so the first all-reduce starts early in backward."""
+    groups: list[list[nn.Parameter]] = []
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        cap = bucket_bytes
+        if len(groups) == 1 and bucket_bytes is not None and first_bucket_bytes is not None:
+            cap = min(bucket_bytes, first_bucket_bytes)  # still filling the first group
+        if (not groups or cap is None or size + nbytes > cap
+                or groups[-1][0].dtype != p.dtype):
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += nbytes
+    return groups
+
+
 class _Bucket:
     """Parameters whose gradients travel together in one flat tensor. Each parameter's
     .grad becomes a view into it (as DDP's gradient_as_bucket_view): backward then adds
@@ -143,7 +165,9 @@ class DataParallel(nn.Module):
             for tensor in list(module.parameters()) + list(module.buffers()):
                 collectives.broadcast(tensor.data, src=0)
         trainable = [p for p in module.parameters() if p.requires_grad]
-        self.buckets = self._make_buckets(list(reversed(trainable)), bucket_bytes)
+        # backward produces gradients from the last layer to the first: bucket in that order
+        groups = bucket_parameters(list(reversed(trainable)), bucket_bytes, FIRST_BUCKET_BYTES)
+        self.buckets = [_Bucket(i, g) for i, g in enumerate(groups)]
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._sync = True
         self._started = False
@@ -152,22 +176,6 @@ class DataParallel(nn.Module):
         self._comm = CommThread("minipar-dp-comm")
         for p in trainable:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-
-    @staticmethod
-    def _make_buckets(params: list[nn.Parameter], bucket_bytes: int | None) -> list[_Bucket]:
-        groups: list[list[nn.Parameter]] = []
-        size = 0
-        for p in params:
-            nbytes = p.numel() * p.element_size()
-            cap = bucket_bytes if len(groups) > 1 or bucket_bytes is None \
-                else min(bucket_bytes, FIRST_BUCKET_BYTES)
-            if (not groups or bucket_bytes is None or size + nbytes > cap
-                    or groups[-1][0].dtype != p.dtype):
-                groups.append([])
-                size = 0
-            groups[-1].append(p)
-            size += nbytes
-        return [_Bucket(i, g) for i, g in enumerate(groups)]
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

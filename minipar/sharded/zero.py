@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from .. import collectives
+from ..data_parallel import bucket_parameters
 from ..runtime import rank, world_size
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -149,22 +150,6 @@ def cast_inputs(args: tuple, dtype: torch.dtype | None) -> tuple:
                  for a in args)
 
 
-def bucket_parameters(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
-    """Consecutive groups of at most `bucket_bytes` (a larger parameter gets its own)."""
-    if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be a positive int; got {bucket_bytes!r}")
-    buckets: list[list[nn.Parameter]] = []
-    used = 0
-    for p in params:
-        size = p.numel() * p.element_size()
-        if not buckets or used + size > bucket_bytes:
-            buckets.append([])
-            used = 0
-        buckets[-1].append(p)
-        used += size
-    return buckets
-
-
 class ZeroDataParallel:
     """Train `module` with ZeRO stage 1 or 2 over all ranks (or the ranks of `group`: the
     data-parallel dimension of a mesh).
@@ -184,6 +169,8 @@ class ZeroDataParallel:
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (stage 3 is FullyShardedDataParallel); "
                              f"got {stage!r}")
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive int; got {bucket_bytes!r}")
         params = trainable_parameters(module)
         if not params:
             raise ValueError("module has no parameter with requires_grad=True to train")
