@@ -1,4 +1,5 @@
 """Experts on a mesh: expert parallelism over an `ep` dimension inside data parallelism.
+The MoE composition sits above the mesh (moe imports mesh, never the reverse).
 
 On `Mesh(dp=2, ep=2)` the two ranks of an ep group split the experts between them and
 exchange tokens by all-to-all; the two ep groups are data-parallel replicas. Gradients
@@ -21,9 +22,10 @@ import torch
 
 from .. import collectives
 from ..data_parallel import average_gradients
-from ..moe import ExpertParallelMoE, MoELayer
+from ..mesh import Mesh
 from ..runtime import rank
-from .mesh import Mesh
+from .expert_parallel import ExpertParallelMoE
+from .layer import MoELayer
 
 _HIDDEN, _TOKENS = 8, 6  # per rank
 
