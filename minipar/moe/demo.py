@@ -14,11 +14,12 @@ from ..demo import Check, Context, Row, skip, start_clock
 from ..mesh import Mesh
 from ..runtime import device, rank, world_size
 from .adaptive import AdaptiveMoE
+from .expert_choice import ExpertChoiceMoE
 from .expert_parallel import ExpertParallelMoE
+from .hierarchical import HierarchicalAllToAll
 from .layer import MoELayer
 from .on_mesh import check_moe_against_twin
 from .pipeline_moe import PipelineMoE
-from .variants import ExpertChoiceMoE
 
 EXPERTS, TOKENS_PER_RANK, HIDDEN = 4, 8, 16
 
@@ -66,13 +67,13 @@ def _on_mesh(dims: dict[str, int]) -> Check:
 
 def _expert_parallel(title: str, hierarchical: bool = False) -> Check:
     k, me = world_size(), rank()
-    hierarchy = None
+    exchange = None  # the flat all-to-all
     if hierarchical:
         groups = Mesh(node=2, local=k // 2).connect()
-        hierarchy = (groups.local, groups.node)
+        exchange = HierarchicalAllToAll(groups.local, groups.node)
     twin, tokens = _twin(), _tokens()
     reference = twin(tokens)[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK]
-    layer = ExpertParallelMoE(twin, hierarchy=hierarchy).to(device())
+    layer = ExpertParallelMoE(twin, exchange=exchange).to(device())
     x = tokens[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK].to(device())
     start = start_clock()
     with collectives.meter() as m:

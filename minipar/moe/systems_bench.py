@@ -22,12 +22,15 @@ from ..mesh import Mesh
 from ..report import format_table, progress, spread
 from ..runtime import Cluster, rank, world_size
 from .adaptive import AdaptiveMoE
+from .dropless import DroplessMoE
+from .exchange import Exchange, FlatAllToAll
+from .expert_choice import ExpertChoiceMoE
 from .expert_parallel import ExpertParallelMoE
-from .hierarchical import hierarchical_all_to_all
+from .hierarchical import HierarchicalAllToAll, hierarchical_all_to_all
 from .layer import MoELayer
 from .lsh import LSHMoE
 from .pipeline_moe import PipelineMoE
-from .variants import DroplessMoE, ExpertChoiceMoE
+from .pipelining import ChunkedAllToAll
 
 SHAPE = dict(hidden=128, ffn=256, experts=8, k=2)
 
@@ -89,17 +92,22 @@ def _layer(rule: str) -> torch.nn.Module:
                        capacity_factor=1.25, **extra)
 
 
+def _exchange_of(system: System) -> Exchange:
+    """The row's exchange, built from its fields."""
+    if system.exchange == "hierarchical":
+        groups = Mesh(node=2, local=2).connect()
+        return HierarchicalAllToAll(groups.local, groups.node)
+    return ChunkedAllToAll(system.chunks) if system.exchange == "pipelined" else FlatAllToAll()
+
+
 def _step(system: System, tokens: int, steps: int) -> dict:
     """On one rank: median seconds of forward + backward, bytes sent per step, and the
     rows the dispatch carried (or would carry) per step."""
     k, me = world_size(), rank()
     x_all = _tokens(tokens, SHAPE["hidden"])
     layer, x = _layer(system.rule), x_all.chunk(k)[me]
-    if system.parallelism == "EP" and system.exchange == "hierarchical":
-        groups = Mesh(node=2, local=2).connect()
-        layer = ExpertParallelMoE(layer, hierarchy=(groups.local, groups.node))
-    elif system.parallelism == "EP":
-        layer = ExpertParallelMoE(layer, chunks=system.chunks)
+    if system.parallelism == "EP":
+        layer = ExpertParallelMoE(layer, exchange=_exchange_of(system))
     elif system.parallelism == "adaptive":
         layer = AdaptiveMoE(layer, degree=system.degree)
     elif system.parallelism == "pipeline":
@@ -144,7 +152,7 @@ def _expert_rows(layer: torch.nn.Module) -> int | None:
 
 SYSTEMS = (System("EP", exchange="flat"), *(System("EP", exchange="pipelined", chunks=c)
                                              for c in (1, 2, 4)),
-           *(System("EP", rule) for rule in EP_RULE_NAMES),
+           *(System("EP", rule, exchange="flat") for rule in EP_RULE_NAMES),
            System("EP", exchange="hierarchical"), System("adaptive", degree=1),
            System("adaptive", degree=0), System("pipeline"),
            *(System("one process", rule) for rule in ONE_PROCESS_NAMES))
