@@ -32,8 +32,8 @@ def _twin() -> MoELayer:
 def demo() -> list[Check]:
     """On every rank: this rank's experts and tokens, against the whole layer on one process;
     on 4 ranks also Tutel's hierarchical exchange (2 nodes x 2), Pipeline MoE, Tutel's
-    adaptive parallelism at every degree and expert-parallel expert choice; on 1, 2, 4 or 8
-    ranks the experts over ep inside dp (`on_mesh`)."""
+    adaptive parallelism at every degree and expert-parallel expert choice; on 4 or 8 ranks
+    the experts over ep inside dp=2 (`on_mesh`)."""
     k = world_size()
     title = f"expert parallel MoE (E={EXPERTS}, k=2, shared expert), EP={k}"
     if EXPERTS % k:
@@ -46,8 +46,8 @@ def demo() -> list[Check]:
         checks += [_expert_parallel("expert parallel MoE, hierarchical all-to-all (2 nodes x 2)",
                                     hierarchical=True), _pipeline_moe(), _adaptive(),
                    _expert_choice()]
-    if k in (1, 2, 4, 8):  # ep must divide on_mesh's 4 experts
-        checks.append(_on_mesh({"dp": 2, "ep": k // 2} if k >= 4 else {"ep": k}))
+    if k in (4, 8):  # a dp dimension of 2, and ep must divide on_mesh's 4 experts
+        checks.append(_on_mesh({"dp": 2, "ep": k // 2}))
     return checks
 
 

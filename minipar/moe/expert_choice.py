@@ -36,10 +36,13 @@ def global_expert_choice(probs: torch.Tensor, k: int, capacity_factor: float, pe
     everyone = collectives.all_gather(torch.tensor([tokens], device=probs.device), group)
     total = int(everyone.sum())
     cap = expert_capacity(total, num_experts, k, capacity_factor)
+    # picking is discrete: the scores travel detached, the weights keep their gradient
+    # (probs[token, expert] on the token's own rank)
     columns = probs.detach().reshape(tokens, size, per_rank).transpose(0, 1)  # [owner, T, L]
     scores = collectives.all_to_all(columns.reshape(size * tokens, per_rank),
                                     [tokens] * size, everyone.tolist(), group)  # [total, L]
-    picks = scores.t().topk(cap, dim=-1).indices  # [L, C]: global token ids
+    picks = scores.t().topk(cap, dim=-1).indices  # [L, C]: global token ids, as topk picks
+    # them on one process (the same scores in the same order: ties break alike)
     ends = everyone.cumsum(0)
     starts = ends - everyone
     source = torch.searchsorted(ends, picks.reshape(-1), right=True)

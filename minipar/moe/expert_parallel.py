@@ -79,7 +79,9 @@ class ExpertParallelMoE(nn.Module):
         self.last_routing = choices.routing
         rows, expert, slot, state = self.rule.pack(x, choices)
         owner = expert // self.per_rank
-        order = torch.argsort(owner, stable=True)  # group outgoing rows by destination rank
+        # group outgoing rows by destination rank; stable, so each rank's rows keep the
+        # rule's order and arrive in it
+        order = torch.argsort(owner, stable=True)
         outgoing, expert, slot, owner = (t[order] for t in (rows, expert, slot, owner))
         send_counts = torch.bincount(owner, minlength=world_size(self.group)).tolist()
         self.last_send_counts = send_counts

@@ -28,6 +28,8 @@ def lsh_buckets(x: torch.Tensor, bits: int, seed: int = 0) -> torch.Tensor:
     for b bits are the first b of those for more bits, so more bits refine the buckets."""
     if not 1 <= bits <= 62:
         raise ValueError(f"bits must be between 1 and 62; got {bits}")
+    # SimHash (random hyperplanes), not the paper's cross-polytope hashing: simpler, and
+    # similar tokens still share buckets
     planes = torch.randn(bits, x.shape[-1], generator=torch.Generator().manual_seed(seed),
                          dtype=x.dtype).t()  # row by row: plane i is the same for any bits
     signs = (x @ planes > 0).long()
@@ -49,6 +51,7 @@ def centroid_outputs(out: torch.Tensor, which: torch.Tensor, rows: torch.Tensor,
                      means: torch.Tensor, compensate: bool) -> torch.Tensor:
     """Each token choice's output: its bucket mean's output, plus (with `compensate`) its
     own residual rows - mean, which never left home."""
+    # LSH-MoE's residual compensation as we read it: exact for an identity expert
     return out[which] + (rows - means[which]) if compensate else out[which]
 
 

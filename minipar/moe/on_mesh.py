@@ -49,11 +49,12 @@ def sync_gradients(layer: ExpertParallelMoE, dp_group, ep_size: int) -> None:
     """Dense parameters: mean over every rank. Experts: mean over dp (`dp_group`; None
     when the mesh has no dp dimension), divided by ep."""
     experts = {id(p) for p in layer.experts.parameters()}
+    # DeepSpeed-MoE / Megatron: replicated parameters average over every rank
     average_gradients([p for p in layer.parameters() if id(p) not in experts])
     expert_params = list(layer.experts.parameters())
     if dp_group is not None:
         average_gradients(expert_params, dp_group)
-    for p in expert_params:
+    for p in expert_params:  # its gradient summed the ep group's tokens: make it their mean
         p.grad /= ep_size
 
 

@@ -141,8 +141,10 @@ class ChunkedAllToAll(Exchange):
     def round_trip(self, rows: torch.Tensor, meta: torch.Tensor, send_counts: list[int],
                    compute: Compute, group=None) -> torch.Tensor:
         recv_counts = collectives.swap_counts(send_counts, group)  # rows from each rank
+        # the metadata is small: it travels whole, ahead of the chunks, so every chunk's
+        # rows know their expert on arrival
         arrived_meta = collectives.all_to_all(meta.contiguous(), send_counts, recv_counts,
-                                              group)  # whole, ahead of the chunks
+                                              group)
         return pipelined_experts(rows, arrived_meta, send_counts, recv_counts, compute,
                                  self.chunks, group)
 
