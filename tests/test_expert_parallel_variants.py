@@ -7,8 +7,7 @@ from conftest import grad_mismatches
 
 import minipar
 from minipar import collectives
-from minipar.moe import ExpertParallelMoE, LSHMoE, MoELayer
-from minipar.moe.variants import ExpertChoiceMoE
+from minipar.moe import ExpertChoiceMoE, ExpertParallelMoE, LSHMoE, MoELayer
 
 TOKENS_PER_RANK, HIDDEN = 6, 8
 
@@ -95,15 +94,23 @@ def test_lsh_expert_parallel_sends_each_ranks_bucket_means(cluster4):
         assert narrow["bytes"] < r["bytes"]  # fewer rows through the all-to-all
 
 
-def _hierarchy_with_row_wise_twin():
+def _every_rule_on_every_exchange():
     from minipar.mesh import Mesh
+    from minipar.moe import ChunkedAllToAll, DroplessMoE, HierarchicalAllToAll
+
     groups = Mesh(node=2, local=2).connect()
-    try:
-        ExpertParallelMoE(LSHMoE(HIDDEN, 16, 4, k=2), hierarchy=(groups.local, groups.node))
-    except ValueError as error:
-        return str(error)
+    x = _mine(_tokens(minipar.world_size()))
+    wrong = []
+    for make in (MoELayer, DroplessMoE, ExpertChoiceMoE, LSHMoE):
+        twin = make(HIDDEN, 16, 4, k=2, capacity_factor=1.0, seed=3, dtype=torch.float64)
+        flat = ExpertParallelMoE(twin)(x)
+        for exchange in (HierarchicalAllToAll(groups.local, groups.node), ChunkedAllToAll(2)):
+            y = ExpertParallelMoE(twin, exchange=exchange)(x)
+            if not torch.allclose(y, flat, rtol=1e-12, atol=1e-14):
+                wrong.append((make.__name__, repr(exchange)))
+    return wrong
 
 
-def test_row_wise_twins_refuse_the_hierarchical_exchange(cluster4):
-    assert all("hierarchy needs chunks=None and a plain MoELayer twin" in e
-               for e in cluster4.run(_hierarchy_with_row_wise_twin))
+def test_every_routing_rule_composes_with_every_exchange(cluster4):
+    # the rule and the exchange are separate objects: any pair gives the flat layer's rows
+    assert cluster4.run(_every_rule_on_every_exchange) == [[]] * 4

@@ -62,15 +62,15 @@ def test_the_model_says_where_hierarchy_wins():
 
 
 def _flat_and_hierarchical_ep():
-    from minipar.moe import ExpertParallelMoE, MoELayer
+    from minipar.moe import ExpertParallelMoE, HierarchicalAllToAll, MoELayer
 
     groups = Mesh(node=2, local=2).connect()
     twin = MoELayer(8, 16, num_experts=4, k=2, capacity_factor=0.75, seed=3,
                     dtype=torch.float64)
     x = torch.randn(6, 8, generator=torch.Generator().manual_seed(rank()), dtype=torch.float64)
     out = []
-    for hierarchy in (None, (groups.local, groups.node)):
-        layer = ExpertParallelMoE(twin, hierarchy=hierarchy)
+    for exchange in (None, HierarchicalAllToAll(groups.local, groups.node)):
+        layer = ExpertParallelMoE(twin, exchange=exchange)
         y = layer(x)
         y.pow(2).sum().backward()
         out.append((y.detach(), [p.grad for p in layer.parameters()]))
@@ -104,14 +104,14 @@ def test_exchange_plan_ends_where_the_flat_one_does():
 
 
 def _chunked_ep(chunks):
-    from minipar.moe import ExpertParallelMoE, MoELayer
+    from minipar.moe import ChunkedAllToAll, ExpertParallelMoE, MoELayer
 
     twin = MoELayer(8, 16, num_experts=4, k=2, capacity_factor=0.75, shared_expert=True,
                     seed=3, dtype=torch.float64)
     x = torch.randn(7, 8, generator=torch.Generator().manual_seed(rank()), dtype=torch.float64)
     out = []
-    for c in (None, chunks):
-        layer = ExpertParallelMoE(twin, chunks=c)
+    for exchange in (None, ChunkedAllToAll(chunks)):
+        layer = ExpertParallelMoE(twin, exchange=exchange)
         y = layer(x)
         y.pow(2).sum().backward()
         out.append((y.detach(), [p.grad for p in layer.parameters()]))
@@ -131,7 +131,7 @@ def _choose():
 
     layer = ExpertParallelMoE(MoELayer(16, 32, num_experts=4, k=2, seed=1))
     times = choose_chunks(layer, torch.randn(64, 16), candidates=(1, 2), repeats=2)
-    return times, layer.chunks
+    return times, layer.exchange.chunks
 
 
 def test_choose_chunks_keeps_the_fastest_and_every_rank_agrees(cluster2):

@@ -6,7 +6,7 @@ import pytest
 import minipar
 from minipar.mesh import Mesh, MeshGPT
 from minipar.mesh.gpt import check_against_twin
-from minipar.mesh.moe import check_moe_against_twin
+from minipar.moe.on_mesh import check_moe_against_twin
 
 
 def test_ranks_are_row_major_with_the_last_dimension_fastest():
@@ -105,14 +105,14 @@ def test_experts_over_ep_inside_dp_train_like_one_process(cluster4, dims):
 
 
 def _experts_averaged_like_dense(dims):
-    from minipar.mesh import moe
+    from minipar.moe import on_mesh
 
-    kept = moe.sync_gradients
-    moe.sync_gradients = lambda layer, dp_group, ep_size: kept(layer, dp_group, 1)
+    kept = on_mesh.sync_gradients
+    on_mesh.sync_gradients = lambda layer, dp_group, ep_size: kept(layer, dp_group, 1)
     try:
         return check_moe_against_twin(dims, steps=1)
     finally:
-        moe.sync_gradients = kept
+        on_mesh.sync_gradients = kept
 
 
 def test_expert_gradients_need_dividing_by_the_ep_size(cluster4):

@@ -61,7 +61,7 @@ def _per_token_reference(layer, x):
     rows = []
     for t in range(x.shape[0]):
         y = torch.zeros_like(x[t])
-        for j in range(layer.k):
+        for j in range(layer.rule.k):
             if r.slot[t, j] >= 0:
                 y = y + r.weight[t, j] * layer.experts[int(r.expert[t, j])](x[t])
         rows.append(y + (layer.shared(x[t]) if layer.shared is not None else 0))

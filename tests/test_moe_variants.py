@@ -2,8 +2,7 @@
 
 import torch
 
-from minipar.moe import MoELayer
-from minipar.moe.variants import DroplessMoE, ExpertChoiceMoE, padding_waste
+from minipar.moe import DroplessMoE, ExpertChoiceMoE, MoELayer, padding_waste
 
 HIDDEN, TOKENS, EXPERTS = 8, 24, 4
 

@@ -1,7 +1,7 @@
 """The mesh demo: the tiny GPT trained on a DP x PP x TP mesh (and with ZeRO-1 over dp),
-and an MoE layer with experts over ep inside dp, each rank checking its loss, gradients
-and parameters against one process. `python -m minipar.mesh`, `minipar tour` and the
-tests run `demo`."""
+each rank checking its loss, gradients and parameters against one process (MoE experts over
+an ep dimension are the MoE demo's: the MoE package sits above the mesh). `python -m minipar.mesh`,
+`minipar tour` and the tests run `demo`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from .. import collectives
 from ..demo import Check, Context, Row, start_clock
 from ..runtime import world_size
 from .gpt import check_against_twin
-from .moe import check_moe_against_twin
 
 
 def default_dims(ranks: int) -> dict[str, int]:
@@ -34,7 +33,7 @@ def mesh_dims(ranks: int, dp: int = 0, pp: int = 0, tp: int = 0) -> dict[str, in
     return dims
 
 
-def check_options(ranks: int, dp: int = 0, pp: int = 0, tp: int = 0, moe: int = 1) -> None:
+def check_options(ranks: int, dp: int = 0, pp: int = 0, tp: int = 0) -> None:
     """`python -m minipar.mesh`'s options, checked before any rank starts."""
     mesh_dims(ranks, dp, pp, tp)
 
@@ -54,22 +53,17 @@ def _check(title: str, fn, *args) -> Check:
     return Check(title, ok, time.perf_counter() - start, m.sent_bytes, note=note)
 
 
-def demo(dp: int = 0, pp: int = 0, tp: int = 0, moe: int = 1) -> list[Check]:
+def demo(dp: int = 0, pp: int = 0, tp: int = 0) -> list[Check]:
     """On every rank: the GPT on a dp x pp x tp mesh (0s: `default_dims`) with Adam, then
-    with ZeRO-1 over dp; and (moe=1) the MoE layer's 4 experts over ep, inside dp on 4 or
-    more ranks."""
+    with ZeRO-1 over dp."""
     k = world_size()
     dims = mesh_dims(k, dp, pp, tp)
     checks = [_check(f"GPT on a mesh, {_label(dims)}, Adam", check_against_twin, dims)]
     if dims["dp"] > 1:
         checks.append(_check(f"GPT on a mesh, {_label(dims)}, ZeRO-1 over dp",
                              check_against_twin, dims, True))
-    if moe and k in (1, 2, 4, 8):  # ep must divide the 4 experts
-        moe_dims = {"dp": 2, "ep": k // 2} if k >= 4 else {"ep": k}
-        checks.append(_check(f"MoE, experts over {_label(moe_dims)}", check_moe_against_twin,
-                             moe_dims))
     return checks
 
 
 def tour(ctx: Context) -> list[Row]:
-    return ctx.checks(4, demo, 2, 1, 2) + ctx.checks(4, demo, 1, 2, 2, moe=0)
+    return ctx.checks(4, demo, 2, 1, 2) + ctx.checks(4, demo, 1, 2, 2)

@@ -39,10 +39,10 @@ from .. import collectives
 from ..runtime import rank, world_size
 from ..tensor_parallel.mappings import gather_from_sequence_parallel_region
 from ..trace import record
-from .expert_parallel import global_routing
 from .layer import MoELayer
 from .pipeline_moe import partial_output
-from .pipelining import pipelined_experts, step_seconds
+from .pipelining import pipelined_experts, run_by_expert, step_seconds
+from .top_k import TopKCapacity
 
 
 def valid_degrees(experts: int, ranks: int) -> tuple[int, ...]:
@@ -117,8 +117,9 @@ class AdaptiveMoE(nn.Module):
                              f"{self.s} ranks each expert is split over")
         self.ffn = ffn
         self.degree = self._check(degree)
-        self.k, self.capacity_factor, self.min_capacity, self.order = twin.k, \
-            twin.capacity_factor, twin.min_capacity, twin.order
+        if not isinstance(twin.rule, TopKCapacity):
+            raise ValueError(f"AdaptiveMoE routes by top-k with capacity; got {twin.rule!r}")
+        self.rule = twin.rule  # the twin's rule object: global routing, as ExpertParallelMoE
         self.gate = copy.deepcopy(twin.gate)
         self.shared = copy.deepcopy(twin.shared) if twin.shared is not None else None
         for name, tensor in self.twin_slices(twin).items():  # [L, ...] each
@@ -166,8 +167,7 @@ class AdaptiveMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, degree: int | str | None = None) -> torch.Tensor:
         degree = self._check(self.degree if degree is None else degree)
-        routing = global_routing(self.gate(x), self.k, self.capacity_factor, self.min_capacity,
-                                 self.order, self.group)
+        routing = self.rule.route_global(self.gate(x), self.group)
         self.last_routing = routing
         if degree == "auto":  # the same on every rank: it depends on the global capacity
             rows = self.num_experts * routing.capacity / world_size(self.group)
@@ -215,7 +215,8 @@ class AdaptiveMoE(nn.Module):
         recv = collectives.swap_counts(send, self.group)
         arrived_local = collectives.all_to_all(local, send, recv, self.group)
         self.rows_computed = len(arrived_local)
-        returned = pipelined_experts(x[token], arrived_local, send, recv, experts, 1,
+        returned = pipelined_experts(x[token], arrived_local, send, recv,
+                                     lambda rows, which: run_by_expert(experts, rows, which), 1,
                                      self.group)
         return x.new_zeros(x.shape).index_add(0, token, returned * weight.unsqueeze(-1))
 

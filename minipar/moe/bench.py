@@ -17,12 +17,13 @@ from .expert_parallel import ExpertParallelMoE
 from .layer import MoELayer
 
 
-def _moe_step(kind: str, tokens: int, hidden: int, ffn: int, experts: int, k: int,
+def _moe_step(model: str, tokens: int, hidden: int, ffn: int, experts: int, k: int,
               steps: int) -> tuple[float, float]:
-    """Median seconds per forward+backward, and the share spent in all-to-all (EP only)."""
+    """Median seconds per forward+backward of `model` ("dense" or "moe"; expert-parallel
+    on more than one rank), and the share spent in all-to-all (EP only)."""
 
     torch.manual_seed(0)
-    if kind == "dense":
+    if model == "dense":
         layer = FFN(hidden, k * ffn)  # the same active parameters as k experts
     else:
         layer = MoELayer(hidden, ffn, experts, k, capacity_factor=1.25)
@@ -44,6 +45,11 @@ def _moe_step(kind: str, tokens: int, hidden: int, ffn: int, experts: int, k: in
     return statistics.median(times), exchange / (sum(times) * (steps + 1) / steps)
 
 
+def layer_label(model: str, ranks: int) -> str:
+    """A row's display name, derived from its keys: "moe, EP=2" for the MoE on 2 ranks."""
+    return model if ranks == 1 else f"{model}, EP={ranks}"
+
+
 def measure(tokens: int = 4096, hidden: int = 256, ffn: int = 512, experts: int = 8,
             k: int = 2, steps: int = 3, systems: bool = True, rounds: int = 3) -> list[dict]:
     """Tokens/s: dense FFN (same active size), MoE on one process, MoE with EP = 2, taking
@@ -51,24 +57,26 @@ def measure(tokens: int = 4096, hidden: int = 256, ffn: int = 512, experts: int 
     then the systems papers' layers and the flat vs hierarchical exchange
     (systems_bench.py, tagged part="systems" / "exchange")."""
     rows = []
-    kinds = (("dense", 1), ("moe", 1), ("moe, EP=2", 2))
-    runs: dict[str, list] = {kind: [] for kind, _ in kinds}
+    cases = (("dense", 1), ("moe", 1), ("moe", 2))  # (model, ranks): the rows' keys
+    runs: dict[tuple[str, int], list] = {case: [] for case in cases}
     with Cluster(1, backend="gloo") as one, Cluster(2, backend="gloo") as two:
         for round_index in range(rounds):  # the layers take turns: same machine per round
-            for kind, ranks in kinds:
-                progress(f"{kind}, round {round_index + 1}/{rounds}")
-                runs[kind].append((one if ranks == 1 else two).run(
-                    _moe_step, kind.split(",")[0], tokens, hidden, ffn, experts, k, steps))
-    slowest = {kind: [max(r[0] for r in run) for run in runs[kind]] for kind, _ in kinds}
-    for kind, _ in kinds:
-        seconds = statistics.median(slowest[kind])
-        rows.append({"layer": kind, "tokens_per_s": tokens / seconds, "seconds": seconds,
+            for model, ranks in cases:
+                progress(f"{layer_label(model, ranks)}, round {round_index + 1}/{rounds}")
+                runs[model, ranks].append((one if ranks == 1 else two).run(
+                    _moe_step, model, tokens, hidden, ffn, experts, k, steps))
+    slowest = {case: [max(r[0] for r in run) for run in runs[case]] for case in cases}
+    for model, ranks in cases:
+        mine = slowest[model, ranks]
+        seconds = statistics.median(mine)
+        rows.append({"model": model, "ranks": ranks, "layer": layer_label(model, ranks),
+                     "tokens_per_s": tokens / seconds, "seconds": seconds,
                      "all_to_all_share": statistics.median(max(r[1] for r in run)
-                                                           for run in runs[kind])
-                     if "EP" in kind else None,
-                     "vs_dense_rounds": [d / t for d, t in zip(slowest["dense"], slowest[kind],
+                                                           for run in runs[model, ranks])
+                     if ranks > 1 else None,
+                     "vs_dense_rounds": [d / t for d, t in zip(slowest["dense", 1], mine,
                                                                strict=True)],
-                     "vs_one_rounds": [o / t for o, t in zip(slowest["moe"], slowest[kind],
+                     "vs_one_rounds": [o / t for o, t in zip(slowest["moe", 1], mine,
                                                              strict=True)]})
     for row in rows:
         row["vs_dense"] = statistics.median(row["vs_dense_rounds"])
@@ -105,7 +113,8 @@ def report(rows: list[dict], out_dir: Path) -> str:
                        "expert-parallel")
     shown = [{"layer": r["layer"], "tps": f"{r['tokens_per_s']:.0f}",
               "dense": ratio_cell(r["vs_dense_rounds"]),
-              "one": ratio_cell(r["vs_one_rounds"], 2.0 if "EP=2" in r["layer"] else None),
+              "one": ratio_cell(r["vs_one_rounds"], float(r["ranks"]) if r["ranks"] > 1
+                                else None),  # the ceiling: EP on K ranks is at most K x
               "a2a": "" if r["all_to_all_share"] is None else f"{r['all_to_all_share']:.0%}"}
              for r in rows]
     table = "layers take turns; ratios per round, median (min-max)\n" + format_table(

@@ -1,7 +1,7 @@
 """The expert-parallelism demo: an MoE layer's experts spread over the ranks, tokens
 dispatched and combined by all-to-all, each rank checking its tokens' outputs against
-the one-process layer (drops included). `python -m minipar.moe`, `minipar tour` and the
-tests run `demo`."""
+the one-process layer (drops included), and the experts over an ep dimension of a mesh.
+`python -m minipar.moe`, `minipar tour` and the tests run `demo`."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from ..demo import Check, Context, Row, skip, start_clock
 from ..mesh import Mesh
 from ..runtime import device, rank, world_size
 from .adaptive import AdaptiveMoE
+from .expert_choice import ExpertChoiceMoE
 from .expert_parallel import ExpertParallelMoE
+from .hierarchical import HierarchicalAllToAll
 from .layer import MoELayer
+from .on_mesh import check_moe_against_twin
 from .pipeline_moe import PipelineMoE
-from .variants import ExpertChoiceMoE
 
 EXPERTS, TOKENS_PER_RANK, HIDDEN = 4, 8, 16
 
@@ -30,30 +32,48 @@ def _twin() -> MoELayer:
 def demo() -> list[Check]:
     """On every rank: this rank's experts and tokens, against the whole layer on one process;
     on 4 ranks also Tutel's hierarchical exchange (2 nodes x 2), Pipeline MoE, Tutel's
-    adaptive parallelism at every degree and expert-parallel expert choice."""
+    adaptive parallelism at every degree and expert-parallel expert choice; on 4 or 8 ranks
+    the experts over ep inside dp=2 (`on_mesh`)."""
     k = world_size()
     title = f"expert parallel MoE (E={EXPERTS}, k=2, shared expert), EP={k}"
     if EXPERTS % k:
         fits = [str(d) for d in range(1, EXPERTS + 1) if EXPERTS % d == 0]
-        return [skip(title, f"{EXPERTS} experts do not split evenly over {k} ranks; it runs "
-                            f"with --ranks {', '.join(fits)}")]
-    checks = [_expert_parallel(title)]
+        checks = [skip(title, f"{EXPERTS} experts do not split evenly over {k} ranks; it runs "
+                              f"with --ranks {', '.join(fits)}")]
+    else:
+        checks = [_expert_parallel(title)]
     if k == 4:
         checks += [_expert_parallel("expert parallel MoE, hierarchical all-to-all (2 nodes x 2)",
                                     hierarchical=True), _pipeline_moe(), _adaptive(),
                    _expert_choice()]
+    if k in (4, 8):  # a dp dimension of 2, and ep must divide on_mesh's 4 experts
+        checks.append(_on_mesh({"dp": 2, "ep": k // 2}))
     return checks
+
+
+def _on_mesh(dims: dict[str, int]) -> Check:
+    """Two Adam steps of the experts over ep (inside dp), against one process."""
+    start = start_clock()
+    with collectives.meter() as m:
+        result = check_moe_against_twin(dims)
+    ok = result["loss_gap"] < 1e-12 and not result["wrong_grads"] and not result["wrong_params"]
+    note = "2 Adam steps, float64: loss, every gradient and parameter" if ok else (
+        f"differs: {(result['wrong_grads'] + result['wrong_params'])[:3]}, loss gap "
+        f"{result['loss_gap']:.1e}")
+    label = " x ".join(f"{name}={size}" for name, size in dims.items())
+    return Check(f"MoE, experts over {label}", ok, time.perf_counter() - start, m.sent_bytes,
+                 note=note)
 
 
 def _expert_parallel(title: str, hierarchical: bool = False) -> Check:
     k, me = world_size(), rank()
-    hierarchy = None
+    exchange = None  # the flat all-to-all
     if hierarchical:
         groups = Mesh(node=2, local=k // 2).connect()
-        hierarchy = (groups.local, groups.node)
+        exchange = HierarchicalAllToAll(groups.local, groups.node)
     twin, tokens = _twin(), _tokens()
     reference = twin(tokens)[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK]
-    layer = ExpertParallelMoE(twin, hierarchy=hierarchy).to(device())
+    layer = ExpertParallelMoE(twin, exchange=exchange).to(device())
     x = tokens[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK].to(device())
     start = start_clock()
     with collectives.meter() as m:

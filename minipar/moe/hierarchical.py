@@ -21,6 +21,8 @@ import torch
 
 from .. import collectives
 from ..runtime import rank, world_size
+from ..trace import record
+from .exchange import Compute, Exchange, moved
 
 
 def counts_everywhere(send_counts: list[int], local_group, node_group) -> torch.Tensor:
@@ -77,6 +79,41 @@ def hierarchical_all_to_all(x: torch.Tensor, send_counts: list[int], local_group
     if meters is not None:
         meters.update(inside=inside, across=across)
     return out
+
+
+class HierarchicalAllToAll(Exchange):
+    """Tutel's two-step exchange both ways, over `local_group` (this node's ranks) and
+    `node_group` (the ranks with this rank's local index) of a Mesh(node=, local=) whose
+    ranks are the expert-parallel group's, node-major."""
+
+    def __init__(self, local_group, node_group) -> None:
+        self.local_group, self.node_group = local_group, node_group
+
+    def __repr__(self) -> str:
+        return "HierarchicalAllToAll(local_group, node_group)"
+
+    def round_trip(self, rows: torch.Tensor, meta: torch.Tensor, send_counts: list[int],
+                   compute: Compute, group=None) -> torch.Tensor:
+        groups = (self.local_group, self.node_group)
+        # learn every rank's counts in two steps too (once), so no message crosses nodes flat
+        matrix = counts_everywhere(send_counts, *groups).tolist()
+        me = rank(self.node_group) * world_size(self.local_group) + rank(self.local_group)
+        recv_counts = [row[me] for row in matrix]
+        back_matrix = [list(column) for column in zip(*matrix, strict=True)]  # transposed
+
+        def there(t: torch.Tensor) -> torch.Tensor:
+            return hierarchical_all_to_all(t, send_counts, *groups, counts=matrix)
+
+        def back(t: torch.Tensor) -> torch.Tensor:
+            return hierarchical_all_to_all(t, recv_counts, *groups, counts=back_matrix)
+
+        arrived_meta = there(meta.contiguous())
+        with record("all_to_all", "dispatch", tokens=int(arrived_meta.shape[0])):
+            arrived = moved(rows, there, back)
+        with record("compute", "experts", tokens=int(arrived_meta.shape[0])):
+            out = compute(arrived, arrived_meta)
+        with record("all_to_all", "combine"):
+            return moved(out, back, there)
 
 
 def all_to_all_time(kind: str, nbytes: float, nodes: int, per_node: int,

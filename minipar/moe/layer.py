@@ -8,7 +8,9 @@ import torch
 from torch import nn
 
 from ..models import FFN
-from .routing import Gate, Routing, _check, imbalance, route
+from .routing import Gate, Routing, _check, imbalance
+from .rule import RoutingRule
+from .top_k import TopKCapacity
 
 
 class MoELayer(nn.Module):
@@ -16,8 +18,10 @@ class MoELayer(nn.Module):
 
     Dispatch and combine are index operations: tokens are scattered into an
     [E, capacity, hidden] buffer, each expert runs on its rows, and the outputs are
-    gathered back and weighted; no Python loop over tokens. `last_routing` keeps the
-    latest Routing for statistics and the auxiliary losses.
+    gathered back and weighted; no Python loop over tokens. `rule` is the routing rule
+    (top-k with capacity here; `make_rule` is what the other twins change), the same
+    object ExpertParallelMoE routes with. `last_routing` keeps the latest Routing for
+    statistics and the auxiliary losses.
     """
 
     def __init__(self, hidden: int, ffn: int, num_experts: int, k: int = 2,
@@ -27,19 +31,23 @@ class MoELayer(nn.Module):
         super().__init__()
         _check(k, num_experts, capacity_factor, order)
         torch.manual_seed(seed)
-        self.k, self.capacity_factor, self.min_capacity, self.order = k, capacity_factor, \
-            min_capacity, order
+        self.rule = self.make_rule(k, capacity_factor, min_capacity, order)
         self.gate = Gate(hidden, num_experts, noisy, dtype)
         self.experts = nn.ModuleList(FFN(hidden, ffn, dtype) for _ in range(num_experts))
         self.shared = FFN(hidden, ffn, dtype) if shared_expert else None
         self.last_routing: Routing | None = None
 
+    @classmethod
+    def make_rule(cls, k: int, capacity_factor: float, min_capacity: int,
+                  order: str) -> RoutingRule:
+        """The routing rule this twin's arguments describe: top-k with capacity."""
+        return TopKCapacity(k, capacity_factor, min_capacity, order)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or x.shape[1] != self.gate.router.in_features:
             raise ValueError(f"x must be [tokens, {self.gate.router.in_features}]; got "
                              f"{tuple(x.shape)}")
-        routing = route(self.gate(x), self.k, self.capacity_factor, self.min_capacity,
-                        self.order)
+        routing = self.rule.route(self.gate(x))
         self.last_routing = routing
         out = dispatch_combine(x, routing, list(self.experts))
         return out + self.shared(x) if self.shared is not None else out
@@ -64,6 +72,7 @@ def combine(expert_out: torch.Tensor, routing: Routing, tokens: int) -> torch.Te
 
 
 def dispatch_combine(x: torch.Tensor, routing: Routing, experts: list[nn.Module]) -> torch.Tensor:
+    """Dispatch, each expert on its [capacity, hidden] rows (empty slots included), combine."""
     buffer = dispatch(x, routing, len(experts))
     expert_out = torch.stack([expert(buffer[i]) for i, expert in enumerate(experts)])
     return combine(expert_out, routing, x.shape[0])

@@ -34,7 +34,7 @@ from ..runtime import rank, world_size
 from ..tensor_parallel.mappings import copy_to_parallel_region, reduce_from_parallel_region
 from ..trace import record
 from .layer import MoELayer
-from .routing import route
+from .top_k import TopKCapacity
 
 
 def partial_output(x: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor,
@@ -67,8 +67,9 @@ class PipelineMoE(nn.Module):
                              f"use a number of experts divisible by {size}")
         self.group, self.per_rank = group, num_experts // size
         self.first = rank(group) * self.per_rank
-        self.k, self.capacity_factor, self.min_capacity, self.order = twin.k, \
-            twin.capacity_factor, twin.min_capacity, twin.order
+        if not isinstance(twin.rule, TopKCapacity):
+            raise ValueError(f"PipelineMoE routes by top-k with capacity; got {twin.rule!r}")
+        self.rule = twin.rule  # every rank routes all tokens alike, with the twin's rule
         self.gate = copy.deepcopy(twin.gate)
         self.experts = nn.ModuleList(copy.deepcopy(twin.experts[self.first + i])
                                      for i in range(self.per_rank))
@@ -78,8 +79,7 @@ class PipelineMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_parallel_region(x, self.group)
-        routing = route(self.gate(x), self.k, self.capacity_factor, self.min_capacity,
-                        self.order)
+        routing = self.rule.route(self.gate(x))
         self.last_routing = routing
         with record("compute", "experts (index slice)"):
             partial, self.rows_computed = partial_output(x, routing.expert, routing.weight,

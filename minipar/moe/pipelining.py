@@ -11,7 +11,8 @@ ranks match. Gradients: each exchanged chunk is linked to the rows that were sen
 `_Arrive`, whose backward is the reverse exchange, so autograd sees an ordinary
 all-to-all per chunk and direction (the backward is not overlapped).
 
-How many chunks is a measurement (`choose_chunks`): more chunks hide more of the exchange
+As an exchange for ExpertParallelMoE: `ChunkedAllToAll(chunks)`. How many chunks is a
+measurement (`choose_chunks`): more chunks hide more of the exchange
 behind compute but pay more messages and smaller matmuls.
 """
 
@@ -26,6 +27,7 @@ from torch import nn
 from .. import collectives
 from ..runtime import rank, world_size
 from ..trace import record
+from .exchange import Compute, Exchange
 
 
 def _parts(n: int, chunks: int) -> list[int]:
@@ -68,24 +70,35 @@ class _Arrive(torch.autograd.Function):
         return back, None, None, None, None
 
 
-def pipelined_experts(rows: torch.Tensor, local_expert: torch.Tensor, send_counts: list[int],
-                      recv_counts: list[int], experts: Sequence[Callable], chunks: int,
+def run_by_expert(experts: Sequence[Callable], rows: torch.Tensor, which: torch.Tensor
+                  ) -> torch.Tensor:
+    """Each of this rank's `experts` (modules, or functions of their rows) on the rows
+    whose `which` is its index; the outputs in the rows' order (no capacity buffer)."""
+    out = rows.new_zeros(rows.shape)
+    for i, expert in enumerate(experts):
+        (index,) = torch.nonzero(which == i, as_tuple=True)
+        out = out.index_put((index,), expert(rows[index]))
+    return out
+
+
+def pipelined_experts(rows: torch.Tensor, meta: torch.Tensor, send_counts: list[int],
+                      recv_counts: list[int], compute: Callable, chunks: int,
                       group=None) -> torch.Tensor:
     """Dispatch `rows` (grouped by destination rank) in `chunks`, run the experts on each
     chunk as it arrives and send its results straight back: while the experts compute
     chunk c, chunk c+1's dispatch and chunk c-1's combine are on the wire. Returns the
-    experts' outputs for `rows`, in the order of `rows`. `local_expert` is the arriving
-    rows' expert index on this rank, in arrival order (grouped by source rank); `experts`
-    are this rank's experts (modules, or functions of their rows)."""
+    experts' outputs for `rows`, in the order of `rows`. `meta` holds the arriving rows'
+    metadata on this rank (their local expert, ...), in arrival order (grouped by source
+    rank); `compute(arrived, their meta)` runs this rank's experts on a chunk's rows."""
     k = world_size(group)
     out_parts = [_parts(n, chunks) for n in send_counts]  # [dest][chunk]
     in_parts = [_parts(n, chunks) for n in recv_counts]  # [source][chunk]
     by_dest = torch.split(rows, send_counts)
     sent = [torch.cat([torch.split(by_dest[d], out_parts[d])[c] for d in range(k)])
             for c in range(chunks)]
-    by_source = torch.split(local_expert, recv_counts)
-    meta = [torch.cat([torch.split(by_source[s], in_parts[s])[c] for s in range(k)])
-            for c in range(chunks)]
+    by_source = torch.split(meta, recv_counts)
+    chunk_meta = [torch.cat([torch.split(by_source[s], in_parts[s])[c] for s in range(k)])
+                  for c in range(chunks)]
     send_c = [[out_parts[d][c] for d in range(k)] for c in range(chunks)]
     recv_c = [[in_parts[s][c] for s in range(k)] for c in range(chunks)]
     combines = []
@@ -98,10 +111,7 @@ def pipelined_experts(rows: torch.Tensor, local_expert: torch.Tensor, send_count
             pending = start_exchange(sent[c + 1].detach(), send_c[c + 1], recv_c[c + 1], group)
         arrived = _Arrive.apply(sent[c], torch.cat(buffers), send_c[c], recv_c[c], group)
         with record("compute", f"experts, chunk {c}", tokens=int(arrived.shape[0])):
-            out = arrived.new_zeros(arrived.shape)
-            for i, expert in enumerate(experts):
-                (index,) = torch.nonzero(meta[c] == i, as_tuple=True)
-                out = out.index_put((index,), expert(arrived[index]))
+            out = compute(arrived, chunk_meta[c])
         # chunk c's results go back now, during the next chunk's experts
         combines.append((out, start_exchange(out.detach(), recv_c[c], send_c[c], group)))
     returned = []
@@ -111,6 +121,32 @@ def pipelined_experts(rows: torch.Tensor, local_expert: torch.Tensor, send_count
         back = _Arrive.apply(out, torch.cat(buffers), recv_c[c], send_c[c], group)
         returned.append(torch.split(back, send_c[c]))
     return torch.cat([returned[c][d] for d in range(k) for c in range(chunks)])
+
+
+class ChunkedAllToAll(Exchange):
+    """The flat all-to-all cut into `chunks` per direction, the experts of each chunk
+    overlapped with the next chunk's dispatch and the previous one's combine (Tutel's
+    pipelining; 1 = the same point-to-point exchange without overlap)."""
+
+    all_at_once = False  # the experts run on each chunk's rows: no capacity buffer
+
+    def __init__(self, chunks: int) -> None:
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks must be an int >= 1; got {chunks!r}")
+        self.chunks = chunks
+
+    def __repr__(self) -> str:
+        return f"ChunkedAllToAll({self.chunks})"
+
+    def round_trip(self, rows: torch.Tensor, meta: torch.Tensor, send_counts: list[int],
+                   compute: Compute, group=None) -> torch.Tensor:
+        recv_counts = collectives.swap_counts(send_counts, group)  # rows from each rank
+        # the metadata is small: it travels whole, ahead of the chunks, so every chunk's
+        # rows know their expert on arrival
+        arrived_meta = collectives.all_to_all(meta.contiguous(), send_counts, recv_counts,
+                                              group)
+        return pipelined_experts(rows, arrived_meta, send_counts, recv_counts, compute,
+                                 self.chunks, group)
 
 
 def step_seconds(step, repeats: int = 3, group=None) -> float:
@@ -128,13 +164,14 @@ def step_seconds(step, repeats: int = 3, group=None) -> float:
 
 def choose_chunks(layer: nn.Module, x: torch.Tensor, candidates: tuple[int, ...] = (1, 2, 4),
                   repeats: int = 3) -> dict[int, float]:
-    """Time forward + backward of an ExpertParallelMoE for each chunk count (the slowest
-    rank's median), set the fastest on the layer, and return every time."""
+    """Time forward + backward of an ExpertParallelMoE with a `ChunkedAllToAll` of each
+    chunk count (the slowest rank's median), set the fastest as the layer's exchange, and
+    return every time."""
     times = {}
     for chunks in candidates:
-        layer.chunks = chunks
+        layer.exchange = ChunkedAllToAll(chunks)
         times[chunks] = step_seconds(lambda: layer(x).pow(2).mean().backward(), repeats,
                                      layer.group)
     layer.zero_grad(set_to_none=True)
-    layer.chunks = min(times, key=times.get)
+    layer.exchange = ChunkedAllToAll(min(times, key=times.get))
     return times

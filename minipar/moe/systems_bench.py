@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -21,18 +22,59 @@ from ..mesh import Mesh
 from ..report import format_table, progress, spread
 from ..runtime import Cluster, rank, world_size
 from .adaptive import AdaptiveMoE
+from .dropless import DroplessMoE
+from .exchange import Exchange, FlatAllToAll
+from .expert_choice import ExpertChoiceMoE
 from .expert_parallel import ExpertParallelMoE
-from .hierarchical import hierarchical_all_to_all
+from .hierarchical import HierarchicalAllToAll, hierarchical_all_to_all
 from .layer import MoELayer
 from .lsh import LSHMoE
 from .pipeline_moe import PipelineMoE
-from .variants import DroplessMoE, ExpertChoiceMoE
+from .pipelining import ChunkedAllToAll
 
 SHAPE = dict(hidden=128, ffn=256, experts=8, k=2)
-LAYERS = {"MoE, capacity 1.25": MoELayer, "dropless": DroplessMoE,
-          "expert choice": ExpertChoiceMoE, "LSH-MoE, 4 bits": LSHMoE}
-EP_TWINS = {"EP, dropless": "dropless", "EP, expert choice": "expert choice",
-            "EP, LSH-MoE 4 bits": "LSH-MoE, 4 bits"}
+
+
+@dataclass(frozen=True)
+class System:
+    """One row of the systems table, as data: which `parallelism` ("EP", "adaptive", "pipeline"
+    or "one process"), which routing `rule` ("top-k", "dropless", "expert choice", "lsh")
+    and, for EP, which `exchange` ("flat", "pipelined" with `chunks`, "hierarchical");
+    `degree` is the adaptive layer's. The table's name is derived (`label`)."""
+
+    parallelism: str
+    rule: str = "top-k"
+    exchange: str | None = None
+    chunks: int | None = None
+    degree: int | None = None
+
+    @property
+    def ranks(self) -> int:
+        return 1 if self.parallelism == "one process" else 4
+
+    @property
+    def label(self) -> str:
+        if self.parallelism == "one process":
+            return ONE_PROCESS_NAMES[self.rule]
+        if self.parallelism == "adaptive":
+            return f"Tutel adaptive, r={self.degree} " + (
+                "(= EP)" if self.degree == 1 else "(experts gathered)")
+        if self.parallelism == "pipeline":
+            return "Pipeline MoE (TP group of 4)"
+        if self.rule != "top-k":
+            return "EP, " + EP_RULE_NAMES[self.rule]
+        if self.exchange == "pipelined":
+            return f"EP, pipelined ({self.chunks} chunk{'s' if self.chunks > 1 else ''})"
+        return {"flat": "EP, flat all-to-all",
+                "hierarchical": "EP, hierarchical (2 nodes x 2)"}[self.exchange]
+
+
+ONE_PROCESS_NAMES = {"top-k": "MoE, capacity 1.25", "dropless": "dropless",
+                     "expert choice": "expert choice", "lsh": "LSH-MoE, 4 bits"}
+EP_RULE_NAMES = {"dropless": "dropless", "expert choice": "expert choice",
+                 "lsh": "LSH-MoE 4 bits"}
+TWINS = {"top-k": MoELayer, "dropless": DroplessMoE, "expert choice": ExpertChoiceMoE,
+         "lsh": LSHMoE}
 
 
 def _tokens(total: int, hidden: int) -> torch.Tensor:
@@ -43,34 +85,32 @@ def _tokens(total: int, hidden: int) -> torch.Tensor:
         0.3 * torch.randn(total, hidden, generator=gen)
 
 
-def _layer(kind: str) -> torch.nn.Module:
-    cls = LAYERS.get(kind, MoELayer)
-    extra = {"bits": 4} if cls is LSHMoE else {}
-    return cls(SHAPE["hidden"], SHAPE["ffn"], SHAPE["experts"], SHAPE["k"],
-               capacity_factor=1.25, **extra)
+def _layer(rule: str) -> torch.nn.Module:
+    """The one-process twin of a routing rule, on SHAPE (LSH-MoE with 4 bits)."""
+    extra = {"bits": 4} if rule == "lsh" else {}
+    return TWINS[rule](SHAPE["hidden"], SHAPE["ffn"], SHAPE["experts"], SHAPE["k"],
+                       capacity_factor=1.25, **extra)
 
 
-def _step(kind: str, tokens: int, steps: int) -> dict:
+def _exchange_of(system: System) -> Exchange:
+    """The row's exchange, built from its fields."""
+    if system.exchange == "hierarchical":
+        groups = Mesh(node=2, local=2).connect()
+        return HierarchicalAllToAll(groups.local, groups.node)
+    return ChunkedAllToAll(system.chunks) if system.exchange == "pipelined" else FlatAllToAll()
+
+
+def _step(system: System, tokens: int, steps: int) -> dict:
     """On one rank: median seconds of forward + backward, bytes sent per step, and the
     rows the dispatch carried (or would carry) per step."""
     k, me = world_size(), rank()
     x_all = _tokens(tokens, SHAPE["hidden"])
-    layer = _layer(kind)
-    if kind == "EP, flat all-to-all":
-        layer, x = ExpertParallelMoE(layer), x_all.chunk(k)[me]
-    elif kind in EP_TWINS:  # the twin's routing, expert-parallel, on the row-wise path
-        layer, x = ExpertParallelMoE(_layer(EP_TWINS[kind])), x_all.chunk(k)[me]
-    elif kind.startswith("EP, pipelined"):
-        chunks = int(kind.split("(")[1].split()[0])
-        layer, x = ExpertParallelMoE(layer, chunks=chunks), x_all.chunk(k)[me]
-    elif kind == "EP, hierarchical (2 nodes x 2)":
-        groups = Mesh(node=2, local=2).connect()
-        layer = ExpertParallelMoE(layer, hierarchy=(groups.local, groups.node))
-        x = x_all.chunk(k)[me]
-    elif kind.startswith("Tutel adaptive"):
-        degree = int(kind.split("r=")[1][0])
-        layer, x = AdaptiveMoE(layer, degree=degree), x_all.chunk(k)[me]
-    elif kind == "Pipeline MoE (TP group of 4)":
+    layer, x = _layer(system.rule), x_all.chunk(k)[me]
+    if system.parallelism == "EP":
+        layer = ExpertParallelMoE(layer, exchange=_exchange_of(system))
+    elif system.parallelism == "adaptive":
+        layer = AdaptiveMoE(layer, degree=system.degree)
+    elif system.parallelism == "pipeline":
         layer, x = PipelineMoE(layer), x_all  # every rank holds all tokens
     else:
         x = x_all
@@ -110,34 +150,38 @@ def _expert_rows(layer: torch.nn.Module) -> int | None:
     return int(routing.kept.sum()) if routing is not None else None
 
 
-SYSTEMS = ("EP, flat all-to-all", "EP, pipelined (1 chunk)", "EP, pipelined (2 chunks)",
-           "EP, pipelined (4 chunks)", *EP_TWINS, "EP, hierarchical (2 nodes x 2)",
-           "Tutel adaptive, r=1 (= EP)", "Tutel adaptive, r=0 (experts gathered)",
-           "Pipeline MoE (TP group of 4)", *LAYERS)
+SYSTEMS = (System("EP", exchange="flat"), *(System("EP", exchange="pipelined", chunks=c)
+                                             for c in (1, 2, 4)),
+           *(System("EP", rule, exchange="flat") for rule in EP_RULE_NAMES),
+           System("EP", exchange="hierarchical"), System("adaptive", degree=1),
+           System("adaptive", degree=0), System("pipeline"),
+           *(System("one process", rule) for rule in ONE_PROCESS_NAMES))
 
 
 def measure_systems(tokens: int = 2048, steps: int = 3, rounds: int = 3) -> list[dict]:
     """Tokens/s, bytes sent per step and dispatch rows of every layer on the same tokens.
     The layers take turns for `rounds` rounds; "vs flat EP" is the median of per-round
     ratios with their spread."""
-    seconds: dict[str, list[float]] = {kind: [] for kind in SYSTEMS}
-    last: dict[str, list[dict]] = {}
+    seconds: dict[System, list[float]] = {system: [] for system in SYSTEMS}
+    last: dict[System, list[dict]] = {}
     with Cluster(1, backend="gloo") as one, Cluster(4, backend="gloo") as four:
         for round_index in range(rounds):
-            for kind in SYSTEMS:
-                progress(f"round {round_index + 1}/{rounds}: {kind}")
-                run = (one if kind in LAYERS else four).run(_step, kind, tokens, steps)
-                seconds[kind].append(max(r["seconds"] for r in run))
-                last[kind] = run
+            for system in SYSTEMS:
+                progress(f"round {round_index + 1}/{rounds}: {system.label}")
+                run = (one if system.ranks == 1 else four).run(_step, system, tokens, steps)
+                seconds[system].append(max(r["seconds"] for r in run))
+                last[system] = run
     rows = []
-    for kind in SYSTEMS:
-        run = last[kind]
+    for system in SYSTEMS:
+        run = last[system]
         routed = run[:1] if run[0]["replicated"] else run  # the same routing everywhere
         kept, choices = (sum(r[key] for r in routed) for key in ("kept", "choices"))
-        rows.append({"system": kind, "ranks": len(run),
-                     "tokens_per_s": tokens / statistics.median(seconds[kind]),
+        rows.append({"system": system.label, "parallelism": system.parallelism, "rule": system.rule,
+                     "exchange": system.exchange, "chunks": system.chunks,
+                     "degree": system.degree, "ranks": len(run),
+                     "tokens_per_s": tokens / statistics.median(seconds[system]),
                      "vs_flat_ep": [flat / mine for flat, mine in
-                                    zip(seconds[SYSTEMS[0]], seconds[kind], strict=True)],
+                                    zip(seconds[SYSTEMS[0]], seconds[system], strict=True)],
                      "bytes_per_step": sum(r["bytes_per_step"] for r in run),
                      "dispatch_rows": sum(r["rows"] for r in run),
                      "drop": 1 - kept / choices if choices else 0.0})

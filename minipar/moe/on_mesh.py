@@ -1,4 +1,5 @@
 """Experts on a mesh: expert parallelism over an `ep` dimension inside data parallelism.
+The MoE composition sits above the mesh (moe imports mesh, never the reverse).
 
 On `Mesh(dp=2, ep=2)` the two ranks of an ep group split the experts between them and
 exchange tokens by all-to-all; the two ep groups are data-parallel replicas. Gradients
@@ -21,9 +22,10 @@ import torch
 
 from .. import collectives
 from ..data_parallel import average_gradients
-from ..moe import ExpertParallelMoE, MoELayer
+from ..mesh import Mesh
 from ..runtime import rank
-from .mesh import Mesh
+from .expert_parallel import ExpertParallelMoE
+from .layer import MoELayer
 
 _HIDDEN, _TOKENS = 8, 6  # per rank
 
@@ -47,11 +49,12 @@ def sync_gradients(layer: ExpertParallelMoE, dp_group, ep_size: int) -> None:
     """Dense parameters: mean over every rank. Experts: mean over dp (`dp_group`; None
     when the mesh has no dp dimension), divided by ep."""
     experts = {id(p) for p in layer.experts.parameters()}
+    # DeepSpeed-MoE / Megatron: replicated parameters average over every rank
     average_gradients([p for p in layer.parameters() if id(p) not in experts])
     expert_params = list(layer.experts.parameters())
     if dp_group is not None:
         average_gradients(expert_params, dp_group)
-    for p in expert_params:
+    for p in expert_params:  # its gradient summed the ep group's tokens: make it their mean
         p.grad /= ep_size
 
 
