@@ -200,3 +200,19 @@ def test_every_package_is_installed():
                  ["packages"])
     folders = {"minipar." + p.parent.name for p in (ROOT / "minipar").glob("*/__init__.py")}
     assert folders | {"minipar", "minipar.widgets"} <= listed, sorted(folders - listed)
+
+
+CROSS_CUTTING_TESTS = {"architecture", "demos", "entry_points", "exercises"}
+
+
+def test_tests_mirror_the_packages():
+    """tests/test_<package>[_<topic>].py: a test file is named for the package or
+    top-level module it tests (or is one of the few that sweep across all of them), so a
+    package's tests are found by its name."""
+    owners = {m.split(".")[1] for m in MODULES if m.count(".") >= 1}
+    bad = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        name = path.stem[len("test_"):]
+        if not any(name == o or name.startswith(o + "_") for o in owners | CROSS_CUTTING_TESTS):
+            bad.append(path.name)
+    assert not bad, f"name these after the package or module they test: {bad}"
