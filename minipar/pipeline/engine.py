@@ -101,7 +101,8 @@ class StepState:
     inputs: Sequence[torch.Tensor]  # the micro-batches (stage 0's inputs)
     targets: Sequence[torch.Tensor]
     loss_weights: list[float]  # n_i / N: the loss-scaling convention above
-    activations_in: dict[Key, torch.Tensor] = field(default_factory=dict)  # F's input to be
+    # received from the previous stage's rank (or handed on by it here), awaiting F
+    activations_in: dict[Key, torch.Tensor] = field(default_factory=dict)
     stage_inputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # F's input, a leaf
     outputs: dict[Key, torch.Tensor] = field(default_factory=dict)  # F's output: B's root
     losses: dict[Key, torch.Tensor] = field(default_factory=dict)  # last stage: B's root
