@@ -8,6 +8,7 @@ from conftest import mse
 import minipar
 from minipar.models import regression_data
 from minipar.pipeline import Pipeline, schedule, simulate, split_model
+from minipar.pipeline.pipedream import versions_used
 
 SYNC = [("naive", 1, 1), ("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 3, 1), ("zb_h1", 4, 1),
         ("looped_bfs", 4, 2), ("interleaved_1f1b", 4, 2)]
@@ -128,7 +129,7 @@ def _pipedream_run(m, lr):
     x, y = _data()
     pipe.train_step(x, y, mse)
     return ({s: [p.detach().clone() for p in mod.parameters()] for s, mod in pipe.modules.items()},
-            pipe.versions_used)
+            versions_used(pipe.stages))
 
 
 def _pipedream_reference(k, m, lr):
@@ -253,3 +254,38 @@ def test_measured_and_simulated_runs_use_the_plans_labels(cluster2):
     compute = {(e.kind, e.label) for e in measured if e.kind in ("F", "B")}
     assert compute == {(e.kind, e.label) for e in simulated if e.kind in ("F", "B")}
     assert {e.label for e in simulated if e.kind == "recv"} <= communication
+
+
+def _stage_point_and_hooks():
+    """On one rank: a Stage subclass given through make_stage wraps every forward (as
+    recomputation would); a loss that raises leaves no saved-tensor hooks behind."""
+    from minipar.pipeline import Stage
+
+    calls = []
+
+    class Counted(Stage):
+        def forward(self, x, microbatch):
+            calls.append((self.index, microbatch))
+            return super().forward(x, microbatch)
+
+    x, y = _data()
+    pipe = Pipeline(split_model(_layers(1), 1), schedule("gpipe", 1, 2), make_stage=Counted)
+    pipe.train_step(x, y, mse)
+
+    def broken(out, target):
+        raise RuntimeError("loss failed")
+
+    try:
+        pipe.train_step(x, y, broken)
+    except RuntimeError:
+        pass
+    before = pipe.activations.now
+    kept = torch.tanh(torch.ones(3, requires_grad=True) * 2)  # saves its output for backward
+    return calls, pipe.activations.now == before and kept.grad_fn is not None
+
+
+def test_a_stage_subclass_wraps_forward_and_hooks_come_off_when_the_loss_raises():
+    calls, no_hooks_left = minipar.launch(_stage_point_and_hooks, 1, backend="gloo",
+                                          timeout=60)[0]
+    assert calls[:2] == [(0, 0), (0, 1)]
+    assert no_hooks_left

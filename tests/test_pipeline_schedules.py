@@ -5,7 +5,15 @@ import dataclasses
 
 import pytest
 
-from minipar.pipeline import SCHEDULES, Action, peak_in_flight, schedule, simulate, validate
+from minipar.pipeline import (
+    SCHEDULES,
+    Action,
+    ActionKind,
+    peak_in_flight,
+    schedule,
+    simulate,
+    validate,
+)
 
 UNIT = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}  # B = 2F, split evenly into I and W
 
@@ -20,6 +28,40 @@ def test_actions_print_like_torch_pipelining():
     assert [str(a) for a in plan.actions[0]] == ["0F0", "0SEND_F0", "0F1", "0SEND_F1",
                                                  "0RECV_B0", "0B0", "0RECV_B1", "0B1"]
     assert str(plan).splitlines()[1] == "rank 1: 1F0 1B0 1F1 1B1"
+
+
+def test_kinds_are_an_enum_that_prints_as_before():
+    assert [str(k) for k in ActionKind] == ["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B",
+                                            "RECV_B"]
+    assert Action(2, "F", 0) == Action(2, ActionKind.F, 0)  # the printed kind reads as the enum
+    assert Action(2, "F", 0).kind is ActionKind.F and ActionKind.F == "F"
+    with pytest.raises(ValueError):
+        Action(0, "X", 0)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_parse_reads_back_every_action_of_every_schedule(name):
+    for p, m, v in [(1, 1, 1), (2, 4, 1), (3, 6, 1), (4, 8, 1), (2, 4, 2), (3, 6, 3), (4, 8, 2)]:
+        if not SCHEDULES[name].fits(p, m, v):
+            continue
+        for actions in schedule(name, p, m, v).actions:
+            for a in actions:
+                assert Action.parse(str(a)) == a
+                assert str(Action.parse(str(a))) == str(a)
+    assert Action.parse("12SEND_B30") == Action(12, ActionKind.SEND_B, 30)
+    for bad in ("F0", "2F", "2X0", "2F0 ", "-1F0"):
+        with pytest.raises(ValueError, match="is not an action"):
+            Action.parse(bad)
+
+
+def test_each_family_owns_its_rules():
+    assert SCHEDULES["interleaved_1f1b"].fits(4, 8, 2)
+    assert not SCHEDULES["interleaved_1f1b"].fits(3, 8, 2)
+    assert not SCHEDULES["naive"].fits(2, 2)
+    assert not SCHEDULES["gpipe"].fits(2, 2, 2) and SCHEDULES["looped_bfs"].fits(2, 2, 2)
+    assert [n for n, f in SCHEDULES.items() if f.takes_virtual] == ["interleaved_1f1b",
+                                                                    "looped_bfs"]
+    assert [n for n, f in SCHEDULES.items() if f.split_backward] == ["zb_h1"]
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "pipedream"])
@@ -95,7 +137,7 @@ def test_last_step_cuts_each_rank_on_its_own_clock():
     (("gpipe", 4, 8, 2), "virtual stages apply to"),
     (("interleaved_1f1b", 4, 6, 2), "microbatches must be a multiple of 4"),
     (("naive", 2, 4), "microbatches must be 1"),
-    (("gpipe", 0, 4), "stages must be an int >= 1"),
+    (("gpipe", 0, 4), "ranks must be an int >= 1"),
     (("wavefront", 2, 2), "name must be one of"),
 ])
 def test_impossible_combinations_name_the_constraint(args, words):
@@ -126,15 +168,15 @@ def test_validate_catches_what_goes_wrong():
 
 
 def test_in_flight_curve_and_bubble_filling():
-    from minipar.pipeline import fill_bubbles, in_flight_over_time
+    from minipar.pipeline import in_flight_over_time, simulate_bubble_work
 
     timeline = simulate(schedule("1f1b", 4, 8), UNIT)
     curves = in_flight_over_time(timeline)
     assert [max(h for _, h in curves[r]) for r in range(4)] == [4, 3, 2, 1]
     assert all(points[-1][1] == 0 for points in curves.values())
     before = timeline.summary(4).bubble_fraction
-    filled = fill_bubbles(timeline, unit_cost=0.5)
+    filled = simulate_bubble_work(timeline, unit_cost=0.5)
     assert filled.summary(4).bubble_fraction < before / 2  # PipeFisher: idle time put to work
     assert len(filled.filter(kind="extra")) > 0
     with pytest.raises(ValueError, match="unit_cost must be > 0"):
-        fill_bubbles(timeline, 0)
+        simulate_bubble_work(timeline, 0)

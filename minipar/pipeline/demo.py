@@ -15,7 +15,7 @@ from ..demo import Check, Context, Row, combine, skip, start_clock
 from ..models import linear_stack, mlp, regression_data
 from ..runtime import RankDied, launch, world_size
 from .engine import Pipeline, split_model
-from .schedules import schedule
+from .schedules import SCHEDULES, schedule
 from .simulate import simulate
 from .skippipe import one_process_paths, plan_paths, skip_model, train_paths
 from .swarm import swarm
@@ -35,7 +35,7 @@ def _case(name: str, microbatches: int, virtual: int) -> Check:
     try:
         plan = schedule(name, k, microbatches, virtual)
     except ValueError as impossible:  # e.g. interleaved 1F1B with 8 micro-batches on 3 ranks
-        fits = [str(p) for p in range(1, 9) if _possible(name, p, microbatches, virtual)]
+        fits = [str(p) for p in range(1, 9) if SCHEDULES[name].fits(p, microbatches, virtual)]
         return skip(title, f"impossible on {k} ranks: {impossible}; it runs with --ranks "
                            f"{', '.join(fits)}")
     stages = k * virtual
@@ -55,14 +55,6 @@ def _case(name: str, microbatches: int, virtual: int) -> Check:
         same = same and math.isclose(loss, ref_loss.item(), rel_tol=1e-10)
     ideal = simulate(plan, {"F": 1, "B": 2, "I": 1, "W": 1}).summary(k).bubble_fraction
     return Check(title, same, seconds, m.sent_bytes, note=f"ideal bubble {ideal:.2f}")
-
-
-def _possible(name: str, ranks: int, microbatches: int, virtual: int) -> bool:
-    try:
-        schedule(name, ranks, microbatches, virtual)
-    except ValueError:
-        return False
-    return True
 
 
 def demo(cases: tuple[tuple[str, int, int], ...] = CASES) -> list[Check]:

@@ -10,13 +10,13 @@ PipeFisher (Osawa et al., 2023) notices that building those factors and invertin
 is work a pipeline's idle ranks could do: it profiles one step, finds the bubbles, and
 places the curvature work in them. Here `KFAC` keeps each micro-batch's a and g as the
 pipeline runs, and turns the last step's into work units (one factor contribution per
-layer and micro-batch, then one inversion per factor). `Pipeline.fill_bubbles` runs units
-before the receives where the simulator, fed measured costs, says the rank would wait.
-Whatever does not fit runs after the step. With `every=1` the gradients of step t are
-preconditioned with the inverses built from step t-1's statistics (step 0 with its own);
-with `every=k` the curvature is refreshed every k steps and its work spread over k
-steps' bubbles, as PipeFisher does when one step's bubbles are too small. Damping is
-plain Tikhonov on both factors.
+layer and micro-batch, then one inversion per factor). `Pipeline.fill_bubbles` with a
+`pipefisher.BubbleWork` runs units before the receives where the simulator, fed measured
+costs, says the rank would wait. Whatever does not fit runs after the step. With
+`every=1` the gradients of step t are preconditioned with the inverses built from step
+t-1's statistics (step 0 with its own); with `every=k` the curvature is refreshed every k
+steps and its work spread over k steps' bubbles, as PipeFisher does when one step's
+bubbles are too small. Damping is plain Tikhonov on both factors.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from .. import trace
 from ..runtime import rank, world_size
 from .engine import Pipeline, split_model
 from .kfac import KFAC, kfac_step
+from .plan import Action
 from .schedules import schedule
 from .simulate import bubble_budgets, costs_from_timeline
 
@@ -38,6 +39,19 @@ def _optimizer(params: list[nn.Parameter], optimizer: str, lr: float
     """Adam, or SGD (which K-FAC's preconditioned gradients also go through)."""
     return torch.optim.Adam(params, lr=lr) if optimizer == "adam" \
         else torch.optim.SGD(params, lr=lr)
+
+
+class BubbleWork:
+    """PipeFisher's placement, the engine's extra work (`Pipeline.fill_bubbles`): before
+    each of this rank's actions whose index is in `budgets`, call work(seconds), filling
+    the time the rank would otherwise wait there (`simulate.bubble_budgets` finds it)."""
+
+    def __init__(self, work: Callable[[float], float], budgets: dict[int, float]) -> None:
+        self.work, self.budgets = work, dict(budgets)
+
+    def before(self, index: int, action: Action) -> None:
+        if self.budgets.get(index, 0.0) > 0:
+            self.work(self.budgets[index])
 
 
 def kfac_one_process(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
@@ -100,7 +114,7 @@ def train_pipefisher(model_fn: Callable[[], nn.Sequential], batches: list, name:
             dist.all_gather_object(everyone, captured.events)
             step_timeline = trace.Timeline(e for events in everyone for e in events)
             costs = costs_from_timeline(step_timeline, plan)
-            pipe.fill_bubbles(kfac.work, bubble_budgets(plan, costs)[rank()])
+            pipe.fill_bubbles(BubbleWork(kfac.work, bubble_budgets(plan, costs)[rank()]))
     if kfac is not None:
         out["units_in_bubbles"], out["units_after_step"] = (kfac.units_in_bubbles,
                                                             kfac.units_after_step)

@@ -53,30 +53,29 @@ def simulate(plan: Schedule, costs: dict[str, float | list[float]]) -> Timeline:
             actions = plan.actions[r]
             while position[r] < len(actions):
                 a = actions[position[r]]
-                if a.kind.startswith("RECV"):
-                    key = (a.kind[-1], a.stage, a.microbatch)
+                if a.kind.is_recv:
+                    key = (a.kind.carries, a.stage, a.microbatch)
                     if key not in landed:
                         break
                     clock[r] += overhead[r]
                     start = max(clock[r], landed[key])
                     if start > clock[r]:  # blocked in the receive, as a real rank records it
-                        source = a.stage - 1 if a.kind == "RECV_F" else a.stage + 1
                         events.append(Event(r, "recv", str(a), clock[r], start,
                                             stage=a.stage, microbatch=a.microbatch,
-                                            peer=plan.rank_of(source)))
+                                            peer=plan.rank_of(a.peer_stage)))
                     clock[r] = start
-                elif a.kind.startswith("SEND"):
-                    target = a.stage + 1 if a.kind == "SEND_F" else a.stage - 1
+                elif a.kind.is_send:
                     clock[r] += overhead[r]
-                    landed[(a.kind[-1], target, a.microbatch)] = clock[r] + p2p
+                    landed[(a.kind.carries, a.peer_stage, a.microbatch)] = clock[r] + p2p
                     if p2p:
                         events.append(Event(r, "send", str(a), clock[r], clock[r] + p2p,
                                             stage=a.stage, microbatch=a.microbatch,
-                                            peer=plan.rank_of(target)))
+                                            peer=plan.rank_of(a.peer_stage)))
                 else:
-                    cost = compute[a.kind][r]
+                    cost = compute[a.kind.value][r]
                     clock[r] += overhead[r]
-                    events.append(Event(r, a.kind, str(a), clock[r], clock[r] + cost,
+                    # Timelines hold plain strings: the kind's printed form
+                    events.append(Event(r, a.kind.value, str(a), clock[r], clock[r] + cost,
                                         stage=a.stage, microbatch=a.microbatch))
                     clock[r] += cost
                 position[r] += 1
@@ -139,9 +138,11 @@ def bubble_budgets(plan: Schedule, costs: dict) -> dict[int, dict[int, float]]:
     return budgets
 
 
-def fill_bubbles(timeline: Timeline, unit_cost: float, label: str = "K-FAC") -> Timeline:
-    """Put units of extra work (each `unit_cost` long, e.g. K-FAC curvature statistics as in
-    PipeFisher) into every idle gap of every rank that fits one; returns the new Timeline.
+def simulate_bubble_work(timeline: Timeline, unit_cost: float,
+                         label: str = "K-FAC") -> Timeline:
+    """The simulated Timeline with units of extra work (each `unit_cost` long, e.g. K-FAC
+    curvature statistics as in PipeFisher) put into every idle gap of every rank that
+    fits one.
     A rank working on extra work is no longer blocked, so the receive waits go. Compare
     `.summary().bubble_fraction` before and after for the utilization gained."""
     if unit_cost <= 0:

@@ -6,11 +6,11 @@ import ipywidgets as w
 
 from minipar.pipeline import (
     SCHEDULES,
-    fill_bubbles,
     in_flight_over_time,
     peak_in_flight,
     schedule,
     simulate,
+    simulate_bubble_work,
 )
 
 from .gantt import GanttView, gantt_panel, step_panel
@@ -65,8 +65,7 @@ class ScheduleExplorer(w.VBox):
         the picture and says why instead of leaving the last one up."""
         self.measured, self.predicted = None, None
         try:
-            virtual = self.virtual.value if self.name.value in ("interleaved_1f1b",
-                                                                 "looped_bfs") else 1
+            virtual = self.virtual.value if SCHEDULES[self.name.value].takes_virtual else 1
             self.plan = schedule(self.name.value, self.stages.value, self.microbatches.value,
                                  virtual)
         except ValueError as err:
@@ -78,7 +77,8 @@ class ScheduleExplorer(w.VBox):
         text = (f"bubble {before:.1%}; activations held at peak per rank: "
                 f"{peak_in_flight(self.plan)}")
         if self.fill.value:
-            self.ideal = fill_bubbles(self.ideal, unit_cost=0.75e-3)  # units that don't always fit
+            # units of 0.75 F: they don't always fit, as real work units don't
+            self.ideal = simulate_bubble_work(self.ideal, unit_cost=0.75e-3)
             filled = self.ideal.filter(track="compute")
             utilization = 1 - filled.summary(self.plan.ranks).bubble_fraction
             text += f"; with extra work in the bubbles: utilization {1 - before:.1%} -> " \
