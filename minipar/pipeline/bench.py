@@ -15,17 +15,13 @@ import torch.distributed as dist
 
 from .. import trace
 from ..collectives import fit_machine
-from ..models import linear_stack
+from ..models import linear_stack, mse
 from ..report import format_table, progress, ratio_cell, save_results, spread
 from ..runtime import Cluster, rank, world_size
 from . import Pipeline, Schedule, peak_in_flight, schedule, simulate, split_model
 from .simulate import costs_from_timeline
 
 BUBBLE_WITHIN, STEP_WITHIN = 0.05, 0.15  # the simulator's goals against a measured run
-
-
-def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((out - target) ** 2).mean()
 
 
 def schedule_step_seconds(name: str, microbatches: int, virtual: int, width: int, batch: int,
@@ -40,7 +36,7 @@ def schedule_step_seconds(name: str, microbatches: int, virtual: int, width: int
     for step in range(steps + 1):
         dist.barrier()
         start = time.perf_counter()
-        pipe.train_step(x, y, _mse)
+        pipe.train_step(x, y, mse)
         if step:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
@@ -61,11 +57,11 @@ def _in_turns(name: str, microbatches: int, width: int, batch: int, layers_per_s
         dist.barrier()
         if rank() == 0:
             start = time.perf_counter()
-            _mse(single(x), y).backward()
+            mse(single(x), y).backward()
             one.append(time.perf_counter() - start)
         dist.barrier()
         start = time.perf_counter()
-        pipe.train_step(x, y, _mse)
+        pipe.train_step(x, y, mse)
         steps.append(time.perf_counter() - start)
     return {"one": one[1:], "steps": steps[1:]}
 

@@ -12,7 +12,7 @@ import torch
 from .. import collectives
 from ..data_parallel import single_process_sgd
 from ..demo import Check, Context, Row, combine, skip, start_clock
-from ..models import linear_stack, mlp, regression_data
+from ..models import linear_stack, mlp, mse, regression_data
 from ..runtime import RankDied, launch, world_size
 from .engine import Pipeline, split_model
 from .schedules import SCHEDULES, schedule
@@ -23,10 +23,6 @@ from .swarm import swarm
 CASES = (("gpipe", 8, 1), ("1f1b", 8, 1), ("zb_h1", 8, 1), ("interleaved_1f1b", 8, 2),
          ("looped_bfs", 8, 2))
 WIDTH, BATCH = 64, 64
-
-
-def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((out - target) ** 2).mean()
 
 
 def _case(name: str, microbatches: int, virtual: int) -> Check:
@@ -43,10 +39,10 @@ def _case(name: str, microbatches: int, virtual: int) -> Check:
     pipe = Pipeline(split_model(linear_stack(WIDTH, stages, dtype=torch.float64), stages), plan)
     start = start_clock()
     with collectives.meter() as m:
-        loss = pipe.train_step(x, y, _mse)
+        loss = pipe.train_step(x, y, mse)
     seconds = time.perf_counter() - start
     reference = split_model(linear_stack(WIDTH, stages, dtype=torch.float64), stages)
-    ref_loss = _mse(torch.nn.Sequential(*reference)(x), y)
+    ref_loss = mse(torch.nn.Sequential(*reference)(x), y)
     ref_loss.backward()
     same = all(torch.allclose(p.grad, q.grad, rtol=1e-9, atol=1e-12)
                for s, mod in pipe.modules.items()
@@ -76,11 +72,11 @@ def _swarm_row() -> Row:
     rank 4 SIGKILLed at its 5th forward, against one process."""
     batches, pools = _batches(4, 8), [[1, 2], [3, 4]]
     start = time.perf_counter()
-    run = launch(swarm, 5, _swarm_model, pools, batches, _mse, 0.1, 4, kill={4: 5},
+    run = launch(swarm, 5, _swarm_model, pools, batches, mse, 0.1, 4, kill={4: 5},
                  tolerate_deaths=True)
     seconds = time.perf_counter() - start
     reference = _swarm_model()
-    single_process_sgd(reference, batches, _mse, 0.1)  # the micro-batches' mean loss
+    single_process_sgd(reference, batches, mse, 0.1)  # the micro-batches' mean loss
     halves = [torch.nn.utils.parameters_to_vector(h.parameters()) for h in
               split_model(reference, 2)]
     same = isinstance(run[4], RankDied) and all(
@@ -96,11 +92,11 @@ def _skippipe_row(ctx: Context) -> Row:
     steps = _batches(3, 4)
     plans = [plan_paths(5, 4, skip=1, speeds=[1.0, 1.0, 0.25, 1.0, 1.0])] * len(steps)
     start = time.perf_counter()
-    run = ctx.cluster(5).run(train_paths, lambda: skip_model(4, 16, 5), steps, plans, _mse,
+    run = ctx.cluster(5).run(train_paths, lambda: skip_model(4, 16, 5), steps, plans, mse,
                              0.1)
     seconds = time.perf_counter() - start
     reference = skip_model(4, 16, 5)
-    losses = one_process_paths(reference, steps, plans, _mse, 0.1)
+    losses = one_process_paths(reference, steps, plans, mse, 0.1)
     same = all(math.isclose(a, b, rel_tol=1e-10) for a, b in zip(run[-1][0], losses,
                                                                   strict=True))
     same = same and all(torch.allclose(p, torch.nn.utils.parameters_to_vector(

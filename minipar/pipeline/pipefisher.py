@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import trace
+from ..models import mse
 from ..runtime import rank, world_size
 from .engine import Pipeline, split_model
 from .kfac import KFAC, kfac_step
@@ -21,10 +22,6 @@ from .schedules import schedule
 from .simulate import bubble_budgets, costs_from_timeline
 
 OPTIMIZERS = ("sgd", "adam", "kfac")
-
-
-def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return ((out - target) ** 2).mean()
 
 
 def _check(optimizer: str, lr: float) -> None:
@@ -65,7 +62,7 @@ def kfac_one_process(model: nn.Module, batches: list[tuple[torch.Tensor, torch.T
     opt = _optimizer(list(model.parameters()), optimizer, lr)
     losses = []
     for step, (x, y) in enumerate(batches):
-        loss = _mse(model(x), y)
+        loss = mse(model(x), y)
         loss.backward()
         if kfac is not None:
             kfac_step(kfac, step, every)
@@ -100,7 +97,7 @@ def train_pipefisher(model_fn: Callable[[], nn.Sequential], batches: list, name:
         measuring = kfac is not None and fill and step == 1  # step 0 sent shape headers
         with trace.capture() if measuring else nullcontext() as captured:
             start, before = time.perf_counter(), kfac.seconds if kfac else 0.0
-            loss = pipe.train_step(x, y, _mse)
+            loss = pipe.train_step(x, y, mse)
             if kfac is not None:
                 kfac_step(kfac, step, every)
             opt.step()
