@@ -169,49 +169,85 @@ def _log2_ceil(k: int) -> int:
     return (k - 1).bit_length()
 
 
-def all_reduce_cost(algorithm: str, world_size: int, nbytes: float, alpha: float = 0.0,
-                    beta: float = 0.0, gamma: float = 0.0) -> CollectiveCost:
-    """Alpha-beta(-gamma) prediction for minipar's all-reduce algorithms.
+@dataclass(frozen=True)
+class CommStep:
+    """One communication step of a collective: `transfers` messages of `nbytes` each in
+    flight at once among `ranks` busy ranks, each receiver adding `reduced` bytes."""
 
-    alpha: seconds per message (latency); beta: seconds per byte sent (1 / bandwidth);
-    gamma: seconds per byte reduced (the additions), after Thakur, Rabenseifner and
-    Gropp (2005). Bytes count what each rank sends, not what each link carries.
-    naive: rank 0 takes each rank's N bytes in turn, then sends N to each: 2(K-1)
-    steps of N bytes, (K-1)N through rank 0. tree: binomial reduce + broadcast,
-    2 ceil(log2 K) steps of N bytes. ring: 2(K-1) steps of N/K bytes, 2(K-1)/K N per
-    rank. halving_doubling: 2 log2 P steps of halving sizes (P the largest power of
-    two <= K), plus one fold and one unfold step of N bytes when K is not a power of two.
-    """
+    transfers: int
+    nbytes: float
+    ranks: int
+    reduced: float = 0.0
+
+
+ALL_REDUCE_ALGORITHMS = ("naive", "tree", "ring", "halving_doubling")
+
+
+def all_reduce_steps(algorithm: str, world_size: int, nbytes: float) -> list[CommStep]:
+    """The steps minipar's all-reduce algorithms take (the one schedule of each that every
+    model prices): naive, rank 0 takes each rank's N bytes in turn, then sends N to each;
+    tree, a binomial reduce then broadcast; ring, a reduce-scatter then an all-gather of
+    N/K chunks; halving_doubling, recursive halving then doubling among P (the largest
+    power of two <= K), with one fold and one unfold step of N bytes for the others."""
+    if algorithm not in ALL_REDUCE_ALGORITHMS:
+        raise ValueError("algorithm must be one of 'naive', 'tree', 'ring', "
+                         f"'halving_doubling'; got {algorithm!r}")
     k, n = world_size, float(nbytes)
     if k < 1:
         raise ValueError(f"world_size must be >= 1; got {world_size}")
     if k == 1:
-        return CollectiveCost(algorithm, 0, 0.0, 0.0, 0.0)
-    # critical: bytes sent along the critical path; reduced: bytes added on it
+        return []
+    if algorithm == "ring":
+        return [CommStep(k, n / k, k, n / k)] * (k - 1) + [CommStep(k, n / k, k)] * (k - 1)
+    if algorithm == "naive":  # the root takes one rank at a time, then sends to each
+        return [CommStep(1, n, 2, n)] * (k - 1) + [CommStep(1, n, 2)] * (k - 1)
+    if algorithm == "tree":  # binomial: round i pairs ranks 2^i apart
+        rounds = [sum(1 for r in range(k) if r % (2 << i) == 1 << i)
+                  for i in range(_log2_ceil(k))]
+        return [CommStep(t, n, 2 * t, n) for t in rounds] \
+            + [CommStep(t, n, 2 * t) for t in reversed(rounds)]
+    p = 1 << (k.bit_length() - 1)  # halving_doubling: fold the extra ranks in first
+    extra = k - p
+    sizes = [n / (2 << j) for j in range((p - 1).bit_length())]
+    fold = [CommStep(extra, n, 2 * extra, n)] if extra else []
+    unfold = [CommStep(extra, n, 2 * extra)] if extra else []
+    halving = [CommStep(p, s, p, s) for s in sizes]  # reduce-scatter: halves, each reduced
+    doubling = [CommStep(p, s, p) for s in reversed(sizes)]  # all-gather: doubles back
+    return fold + halving + doubling + unfold
+
+
+def _busiest_rank_bytes(algorithm: str, k: int, n: float) -> float:
+    """Bytes sent by the rank that sends the most (the steps count the critical path)."""
     if algorithm == "naive":
-        steps, critical, reduced = 2 * (k - 1), 2 * (k - 1) * n, (k - 1) * n
-        busiest, total = (k - 1) * n, 2 * (k - 1) * n
-    elif algorithm == "tree":
-        rounds = _log2_ceil(k)
-        steps, critical, reduced = 2 * rounds, 2 * rounds * n, rounds * n
-        busiest, total = rounds * n, 2 * (k - 1) * n
-    elif algorithm == "ring":
-        steps, critical, reduced = 2 * (k - 1), 2 * (k - 1) * n / k, (k - 1) * n / k
-        busiest, total = 2 * (k - 1) * n / k, 2 * (k - 1) * n
-    elif algorithm == "halving_doubling":
-        p = 1 << (k.bit_length() - 1)
-        extra = k - p
-        halves = 2 * n * (p - 1) / p
-        steps = 2 * (p.bit_length() - 1) + (2 if extra else 0)
-        critical = halves + (2 * n if extra else 0.0)
-        reduced = halves / 2 + (n if extra else 0.0)
-        busiest = halves + (n if extra else 0.0)
-        total = p * halves + 2 * extra * n
-    else:
-        raise ValueError("algorithm must be one of 'naive', 'tree', 'ring', "
-                         f"'halving_doubling'; got {algorithm!r}")
-    return CollectiveCost(algorithm, steps, steps * alpha + critical * beta + reduced * gamma,
-                          busiest, total)
+        return (k - 1) * n  # rank 0 sends N to each other rank
+    if algorithm == "tree":
+        return _log2_ceil(k) * n  # the root sends in every broadcast round
+    if algorithm == "ring":
+        return 2 * (k - 1) * n / k
+    p = 1 << (k.bit_length() - 1)
+    # a folded-in partner also sends its N bytes into the fold: about 3N, not 2N
+    return 2 * n * (p - 1) / p + (n if k > p else 0.0)
+
+
+def all_reduce_cost(algorithm: str, world_size: int, nbytes: float, alpha: float = 0.0,
+                    beta: float = 0.0, gamma: float = 0.0) -> CollectiveCost:
+    """Alpha-beta(-gamma) prediction for minipar's all-reduce algorithms, priced on their
+    steps (`all_reduce_steps`).
+
+    alpha: seconds per message (latency); beta: seconds per byte sent (1 / bandwidth);
+    gamma: seconds per byte reduced (the additions), after Thakur, Rabenseifner and
+    Gropp (2005). Bytes count what each rank sends, not what each link carries. In
+    closed form: naive 2(K-1) steps of N bytes, (K-1)N through rank 0; tree 2 ceil(log2
+    K) steps of N bytes; ring 2(K-1) steps of N/K bytes, 2(K-1)/K N per rank;
+    halving_doubling 2 log2 P steps of halving sizes, plus a fold and an unfold of N.
+    """
+    steps = all_reduce_steps(algorithm, world_size, nbytes)
+    critical = sum(s.nbytes for s in steps)  # along the critical path, one step at a time
+    reduced = sum(s.reduced for s in steps)
+    total = sum(s.transfers * s.nbytes for s in steps)  # every message of every step
+    busiest = _busiest_rank_bytes(algorithm, world_size, float(nbytes)) if steps else 0.0
+    return CollectiveCost(algorithm, len(steps), len(steps) * alpha + critical * beta
+                          + reduced * gamma, busiest, total)
 
 
 def fit_alpha_beta(sizes: list[float], seconds: list[float]) -> tuple[float, float]:

@@ -23,7 +23,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .cost import all_reduce_cost
+from .cost import CommStep, all_reduce_steps
 
 MACHINE_FILE_ENV = "MINIPAR_MACHINE"
 
@@ -32,17 +32,6 @@ def machine_file() -> Path:
     """Where fitted machines are kept: $MINIPAR_MACHINE, else ~/.cache/minipar/machine.json."""
     chosen = os.environ.get(MACHINE_FILE_ENV)
     return Path(chosen) if chosen else Path.home() / ".cache" / "minipar" / "machine.json"
-
-
-@dataclass(frozen=True)
-class CommStep:
-    """One communication step of a collective: `transfers` messages of `nbytes` each in
-    flight at once among `ranks` busy ranks, each receiver adding `reduced` bytes."""
-
-    transfers: int
-    nbytes: float
-    ranks: int
-    reduced: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -112,31 +101,3 @@ class Machine:
                 f"no fitted machine for backend {backend!r} in {path}; run "
                 "`minipar bench collectives` or minipar.collectives.fit_machine() first")
         return cls(**saved[backend])
-
-
-def all_reduce_steps(algorithm: str, world_size: int, nbytes: float) -> list[CommStep]:
-    """The steps minipar's all-reduce algorithms take, with how many transfers each has in
-    flight and how many ranks are busy: the schedule `Machine.all_reduce_seconds` prices."""
-    all_reduce_cost(algorithm, max(world_size, 1), 0)  # checks the arguments
-    k, n = world_size, float(nbytes)
-    if k == 1:
-        return []
-    if algorithm == "ring":
-        return [CommStep(k, n / k, k, n / k)] * (k - 1) + [CommStep(k, n / k, k)] * (k - 1)
-    if algorithm == "naive":  # the root takes one rank at a time, then sends to each
-        return [CommStep(1, n, 2, n)] * (k - 1) + [CommStep(1, n, 2)] * (k - 1)
-    if algorithm == "tree":  # binomial: round i pairs ranks 2^i apart
-        rounds = []
-        for i in range((k - 1).bit_length()):
-            pairs = sum(1 for r in range(k) if r % (2 << i) == 1 << i)
-            rounds.append(pairs)
-        return [CommStep(t, n, 2 * t, n) for t in rounds] \
-            + [CommStep(t, n, 2 * t) for t in reversed(rounds)]
-    p = 1 << (k.bit_length() - 1)  # halving_doubling: fold the extra ranks in first
-    extra = k - p
-    sizes = [n / (2 << j) for j in range((p - 1).bit_length())]
-    fold = [CommStep(extra, n, 2 * extra, n)] if extra else []
-    unfold = [CommStep(extra, n, 2 * extra)] if extra else []
-    halving = [CommStep(p, s, p, s) for s in sizes]  # reduce-scatter: halves, each reduced
-    doubling = [CommStep(p, s, p) for s in reversed(sizes)]  # all-gather: doubles back
-    return fold + halving + doubling + unfold

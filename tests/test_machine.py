@@ -4,28 +4,43 @@ the stated one, it is saved and loaded, and fitting it on real ranks gives sane 
 import pytest
 
 from minipar.collectives import fit_machine
-from minipar.cost import all_reduce_cost
-from minipar.machine import CommStep, Machine, all_reduce_steps
+from minipar.cost import CommStep, all_reduce_cost, all_reduce_steps
+from minipar.machine import Machine
 from minipar.pipeline import schedule, simulate
 from minipar.report import ratio_cell
 
 ALGORITHMS = ("naive", "tree", "ring", "halving_doubling")
 
 
-@pytest.mark.parametrize("k", [2, 3, 4, 8])
+CLOSED_FORMS = {  # (steps, bytes and additions on the critical path) for K ranks, N bytes
+    "naive": lambda k, n: (2 * (k - 1), 2 * (k - 1) * n, (k - 1) * n),
+    "tree": lambda k, n: (2 * (k - 1).bit_length(), 2 * (k - 1).bit_length() * n,
+                          (k - 1).bit_length() * n),
+    "ring": lambda k, n: (2 * (k - 1), 2 * (k - 1) * n / k, (k - 1) * n / k),
+    "halving_doubling": lambda k, n: (
+        2 * ((1 << (k.bit_length() - 1)).bit_length() - 1) + 2 * (k & (k - 1) != 0),
+        2 * n * (1 - 1 / (1 << (k.bit_length() - 1))) + 2 * n * (k & (k - 1) != 0),
+        n * (1 - 1 / (1 << (k.bit_length() - 1))) + n * (k & (k - 1) != 0)),
+}
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 6, 8])
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_steps_match_the_alpha_beta_counts(algorithm, k):
-    """The step schedule the machine prices takes as many steps, and puts as many bytes
-    and additions on the critical path, as cost.all_reduce_cost counts."""
+def test_steps_match_the_closed_forms(algorithm, k):
+    """The one step schedule (which the machine and the alpha-beta model both price)
+    takes the textbook's number of steps and puts its bytes and additions on the
+    critical path; total traffic is 2(K-1)N for all but halving-doubling."""
     n = 1 << 20
     steps = all_reduce_steps(algorithm, k, n)
-    counted = all_reduce_cost(algorithm, k, n, alpha=1.0)
-    assert len(steps) == counted.steps
-    assert sum(s.nbytes for s in steps) == pytest.approx(
-        all_reduce_cost(algorithm, k, n, beta=1.0).seconds)
-    assert sum(s.reduced for s in steps) == pytest.approx(
-        all_reduce_cost(algorithm, k, n, gamma=1.0).seconds)
+    count, critical, reduced = CLOSED_FORMS[algorithm](k, n)
+    assert len(steps) == count
+    assert sum(s.nbytes for s in steps) == pytest.approx(critical)
+    assert sum(s.reduced for s in steps) == pytest.approx(reduced)
     assert all(1 <= s.transfers <= k and 2 <= s.ranks <= k for s in steps)
+    priced = all_reduce_cost(algorithm, k, n, alpha=1.0, beta=1e-6, gamma=1e-9)
+    assert priced.seconds == pytest.approx(count + critical * 1e-6 + reduced * 1e-9)
+    if algorithm != "halving_doubling":
+        assert priced.total_bytes == pytest.approx(2 * (k - 1) * n)
 
 
 def test_ring_and_tree_keep_the_stated_concurrency():

@@ -11,7 +11,8 @@ import torch
 
 from .. import trace
 from ..collectives import fit_machine
-from ..machine import CommStep, Machine
+from ..cost import CommStep
+from ..machine import Machine
 from ..models import mlp
 from ..runtime import Cluster, world_size
 from .compression import ErrorFeedback, Int8, PowerSGD, TopK
