@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..runtime import rank, world_size
@@ -121,7 +122,8 @@ class Pipeline:
     messages.py; `post_receives_ahead` posts receives ahead once shapes are known."""
 
     def __init__(self, stage_modules: Sequence[nn.Module], plan: Schedule,
-                 lr: float | None = None, group=None, post_receives_ahead: bool = True,
+                 lr: float | None = None, group: dist.ProcessGroup | None = None,
+                 post_receives_ahead: bool = True,
                  make_stage: Callable[[nn.Module, int], Stage] | None = None) -> None:
         if len(stage_modules) != plan.stages:
             raise ValueError(f"the schedule has {plan.stages} stages but {len(stage_modules)} "

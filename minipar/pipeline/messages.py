@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from .. import collectives
 from .plan import Action, ActionKind, Schedule
@@ -27,7 +28,7 @@ class Messages:
     shape (headers go with the activations) and the shapes learnt then afterwards."""
 
     plan: Schedule
-    group: object
+    group: dist.ProcessGroup | None
     dtype: torch.dtype  # activations' dtype: the stages' parameters'
     shapes: Shapes | None
     learnt: Shapes = field(default_factory=dict)  # every receive's shape, for later steps

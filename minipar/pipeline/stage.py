@@ -106,7 +106,7 @@ class SavedActivationMeter:
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
             yield
 
-    def pack(self, tensor: torch.Tensor):
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor | _Held:
         if tensor.untyped_storage().data_ptr() in self.exclude:
             return tensor
         key = (tensor.data_ptr(), tensor.numel())  # a micro-batch view counts its own bytes
@@ -127,5 +127,5 @@ class SavedActivationMeter:
             del self._refs[key]
 
     @staticmethod
-    def unpack(held):
+    def unpack(held: torch.Tensor | _Held) -> torch.Tensor:
         return held.tensor if isinstance(held, _Held) else held

@@ -45,8 +45,8 @@ class TeraPipe(ScheduleFamily):
 class CarriedStateStage(Stage):
     """B also back-propagates the module's extra roots (a slice's keys and values, with the
     gradient later slices sent them) and hands it the gradients of its extra leaves (the
-    earlier slices' cached keys and values). A module without `carried_state` runs as a
-    plain Stage."""
+    earlier slices' cached keys and values): the module is a `CarriesState`. A module
+    without `carried_state` runs as a plain Stage."""
 
     def backward(self, microbatch: int, root: torch.Tensor, grad_out: torch.Tensor | None,
                  x: torch.Tensor | None) -> torch.Tensor | None:
