@@ -6,6 +6,7 @@ learner can change an input and watch the conclusion move.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 SECONDS_PER_YEAR = 365.25 * 24 * 3600
@@ -153,6 +154,32 @@ def largest_model(memory_bytes: float, bytes_per_param: float) -> float:
 
 
 # --- communication: the alpha-beta model ---
+
+@dataclass(frozen=True)
+class Link:
+    """The one latency / bandwidth pair: one direction of a link, seconds per message and
+    bytes per second. The alpha-beta model names the same pair alpha (= latency) and beta
+    (= 1 / bandwidth, seconds per byte)."""
+
+    latency: float = 0.0
+    bandwidth: float = math.inf
+
+    def __post_init__(self) -> None:
+        if not self.latency >= 0 or not self.bandwidth > 0:
+            raise ValueError(f"a link needs latency >= 0 seconds and bandwidth > 0 bytes/s; "
+                             f"got latency={self.latency!r}, bandwidth={self.bandwidth!r}")
+
+    @property
+    def alpha(self) -> float:
+        return self.latency
+
+    @property
+    def beta(self) -> float:
+        return 1 / self.bandwidth
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
 
 @dataclass(frozen=True)
 class CollectiveCost:

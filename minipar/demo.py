@@ -46,6 +46,14 @@ def skip(technique: str, why: str) -> Check:
     return Check(technique, None, 0.0, skipped=why)
 
 
+def run_cases(runs: dict[str, Callable[[], Check]], cases: Sequence[str]) -> list[Check]:
+    """Run the named cases of a demo, in order; an unknown name is one line listing them."""
+    unknown = [c for c in cases if c not in runs]
+    if unknown:
+        raise ValueError(f"cases must be among {', '.join(runs)}; got {unknown}")
+    return [runs[case]() for case in cases]
+
+
 def start_clock() -> float:
     """Every rank passes a barrier, then reads the clock: each rank times a case from the
     same moment, so per-rank times compare (without it, a rank that arrives first counts

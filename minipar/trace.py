@@ -86,20 +86,11 @@ class Summary:
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by intervals, counting overlaps once (nested spans)."""
-    total, cur_start, cur_end = 0.0, None, None
-    for start, end in sorted(intervals):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
+    return sum(end - start for start, end in merged_intervals(intervals))
 
 
-def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def merged_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The same cover as disjoint intervals, in order (touching ones joined)."""
     merged: list[tuple[float, float]] = []
     for start, end in sorted(intervals):
         if merged and start <= merged[-1][1]:
@@ -112,8 +103,8 @@ def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 def subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]
              ) -> list[tuple[float, float]]:
     """The parts of intervals `a` that no interval of `b` covers."""
-    out, cuts = [], _merged(b)
-    for start, end in _merged(a):
+    out, cuts = [], merged_intervals(b)
+    for start, end in merged_intervals(a):
         for cut_start, cut_end in cuts:
             if cut_end <= start or cut_start >= end:
                 continue
@@ -127,7 +118,7 @@ def subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]
 
 def overlap_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     """Time covered by both sets of intervals."""
-    a, b = _merged(a), _merged(b)
+    a, b = merged_intervals(a), merged_intervals(b)
     total, i, j = 0.0, 0, 0
     while i < len(a) and j < len(b):
         total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))

@@ -17,7 +17,7 @@ def test_links_price_messages_both_ways():
         assert active() is net
         assert net.seconds(0, 1, 1000) == pytest.approx(1e-3 + 1e-3)
         assert net.seconds(2, 0, 100) == pytest.approx(0.5 + 1.0)  # the pair, reversed
-        assert net.alpha_beta(0, 2) == (0.5, 0.01)
+        assert (net.link(0, 2).alpha, net.link(0, 2).beta) == (0.5, 0.01)
     assert active() is None
     assert Link().seconds(10**9) == 0.0 and math.isinf(Link().bandwidth)
 

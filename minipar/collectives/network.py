@@ -10,7 +10,7 @@ through it: collectives, send / isend, the pipeline engine. (torch's own dist ca
 not, and an isend sleeps before it returns: on this network it is non-blocking only
 after its bytes have left.)
 
-The same numbers are the alpha-beta model's: `Network.alpha_beta(src, dst)`.
+The same numbers are the alpha-beta model's: `Link` (in `minipar.cost`) has `.alpha` and `.beta`.
 """
 
 from __future__ import annotations
@@ -23,21 +23,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class Link:
-    """One direction of a link: seconds per message and bytes per second."""
-
-    latency: float = 0.0
-    bandwidth: float = math.inf
-
-    def __post_init__(self) -> None:
-        if not self.latency >= 0 or not self.bandwidth > 0:
-            raise ValueError(f"a link needs latency >= 0 seconds and bandwidth > 0 bytes/s; "
-                             f"got latency={self.latency!r}, bandwidth={self.bandwidth!r}")
-
-    def seconds(self, nbytes: int) -> float:
-        return self.latency + nbytes / self.bandwidth
+from ..cost import Link
 
 
 @dataclass(frozen=True)
@@ -54,11 +40,6 @@ class Network:
     def seconds(self, src: int, dst: int, nbytes: int) -> float:
         """What sending `nbytes` from src to dst costs on this network."""
         return self.link(src, dst).seconds(nbytes)
-
-    def alpha_beta(self, src: int, dst: int) -> tuple[float, float]:
-        """The link as the alpha-beta model takes it: (seconds per message, per byte)."""
-        link = self.link(src, dst)
-        return link.latency, 1 / link.bandwidth
 
 
 _active: list[Network] = []

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
 from .. import collectives
-from ..demo import Check, Context, Row, skip, start_clock
+from ..demo import Check, Context, Row, run_cases, skip, start_clock
 from ..models import mse
 from ..runtime import world_size
 from . import task
@@ -66,10 +66,7 @@ RUNS = {"all_reduce": _all_reduce_trainer, "parameter_server": _parameter_server
 
 def demo(cases: tuple[str, ...] = CASES) -> list[Check]:
     """On every rank: run each named trainer (see RUNS) on the same small regression task."""
-    unknown = [c for c in cases if c not in RUNS]
-    if unknown:
-        raise ValueError(f"cases must be among {', '.join(RUNS)}; got {unknown}")
-    return [RUNS[case]() for case in cases]
+    return run_cases(RUNS, cases)
 
 
 def tour(ctx: Context) -> list[Row]:

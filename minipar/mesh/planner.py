@@ -31,7 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from .. import cost
-from ..cost import GB, TransformerConfig
+from ..cost import GB, Link, TransformerConfig
 from .mesh import Mesh
 
 OPTIMIZER_BYTES_PER_PARAM = 32  # Adam reads and writes weight, gradient and two moments
@@ -112,26 +112,31 @@ class Plan:
                 f"zero={self.zero} recompute={self.recompute}")
 
 
-def _link(cluster: Hardware, ranks: list[int]) -> tuple[float, float]:
-    """(seconds per byte, latency) of a group: inside a node, or the slowest NIC it touches."""
+def _link(cluster: Hardware, ranks: list[int]) -> Link:
+    """The link of a group: inside a node, or the slowest NIC it touches."""
     nodes = {r // cluster.devices_per_node for r in ranks}
     if len(nodes) == 1:
-        return 1 / cluster.intra_bandwidth, cluster.intra_latency
+        return Link(cluster.intra_latency, cluster.intra_bandwidth)
     nics = {cluster.nic(n) for n in nodes}
     if len(nics) > 1 and cluster.cross_nic_bandwidth is not None:  # e.g. InfiniBand to RoCE
-        return 1 / cluster.cross_nic_bandwidth, cluster.inter_latency
-    return 1 / min(nics), cluster.inter_latency
+        return Link(cluster.inter_latency, cluster.cross_nic_bandwidth)
+    return Link(cluster.inter_latency, min(nics))
+
+
+def _slowest(links: list[Link]) -> Link:
+    """The group that limits a dimension: least bandwidth, then most latency."""
+    return min(links, key=lambda link: (link.bandwidth, -link.latency))
 
 
 @functools.lru_cache(maxsize=4096)
-def _links(cluster: Hardware, dp: int, pp: int, tp: int) -> dict[str, tuple[float, float]]:
-    """(seconds per byte, latency) of each dimension's slowest group, ranks laid out
-    pp (slowest), dp, tp (fastest); for pp, the link between neighbouring stages."""
+def _links(cluster: Hardware, dp: int, pp: int, tp: int) -> dict[str, Link]:
+    """Each dimension's slowest group's link, ranks laid out pp (slowest), dp, tp
+    (fastest); for pp, the link between neighbouring stages."""
     mesh = Mesh(pp=pp, dp=dp, tp=tp)
-    return {"tp": max(_link(cluster, g) for g in mesh.groups("tp")),
-            "dp": max(_link(cluster, g) for g in mesh.groups("dp")),
-            "pp": max(_link(cluster, g[i:i + 2]) for g in mesh.groups("pp")
-                      for i in range(pp - 1)) if pp > 1 else (0.0, 0.0)}
+    return {"tp": _slowest([_link(cluster, g) for g in mesh.groups("tp")]),
+            "dp": _slowest([_link(cluster, g) for g in mesh.groups("dp")]),
+            "pp": _slowest([_link(cluster, g[i:i + 2]) for g in mesh.groups("pp")
+                            for i in range(pp - 1)]) if pp > 1 else Link()}
 
 
 def estimate(model: TransformerConfig, cluster: Hardware, global_batch: int, dp: int, pp: int,
@@ -157,13 +162,12 @@ def estimate(model: TransformerConfig, cluster: Hardware, global_batch: int, dp:
     compute = flops / (cluster.devices * cluster.peak_flops * cluster.efficiency)
     activation = micro_batch * model.seq_len * model.hidden * bytes_per_value
     links = _links(cluster, dp, pp, tp)
-    beta, alpha = links["tp"]
-    ring = cost.all_reduce_cost("ring", tp, activation, alpha, beta).seconds
+    ring = cost.all_reduce_cost("ring", tp, activation, links["tp"].alpha,
+                                links["tp"].beta).seconds
     tp_time = layers * m * (6 if recompute == "full" else 4) * ring
-    beta, alpha = links["pp"]
-    pp_time = 2 * (m + pp - 1) * (alpha + beta * activation / tp) if pp > 1 else 0.0
-    beta, alpha = links["dp"]
-    dp_time = cost.all_reduce_cost("ring", dp, params * bytes_per_value, alpha, beta).seconds
+    pp_time = 2 * (m + pp - 1) * links["pp"].seconds(activation / tp) if pp > 1 else 0.0
+    dp_time = cost.all_reduce_cost("ring", dp, params * bytes_per_value, links["dp"].alpha,
+                                   links["dp"].beta).seconds
     updated = params / (dp if zero >= 1 else 1)  # ZeRO: each rank updates its slice
     optimizer = updated * OPTIMIZER_BYTES_PER_PARAM / cluster.memory_bandwidth
     seconds = {"compute": compute, "bubble": compute * (pp - 1) / m, "tp": tp_time,

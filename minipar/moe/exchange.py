@@ -42,6 +42,21 @@ def moved(x: torch.Tensor, there: Callable[[torch.Tensor], torch.Tensor],
     return _Moved.apply(x, there, back)
 
 
+def dispatch_and_combine(rows: torch.Tensor, meta: torch.Tensor, compute: Compute,
+                         there: Callable[[torch.Tensor], torch.Tensor],
+                         back: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """An all-at-once exchange given its two moves: the meta and the rows go `there`, the
+    experts run on what arrived, their outputs come `back` (and each gradient returns the
+    way its tensor came)."""
+    arrived_meta = there(meta.contiguous())
+    with record("all_to_all", "dispatch", tokens=int(arrived_meta.shape[0])):
+        arrived = moved(rows, there, back)
+    with record("compute", "experts", tokens=int(arrived_meta.shape[0])):
+        out = compute(arrived, arrived_meta)
+    with record("all_to_all", "combine"):
+        return moved(out, back, there)
+
+
 class Exchange:
     """Rows to their experts' ranks and the outputs back, the experts run in between."""
 
@@ -73,10 +88,4 @@ class FlatAllToAll(Exchange):
         def back(t: torch.Tensor) -> torch.Tensor:
             return collectives.all_to_all(t, recv_counts, send_counts, group)
 
-        arrived_meta = there(meta.contiguous())
-        with record("all_to_all", "dispatch", tokens=int(arrived_meta.shape[0])):
-            arrived = moved(rows, there, back)
-        with record("compute", "experts", tokens=int(arrived_meta.shape[0])):
-            out = compute(arrived, arrived_meta)
-        with record("all_to_all", "combine"):
-            return moved(out, back, there)
+        return dispatch_and_combine(rows, meta, compute, there, back)

@@ -26,6 +26,16 @@ from .pipelining import run_by_expert
 from .routing import Routing
 
 
+def experts_per_rank(num_experts: int, group=None) -> int:
+    """How many experts each rank of `group` holds (rank r the r-th block of them); one
+    line naming the fix when they do not split evenly."""
+    size = world_size(group)
+    if num_experts % size:
+        raise ValueError(f"{num_experts} experts cannot be split evenly over {size} ranks; "
+                         f"use a number of experts divisible by {size}")
+    return num_experts // size
+
+
 class ExpertParallelMoE(nn.Module):
     """This rank's experts of a one-process MoELayer (`twin`, or a twin of another routing
     rule), routing with the twin's `rule` among the ranks of `group` (default: all; on a
@@ -39,15 +49,11 @@ class ExpertParallelMoE(nn.Module):
 
     def __init__(self, twin: MoELayer, group=None, exchange: Exchange | None = None) -> None:
         super().__init__()
-        size = world_size(group)
         num_experts = len(twin.experts)
-        if num_experts % size:
-            raise ValueError(f"{num_experts} experts cannot be split evenly over {size} ranks; "
-                             f"use a number of experts divisible by {size}")
+        self.per_rank = experts_per_rank(num_experts, group)
         self.group = group
         self.exchange = FlatAllToAll() if exchange is None else exchange
         self.rule = twin.rule  # the twin's own rule object: its choices, by construction
-        self.per_rank = num_experts // size
         first = rank(group) * self.per_rank
         self.num_experts = num_experts
         self.gate = copy.deepcopy(twin.gate)

@@ -21,8 +21,7 @@ import torch
 
 from .. import collectives
 from ..runtime import rank, world_size
-from ..trace import record
-from .exchange import Compute, Exchange, moved
+from .exchange import Compute, Exchange, dispatch_and_combine
 
 
 def counts_everywhere(send_counts: list[int], local_group, node_group) -> torch.Tensor:
@@ -107,13 +106,7 @@ class HierarchicalAllToAll(Exchange):
         def back(t: torch.Tensor) -> torch.Tensor:
             return hierarchical_all_to_all(t, recv_counts, *groups, counts=back_matrix)
 
-        arrived_meta = there(meta.contiguous())
-        with record("all_to_all", "dispatch", tokens=int(arrived_meta.shape[0])):
-            arrived = moved(rows, there, back)
-        with record("compute", "experts", tokens=int(arrived_meta.shape[0])):
-            out = compute(arrived, arrived_meta)
-        with record("all_to_all", "combine"):
-            return moved(out, back, there)
+        return dispatch_and_combine(rows, meta, compute, there, back)
 
 
 def all_to_all_time(kind: str, nbytes: float, nodes: int, per_node: int,

@@ -30,9 +30,10 @@ import copy
 import torch
 from torch import nn
 
-from ..runtime import rank, world_size
+from ..runtime import rank
 from ..tensor_parallel.mappings import copy_to_parallel_region, reduce_from_parallel_region
 from ..trace import record
+from .expert_parallel import experts_per_rank
 from .layer import MoELayer
 from .top_k import TopKCapacity
 
@@ -60,12 +61,8 @@ class PipelineMoE(nn.Module):
 
     def __init__(self, twin: MoELayer, group=None) -> None:
         super().__init__()
-        size = world_size(group)
         num_experts = len(twin.experts)
-        if num_experts % size:
-            raise ValueError(f"{num_experts} experts cannot be split evenly over {size} ranks; "
-                             f"use a number of experts divisible by {size}")
-        self.group, self.per_rank = group, num_experts // size
+        self.group, self.per_rank = group, experts_per_rank(num_experts, group)
         self.first = rank(group) * self.per_rank
         if not isinstance(twin.rule, TopKCapacity):
             raise ValueError(f"PipelineMoE routes by top-k with capacity; got {twin.rule!r}")

@@ -11,7 +11,7 @@ from torch.nn.utils import parameters_to_vector
 
 from .. import collectives
 from ..data_parallel import shard, shard_weight, task
-from ..demo import Check, Context, Row, start_clock
+from ..demo import Check, Context, Row, run_cases, start_clock
 from ..models import mse
 from .fsdp import FullyShardedDataParallel
 from .zero import ZeroDataParallel
@@ -53,10 +53,8 @@ def _zero(stage: int) -> Check:
 
 def demo(cases: tuple[str, ...] = CASES) -> list[Check]:
     """On every rank: each named ZeRO stage ("zero1", "zero2", "zero3")."""
-    unknown = [c for c in cases if c not in CASES]
-    if unknown:
-        raise ValueError(f"cases must be among {', '.join(CASES)}; got {unknown}")
-    return [_zero(int(case[-1])) for case in cases]
+    return run_cases({case: (lambda stage=int(case[-1]): _zero(stage)) for case in CASES},
+                     cases)
 
 
 def tour(ctx: Context) -> list[Row]:

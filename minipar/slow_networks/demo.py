@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ..data_parallel import single_process_sgd, task
 from ..data_parallel.compression import TopK, train_compressed
-from ..demo import Check, Context, Row, start_clock
+from ..demo import Check, Context, Row, run_cases, start_clock
 from ..models import mse
 from ..runtime import RankError, launch, rank
 from .checkpoint import train_resumable
@@ -118,10 +118,7 @@ RUNS = {"local_sgd": _local_sgd, "co2": lambda: _relaxed("co2"),
 
 def demo(cases: tuple[str, ...] = CASES) -> list[Check]:
     """On every rank: run each named trainer (see RUNS) on the same small regression task."""
-    unknown = [c for c in cases if c not in RUNS]
-    if unknown:
-        raise ValueError(f"cases must be among {', '.join(RUNS)}; got {unknown}")
-    return [RUNS[case]() for case in cases]
+    return run_cases(RUNS, cases)
 
 
 def tour(ctx: Context) -> list[Row]:
