@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from minipar.grading import ExerciseError
 from minipar.mesh.exercises import check_mesh_groups, check_pick_degrees
-from minipar.mesh.planner import estimate
+from minipar.mesh.planner import Layout, estimate
 
 
 def connect(dims, *, fastest_last=True, only_mine=False, lists=False):
@@ -77,7 +77,7 @@ def pick(model, cluster, batch, *, fits=True, fastest=True, heads=True):
     for dp, pp, tp in itertools.product(range(1, n + 1), repeat=3):
         if dp * pp * tp != n or (heads and (model.heads % tp or model.layers % pp)):
             continue
-        p = estimate(model, cluster, batch, dp, pp, tp, 1, int(dp > 1), "selective")
+        p = estimate(model, cluster, batch, Layout(dp, pp, tp, zero=int(dp > 1)))
         if p.memory <= cluster.memory_bytes or not fits:
             found.append(p)
     best = (min if fastest else max)(found, key=lambda p: p.step)

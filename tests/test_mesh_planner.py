@@ -4,7 +4,7 @@ tensor parallelism stays inside a node, mixed NICs move data parallelism off slo
 import pytest
 
 from minipar.cost import OPT_CONFIGS, TransformerConfig
-from minipar.mesh.planner import Hardware, estimate, explain, plan, selene
+from minipar.mesh.planner import Hardware, Layout, estimate, explain, plan, selene
 
 # Narayanan et al. 2021, Table 1: (model, nodes of 8 A100, batch, pp, tp, TFLOP/s per GPU)
 MEGATRON = [(TransformerConfig(80, 12288, 96, 2048, 51200), 192, 2304, 8, 8, 148),
@@ -16,7 +16,7 @@ def test_published_megatron_runs_fit_and_land_a_little_above_their_throughput(
         model, nodes, batch, pp, tp, published):
     cluster = selene(nodes)
     dp = cluster.devices // (pp * tp)
-    run = estimate(model, cluster, batch, dp, pp, tp, micro_batch=1, recompute="full")
+    run = estimate(model, cluster, batch, Layout(dp, pp, tp, micro_batch=1, recompute="full"))
     assert run.memory < cluster.memory_bytes
     # the estimate leaves out overheads, so it is an optimistic bound, within 25%
     assert published < run.tflops_per_device < 1.25 * published
@@ -37,8 +37,8 @@ def test_mixed_nics_keep_data_parallelism_off_the_slow_path():
     nics = (25e9, 25e9, 12.5e9, 12.5e9)  # two InfiniBand nodes, two RoCE nodes
     holmes = Hardware(4, 8, 312e12, 80e9, 300e9, nics, cross_nic_bandwidth=1.25e9)
     model = OPT_CONFIGS["13B"]
-    across = estimate(model, holmes, 256, 4, 1, 8, zero=1)  # dp groups span both kinds
-    inside = estimate(model, holmes, 256, 2, 2, 8, zero=1)  # pp crosses, dp stays inside
+    across = estimate(model, holmes, 256, Layout(4, 1, 8, zero=1))  # dp spans both kinds
+    inside = estimate(model, holmes, 256, Layout(2, 2, 8, zero=1))  # pp crosses, dp inside
     assert across.seconds["dp"] > 10 * inside.seconds["dp"]
     assert inside.step < across.step
     best = plan(model, holmes, 256)[0]
@@ -51,7 +51,7 @@ def test_mixed_nics_keep_data_parallelism_off_the_slow_path():
 ])
 def test_bad_configurations_say_what_to_change(kwargs, words):
     with pytest.raises(ValueError, match=words):
-        estimate(OPT_CONFIGS["1.3B"], selene(1), 16, **kwargs)
+        estimate(OPT_CONFIGS["1.3B"], selene(1), 16, Layout(**kwargs))
 
 
 def test_explain_tells_a_pipeline_to_fit_from_one_for_its_links():

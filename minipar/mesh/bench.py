@@ -25,7 +25,7 @@ from ..report import format_table, progress, save_results
 from ..runtime import Cluster
 from .gpt import MeshGPT, gpt_loss
 from .mesh import Mesh
-from .planner import OPTIMIZER_BYTES_PER_PARAM, Hardware, estimate
+from .planner import OPTIMIZER_BYTES_PER_PARAM, Hardware, Layout, estimate
 
 SHAPE = dict(vocab=256, hidden=256, heads=4, layers=4, seq_len=64)
 BATCH, MICROBATCHES = 32, 4
@@ -142,9 +142,9 @@ def measure(world_sizes: tuple[int, ...] = (4, 8), steps: int = 3) -> list[dict]
                 per_rank = ranks.run(_time_steps, dict(dp=dp, pp=pp, tp=tp), steps)
                 slowest = [max(step) for step in zip(*per_rank, strict=True)]
                 measured = statistics.median(slowest)
-                predicted = estimate(_config(), machine, BATCH, dp, pp, tp,
-                                     micro_batch=BATCH // (dp * MICROBATCHES),
-                                     recompute="none", bytes_per_value=4)
+                layout = Layout(dp, pp, tp, micro_batch=BATCH // (dp * MICROBATCHES),
+                                recompute="none")
+                predicted = estimate(_config(), machine, BATCH, layout, bytes_per_value=4)
                 rows.append({"world_size": k, "dp": dp, "pp": pp, "tp": tp, "alpha": alpha,
                              "beta": beta, "flops": flops, "bandwidth": bandwidth,
                              "measured": measured,

@@ -12,7 +12,7 @@ from .. import runtime
 from ..cost import GB, OPT_CONFIGS, TransformerConfig
 from ..grading import ExerciseError, refuse_library, run_on_ranks
 from .mesh import Mesh
-from .planner import Hardware, Plan, estimate, plan
+from .planner import Hardware, Layout, Plan, estimate, plan
 
 _MESHES = ({"dp": 2, "tp": 2}, {"dp": 2, "pp": 2, "tp": 2})
 _GROUPS_HINT = ("torch creates a group collectively: every rank must call dist.new_group for "
@@ -133,8 +133,9 @@ def best_degrees(model: TransformerConfig, cluster: Hardware, global_batch: int)
 
 def check_pick_degrees(pick_degrees: Callable, tolerance: float = 0.02) -> str:
     """`pick_degrees(model, cluster, global_batch)` -> (dp, pp, tp): the fastest degrees
-    that fit in memory, found with `estimate(...)` (micro_batch=1, zero=1 where dp > 1,
-    recompute="selective"). Graded against the planner on three clusters."""
+    that fit in memory, found with `estimate(model, cluster, global_batch, Layout(dp, pp,
+    tp, zero=1 where dp > 1))` (micro-batch 1, selective recomputation). Graded against
+    the planner on three clusters."""
     refuse_library("pick_degrees", pick_degrees)
     winners = []
     for name, model, cluster, batch in degree_cases():
@@ -155,7 +156,7 @@ def check_pick_degrees(pick_degrees: Callable, tolerance: float = 0.02) -> str:
         if model.heads % tp or model.layers % pp:
             raise ExerciseError(f"pick_degrees({name}): tp={tp} must divide the {model.heads} "
                                 f"heads and pp={pp} the {model.layers} layers")
-        mine = estimate(model, cluster, batch, dp, pp, tp, 1, int(dp > 1), "selective")
+        mine = estimate(model, cluster, batch, Layout(dp, pp, tp, zero=int(dp > 1)))
         if mine.memory > cluster.memory_bytes:
             raise ExerciseError(
                 f"pick_degrees({name}): dp={dp} pp={pp} tp={tp} needs {mine.memory / GB:.0f} GB "

@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from .. import cost
 from ..cost import GB, Link, TransformerConfig
@@ -79,15 +79,26 @@ def frontier(nodes: int) -> Hardware:
 
 
 @dataclass(frozen=True)
-class Plan:
-    """One configuration and what the model predicts for it."""
+class Layout:
+    """One way to lay a model out on the devices: the degrees and the knobs beside them."""
 
     dp: int
     pp: int
     tp: int
-    micro_batch: int
-    zero: int
-    recompute: str
+    micro_batch: int = 1
+    zero: int = 0  # ZeRO stage over dp (0: plain data parallelism)
+    recompute: str = "selective"  # cost.RECOMPUTE: none, selective or full
+
+    @property
+    def label(self) -> str:
+        return (f"dp={self.dp} pp={self.pp} tp={self.tp} mb={self.micro_batch} "
+                f"zero={self.zero} recompute={self.recompute}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan(Layout):
+    """A layout and what the model predicts for it."""
+
     memory: float  # bytes on the fullest device
     seconds: dict[str, float] = field(default_factory=dict)  # compute, bubble, tp, pp, dp, ...
     flops: float = 0.0  # counted per step, recomputation included (as Megatron-LM reports)
@@ -106,10 +117,6 @@ class Plan:
     def share_of_peak(self) -> float:
         return self.flops / self.step / self.devices / self.peak_flops
 
-    @property
-    def label(self) -> str:
-        return (f"dp={self.dp} pp={self.pp} tp={self.tp} mb={self.micro_batch} "
-                f"zero={self.zero} recompute={self.recompute}")
 
 
 def _link(cluster: Hardware, ranks: list[int]) -> Link:
@@ -139,10 +146,11 @@ def _links(cluster: Hardware, dp: int, pp: int, tp: int) -> dict[str, Link]:
                             for i in range(pp - 1)]) if pp > 1 else Link()}
 
 
-def estimate(model: TransformerConfig, cluster: Hardware, global_batch: int, dp: int, pp: int,
-             tp: int, micro_batch: int = 1, zero: int = 0, recompute: str = "selective",
+def estimate(model: TransformerConfig, cluster: Hardware, global_batch: int, layout: Layout,
              bytes_per_value: int = 2) -> Plan:
-    """The memory and step time the model predicts for one configuration."""
+    """The memory and step time the model predicts for one layout."""
+    dp, pp, tp = layout.dp, layout.pp, layout.tp
+    micro_batch, zero, recompute = layout.micro_batch, layout.zero, layout.recompute
     if dp * pp * tp != cluster.devices:
         raise ValueError(f"dp * pp * tp must equal the cluster's {cluster.devices} devices; "
                          f"got {dp} * {pp} * {tp}")
@@ -177,8 +185,8 @@ def estimate(model: TransformerConfig, cluster: Hardware, global_batch: int, dp:
         # cores: when that exceeds the critical path, ranks wait for a core instead
         work = (sum(seconds.values()) - seconds["bubble"]) * cluster.devices / cluster.cores
         seconds["sharing cores"] = max(0.0, work - sum(seconds.values()))
-    return Plan(dp, pp, tp, micro_batch, zero, recompute, states.total + activations, seconds,
-                flops, cluster.devices, cluster.peak_flops)
+    return Plan(**asdict(layout), memory=states.total + activations, seconds=seconds,
+                flops=flops, devices=cluster.devices, peak_flops=cluster.peak_flops)
 
 
 def _divisors(n: int) -> list[int]:
@@ -200,7 +208,7 @@ def plan(model: TransformerConfig, cluster: Hardware, global_batch: int,
         for mb, z, rc in itertools.product(micro_batches, zero_stages, recompute):
             if global_batch % (dp * mb) or (z and dp == 1):
                 continue
-            p = estimate(model, cluster, global_batch, dp, pp, tp, mb, z, rc)
+            p = estimate(model, cluster, global_batch, Layout(dp, pp, tp, mb, z, rc))
             if p.memory <= cluster.memory_bytes:
                 found.append(p)
     return sorted(found, key=lambda p: (round(p.step, 9), p.memory))
