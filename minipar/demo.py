@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .cli import OneLineParser, nonnegative_int, positive_int, run_command
+from .report import aligned
 from .runtime import BACKENDS, DEFAULT_TIMEOUT, Cluster, Results, launch, rank, under_torchrun
 
 WIDTH = 120  # the report fits a terminal this many columns wide
@@ -109,8 +110,7 @@ def format_rows(rows: list[Row], width: int = WIDTH) -> str:
     name_width = min(room, max([len("technique")] + [len(r.technique) for r in rows]))
 
     def line(name: str, values: list[str]) -> str:
-        return "  ".join([name.ljust(name_width)]
-                         + [v.ljust(w) for v, w in zip(values, widths, strict=True)]).rstrip()
+        return aligned([name, *values], [name_width, *widths]).rstrip()
 
     lines = [line("technique", [h for _, h in COLUMNS]),
              line("-" * name_width, ["-" * w for w in widths])]

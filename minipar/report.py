@@ -17,13 +17,19 @@ def progress(message: str) -> None:
     print(f"  .. {message}", file=sys.stderr, flush=True)
 
 
+def aligned(cells: list[str], widths: list[int]) -> str:
+    """One line of a plain-text table: each cell padded to its column's width, two spaces
+    apart (every table minipar prints is laid out by this)."""
+    return "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True))
+
+
 def format_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
     """A plain-text table of `rows` with (key, header) columns."""
     cells = [[header for _, header in columns]]
     cells += [[str(row.get(key, "")) for key, _ in columns] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(columns))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = [aligned(r, widths) for r in cells]
+    lines.insert(1, aligned(["-" * w for w in widths], widths))
     return "\n".join(lines)
 
 
