@@ -28,6 +28,8 @@ def _ring_reduce_scatter(comm: _Comm, chunks: list[torch.Tensor], op: str) -> No
     the left, so rank r ends holding the full reduction of chunk r."""
     size, me = comm.size, comm.rank
     right, left = (me + 1) % size, (me - 1) % size
+    # one receive buffer for every step, as long as the longest chunk (tensor_split's chunks
+    # differ by at most one element)
     scratch = _scratch(chunks[0], max(c.numel() for c in chunks))
     for s in range(size - 1):
         out_i, in_i = (me - s - 1) % size, (me - s - 2) % size
@@ -54,9 +56,11 @@ def all_gather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> 
     _agree(comm, tensor)
     piece = tensor.contiguous()
     out = torch.empty((comm.size, *piece.shape), dtype=piece.dtype, device=piece.device)
+    # row r is rank r's piece: the ring fills the other rows in place, through views
     out[comm.rank] = piece
     comm.buffer = out
     _ring_all_gather(comm, [out[r].view(-1) for r in range(comm.size)])
+    # a 0-d tensor has no dim 0 to concatenate along: it comes back as shape (K,)
     return out.reshape(comm.size * piece.shape[0], *piece.shape[1:]) if piece.dim() else out
 
 
@@ -67,11 +71,13 @@ def reduce_scatter(tensor: torch.Tensor, op: str = "sum",
     _check_op(op, tensor)
     comm = _Comm("reduce_scatter", group)
     _agree(comm, tensor, op)
+    # a copy: the input stays as it was; detach: collectives move data, not autograd history
     work = tensor.detach().clone().contiguous()
     comm.buffer = work
     chunks = [c.reshape(-1) for c in torch.tensor_split(work, comm.size)]
     if comm.size > 1:
         _ring_reduce_scatter(comm, chunks, op)
+    # clone: the result must not keep the whole work buffer alive through a view
     mine = torch.tensor_split(work, comm.size)[comm.rank].clone()
     if op == "avg":
         mine.div_(comm.size)
@@ -83,10 +89,13 @@ def _halving_doubling(comm: _Comm, flat: torch.Tensor, op: str) -> None:
     (R = K - P, P the largest power of two <= K) fold in pairs first and are sent the
     result at the end: one extra step each way, so still ceil(log2 K) steps per phase."""
     size, me = comm.size, comm.rank
+    # P, the largest power of two <= K
     p = 1 << (size.bit_length() - 1)
     extra = size - p
     incoming = _scratch(flat, flat.numel())
 
+    # virtual rank -> real rank: of each folded pair the odd rank carries on (it holds the
+    # pair's sum); ranks past the pairs shift down by R
     def real(v: int) -> int:
         return 2 * v + 1 if v < extra else v + extra
 
@@ -99,15 +108,20 @@ def _halving_doubling(comm: _Comm, flat: torch.Tensor, op: str) -> None:
                           on_arrival=_reduce_as_it_lands([flat], [incoming], op))
             virtual = me // 2
         else:
+            # an empty step: every rank counts the same steps, so step numbers line up in the
+            # Timeline
             comm.exchange("fold")
             virtual = me - extra
     else:
         virtual = me
+    # the vector in P blocks; [lo, hi) below counts blocks, not elements
     bounds = split_bounds(flat.numel(), p)
     lo, hi = 0, p
     distance = p // 2
     while distance >= 1:  # halving: keep half the range, send the other half
         if virtual >= 0:
+            # partners differ in one bit (a hypercube); the one with the bit clear keeps the lower
+            # half
             partner, mid = virtual ^ distance, (lo + hi) // 2
             keep, give = ((lo, mid), (mid, hi)) if virtual & distance == 0 else ((mid, hi),
                                                                                   (lo, mid))
@@ -163,6 +177,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "ring",
         _reduce_into(comm, flat, 0, op, algorithm)
         _broadcast_from(comm, flat, 0, algorithm)
     elif algorithm == "ring":
+        # tensor_split, not padding: any N works, chunks differ by at most one element
         chunks = list(torch.tensor_split(flat, comm.size))
         _ring_reduce_scatter(comm, chunks, op)
         _ring_all_gather(comm, chunks)

@@ -23,8 +23,10 @@ def swap_counts(send_counts: list[int], group: dist.ProcessGroup | None = None) 
     each rank (one small message per pair, metered as phase "counts")."""
     comm = _Comm("swap_counts", group)
     _check_counts("send_counts", send_counts, comm.size, None)
+    # on this rank's device: under NCCL a message must live on the GPU
     counts_out = torch.tensor(send_counts, dtype=torch.int64, device=device())
     counts_in = torch.zeros_like(counts_out)
+    # what a rank sends itself never crosses the network
     counts_in[comm.rank] = counts_out[comm.rank]
     others = [r for r in range(comm.size) if r != comm.rank]
     comm.exchange("counts", sends=[(counts_out[r:r + 1], r, r) for r in others],
@@ -59,11 +61,12 @@ def all_to_all(tensor: torch.Tensor, send_counts: list[int] | None = None,
         recv_counts = swap_counts(send_counts, group)
     elif validating() and comm.size > 1:
         _agree_counts(comm, send_counts, recv_counts, tensor.device)
+    # torch.split takes sizes (tensor_split takes split points): one piece per destination
     pieces = torch.split(tensor.contiguous(), send_counts)
     tail = tuple(tensor.shape[1:])
     received = [torch.empty((int(n), *tail), dtype=tensor.dtype, device=tensor.device)
                 for n in recv_counts]
-    received[comm.rank].copy_(pieces[comm.rank])
+    received[comm.rank].copy_(pieces[comm.rank])  # our own piece: a local copy
     others = [r for r in range(comm.size) if r != comm.rank]
     comm.exchange("exchange", sends=[(pieces[r].reshape(-1), r, r) for r in others],
                   recvs=[(received[r].view(-1), r, r) for r in others])

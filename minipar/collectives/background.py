@@ -28,6 +28,7 @@ class CommThread:
     def submit(self, fn: Callable, *args) -> Future:
         """Run `fn(*args)` after every job submitted before it; its Future holds the result."""
         if self._thread is None:
+            # daemon: a thread blocked in a collective must not keep the rank from exiting
             self._thread = threading.Thread(target=self._run, daemon=True, name=self.name)
             self._thread.start()
         future: Future = Future()
@@ -51,4 +52,4 @@ class CommThread:
                 future.set_exception(err)
                 self._failures.append(err)
             finally:
-                self._queue.task_done()
+                self._queue.task_done()  # in finally: join() must never wait for a failed job

@@ -113,15 +113,17 @@ class _Comm:
         Tensors longer than SEGMENT_BYTES go in segments; `on_arrival(i, start, end)`
         runs for receive i's elements [start, end) as soon as they land.
         """
+        # tensor_split leaves empty chunks when a tensor has fewer elements than ranks: skip them
         sends = [s for s in sends if s[0].numel()]
         recvs = [r for r in recvs if r[0].numel()]
         ops, send_meta, recv_meta = [], [], []
         for tensor, peer, chunk in sends:
+            # tag = segment index: both ends cut the same segments, so segment j meets segment j
             for tag, (a, b) in enumerate(_segments(tensor)):
                 ops.append(dist.P2POp(dist.isend, tensor[a:b], self.global_rank(peer),
                                       self.group, tag))
                 send_meta.append((peer, chunk, (b - a) * tensor.element_size()))
-        first_recv = len(ops)
+        first_recv = len(ops)  # requests come back in ops order: sends first, then receives
         for index, (tensor, peer, chunk) in enumerate(recvs):
             for tag, (a, b) in enumerate(_segments(tensor)):
                 ops.append(dist.P2POp(dist.irecv, tensor[a:b], self.global_rank(peer),
@@ -129,10 +131,16 @@ class _Comm:
                 recv_meta.append((index, a, b, peer, chunk, (b - a) * tensor.element_size()))
         if ops:
             start = trace.now()
+            # the emulated network (network.py) charges the sender before its messages are posted
             pay_for_sends((self.global_rank(peer), nbytes) for peer, _, nbytes in send_meta)
+            # all sends and receives posted at once: two ranks that send to each other cannot
+            # deadlock, as they would with a blocking send before a blocking recv (NCCL runs them as
+            # one group)
             requests = dist.batch_isend_irecv(ops)
             for request, (index, a, b, peer, chunk, nbytes) in zip(
                     requests[first_recv:], recv_meta, strict=True):
+                # receives first, in order: on_arrival reduces early segments while later ones are
+                # in flight
                 request.wait()
                 end = trace.now()
                 self._note("recv", phase, peer, chunk, nbytes, start, end)
@@ -146,6 +154,8 @@ class _Comm:
             if ops:
                 m.steps += 1
             if m.keep_snapshots and self.buffer is not None:
+                # clone: later steps overwrite the buffer in place; this keeps the state after this
+                # step
                 m.snapshots.append((phase, self.step, self.buffer.detach().clone()))
         self.step += 1
 
@@ -176,6 +186,7 @@ def _segments(flat: torch.Tensor) -> list[tuple[int, int]]:
     """[start, end) element ranges of at most SEGMENT_BYTES each (the same on both ends)."""
     per = max(SEGMENT_BYTES // max(flat.element_size(), 1), 1)
     n = flat.numel()
+    # an empty tensor still yields one (empty) range; callers drop it with `if b > a`
     return [(a, min(a + per, n)) for a in range(0, n, per)] or [(0, 0)]
 
 
@@ -207,6 +218,8 @@ def _check_tensor(tensor: torch.Tensor) -> None:
         raise ValueError("bool tensors are not supported; convert with .to(torch.uint8)")
 
 
+# names as small ints for the int64 handshake; dict.fromkeys drops the repeats ("naive" and
+# "tree" are in two lists) and keeps the order, so every rank derives the same codes
 _CODES = {name: i for i, name in enumerate(
     dict.fromkeys(OPS + ALL_REDUCE_ALGORITHMS + ROOTED_ALGORITHMS + ("-",)))}
 
@@ -218,14 +231,18 @@ def _agree(comm: _Comm, tensor: torch.Tensor, op: str = "-", algorithm: str = "-
         return
     shape = list(tensor.shape)
     if dim0_may_differ and shape:
+        # all_to_all's pieces may have different numbers of rows on different ranks
         shape[0] = -1
+    # all_gather needs one size on every rank: shapes are padded to 8 dimensions
     if len(shape) > 8:
         raise ValueError(f"{comm.name}: tensors with more than 8 dimensions are not supported; "
                          "reshape to fewer first")
+    # crc32, not hash(): Python salts str hashes per process, so ranks would disagree
     meta = [len(shape), *shape, *([0] * (8 - len(shape))), zlib.crc32(str(tensor.dtype).encode()),
             _CODES[op], _CODES[algorithm], root]
     mine = torch.tensor(meta, dtype=torch.int64, device=tensor.device)
     everyone = [torch.empty_like(mine) for _ in range(comm.size)]
+    # torch's own collective, not minipar's: the handshake is neither metered nor traced
     dist.all_gather(everyone, mine, group=comm.group)
     rows = [row.tolist() for row in everyone]
     if all(row == rows[0] for row in rows):
@@ -244,10 +261,12 @@ def _agree(comm: _Comm, tensor: torch.Tensor, op: str = "-", algorithm: str = "-
 
 def split_bounds(n: int, parts: int) -> list[int]:
     """Start offsets (and the end) of torch.tensor_split(range(n), parts)'s pieces."""
+    # torch.tensor_split's rounding: the first n % parts pieces get one element more
     base, extra = divmod(n, parts)
     return [i * base + min(i, extra) for i in range(parts + 1)]
 
 
+# one per (dtype, device), grown when too small; a call must be done with it before the next
 _scratch_buffers: dict[tuple, torch.Tensor] = {}
 
 
@@ -279,12 +298,14 @@ def _reduce_as_it_lands(targets: list[torch.Tensor], incoming: list[torch.Tensor
 
 def _flat_work(tensor: torch.Tensor) -> torch.Tensor:
     """A flat, contiguous working view (a copy only if the tensor is not contiguous)."""
+    # a view when possible, so the collective works in place on the caller's memory
     return tensor.view(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
 
 
 def _finish(tensor: torch.Tensor, flat: torch.Tensor, op: str, size: int) -> torch.Tensor:
     if op == "avg":
         flat.div_(size)
+    # copy back only when `flat` was a copy (the input was not contiguous)
     if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
         tensor.copy_(flat.view(tensor.shape))
     return tensor

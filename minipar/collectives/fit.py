@@ -23,12 +23,12 @@ PINGPONG_SIZES = [4, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 def reduce_seconds_per_byte(nbytes: int = 16 << 20, repeats: int = 5) -> float:
     """gamma: seconds per byte for an in-place add, on one thread."""
-    a, b = torch.zeros(nbytes // 4), torch.ones(nbytes // 4)
+    a, b = torch.zeros(nbytes // 4), torch.ones(nbytes // 4)  # float32: 4 bytes an element
     best = math.inf
     for _ in range(repeats):
         start = time.perf_counter()
         a.add_(b)
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.perf_counter() - start)  # the minimum: the least disturbed run
     return best / nbytes
 
 
@@ -47,6 +47,7 @@ def ring_shift(sizes: list[int], repeats: int = 5) -> list[float]:
     steps = 2 * (dist.get_world_size() - 1)
     mine = [t / steps for t in _timed(sizes, repeats, _shift_once)]
     everyone = [torch.zeros(len(sizes), dtype=torch.float64) for _ in range(dist.get_world_size())]
+    # a step takes as long as its slowest rank: every rank gets the per-size maximum
     dist.all_gather(everyone, torch.tensor(mine, dtype=torch.float64))
     return torch.stack(everyone).max(dim=0).values.tolist()
 
@@ -73,6 +74,7 @@ def _timed(sizes: list[int], repeats: int, once, halve: bool = False) -> list[fl
     previous = trace.set_recording(False)
     with validation(False):
         for nbytes in sizes:
+            # float32 elements; at least one, so the 4-byte size still sends a message
             buffer, spare = torch.zeros(max(nbytes // 4, 1)), torch.zeros(max(nbytes // 4, 1))
             times = []
             # small messages are bimodal on shared cores: time more of them; the largest
@@ -80,10 +82,11 @@ def _timed(sizes: list[int], repeats: int, once, halve: bool = False) -> list[fl
             count = 8 * repeats if nbytes <= 256 << 10 else 3 * repeats if nbytes <= 1 << 20 \
                 else repeats if nbytes <= 16 << 20 else max(3, repeats // 2)
             for _ in range(count + 1):
-                dist.barrier()
+                dist.barrier()  # every rank starts the repetition together
                 start = time.perf_counter()
                 once(buffer, spare)
                 times.append(time.perf_counter() - start)
+            # times[0] was the warm-up; a round trip is two one-way trips
             seconds.append(statistics.median(times[1:]) / (2 if halve else 1))
     trace.set_recording(previous)
     return seconds

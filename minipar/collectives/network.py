@@ -60,7 +60,7 @@ def slow_network(latency: float = 0.0, bandwidth: float = math.inf,
         if not isinstance(link, Link):
             raise ValueError(f"links must map (rank, rank) pairs to Link(latency=, "
                              f"bandwidth=); got {link!r} for {(a, b)}")
-        both[(a, b)] = both[(b, a)] = link
+        both[(a, b)] = both[(b, a)] = link  # a pair slows both directions
     network = Network(Link(latency, bandwidth), both)
     _active.append(network)
     try:
@@ -75,7 +75,8 @@ def pay_for_sends(messages: Iterable[tuple[int, int]]) -> None:
     `messages` (pass a generator: the hot path builds nothing)."""
     network = active()
     if network is not None:
-        me = dist.get_rank()
+        me = dist.get_rank()  # the global rank: links are keyed by global ranks
         seconds = sum(network.seconds(me, dst, nbytes) for dst, nbytes in messages)
         if seconds:
+            # one sleep for all: a card sends its messages one after another, so the costs add
             time.sleep(seconds)

@@ -26,6 +26,7 @@ def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None)
     _check_tensor(tensor)
     comm = _Comm("send", group)
     _check_root("dst", dst, comm.size)
+    # view(-1) needs contiguous memory; a strided tensor is copied first
     comm.exchange("p2p", sends=[(tensor.contiguous().view(-1), dst, None)])
 
 
@@ -55,9 +56,11 @@ def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None
     size = dist.get_world_size(group)
     _check_root("dst", dst, size)
     data = tensor.contiguous().view(-1)
+    # torch's isend takes a global rank even when a group is given
     peer = dst if group is None else dist.get_global_rank(group, dst)
     start = trace.now()
     segments = [(a, b) for a, b in _segments(data) if b > a]
+    # the emulated network charges the sender here, so isend returns only after that sleep
     pay_for_sends((peer, (b - a) * data.element_size()) for a, b in segments)
     # the same segments and tags as exchange(), so a plain recv() on the other side matches
     works = [dist.isend(data[a:b], peer, group, tag) for tag, (a, b) in enumerate(segments)]
@@ -98,6 +101,7 @@ def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None
     size = dist.get_world_size(group)
     _check_root("src", src, size)
     data = tensor.view(-1)
+    # as in isend: a global rank
     peer = src if group is None else dist.get_global_rank(group, src)
     works = [dist.irecv(data[a:b], peer, group, tag) for tag, (a, b) in enumerate(_segments(data))
              if b > a]
@@ -121,6 +125,7 @@ def recv_any(tensor: torch.Tensor) -> int:
     NCCL has no receive-from-any). Metered as one message of tensor's size."""
     _check_tensor(tensor)
     start = trace.now()
+    # no src: gloo receives from any rank and returns which one it was
     source = dist.recv(tensor)
     _account(Transfer("recv_any", "p2p", 0, "recv", source, None,
                       tensor.numel() * tensor.element_size()), start, trace.now())

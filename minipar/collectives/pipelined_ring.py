@@ -73,6 +73,8 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op: str = "sum",
     right, left = comm.global_rank((me + 1) % size), comm.global_rank((me - 1) % size)
     chunks = list(torch.tensor_split(flat, size))
     width = max(c.numel() for c in chunks)
+    # a row per reduce-scatter step: a segment of step s may still be landing while step s+1's
+    # receives are posted, so they cannot share one buffer as the plain ring's steps do
     scratch = _scratch(flat, (size - 1) * width)
     tags = max(len(_segments(c)) for c in chunks)  # tag = step * tags + segment
     arrived: list[_InFlight] = []  # the previous step's receives, segment by segment
@@ -80,6 +82,7 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op: str = "sum",
     for step in range(2 * (size - 1)):
         out_i, in_i = _step_chunks(step, size, me)
         adding = step < size - 1
+        # all-gather steps receive straight into the chunk: nothing is added, so no scratch needed
         landing = scratch[step * width:][:chunks[in_i].numel()] if adding else chunks[in_i]
         outgoing = [(a, b) for a, b in _segments(chunks[out_i]) if b > a]
         incoming = [(a, b) for a, b in _segments(chunks[in_i]) if b > a]
@@ -95,12 +98,14 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op: str = "sum",
             if j < len(incoming):
                 a, b = incoming[j]
                 ops.append(dist.P2POp(dist.irecv, landing[a:b], left, group, step * tags + j))
+            # the send and the receive of one segment posted together, as in _Comm.exchange
             works = dist.batch_isend_irecv(ops)
             if j < len(outgoing):
                 a, b = outgoing[j]
                 sent.append(_InFlight(works[0], step, out_i, chunks[out_i][a:b], None, start))
             if j < len(incoming):
                 a, b = incoming[j]
+                # the receive, if any, is the last request
                 posted.append(_InFlight(works[-1], step, in_i, landing[a:b],
                                         chunks[in_i][a:b] if adding else None, start))
         arrived = posted

@@ -53,8 +53,10 @@ def _reduce_into(comm: _Comm, flat: torch.Tensor, dst: int, op: str, algorithm: 
             else:
                 comm.exchange("reduce")
         return
+    # ranks renumbered so the root is 0: the tree shapes below are written for root 0
     relative = (me - dst) % size
     if algorithm == "binary":  # leaves first: each parent adds its (up to) two children
+        # two receive rows: both children's tensors may land in the same step
         pair = _scratch(flat, 2 * flat.numel()).view(2, -1)
         for links in reversed(_binary_rounds(size)):
             children = [c for p, c in links if p == relative]
@@ -65,6 +67,7 @@ def _reduce_into(comm: _Comm, flat: torch.Tensor, dst: int, op: str, algorithm: 
                           on_arrival=_reduce_as_it_lands([flat, flat], list(pair), op))
         return
     for i in range(math.ceil(math.log2(size))):  # binomial tree: ceil(log2 K) rounds
+        # the child at distance m sends its partial sum up to its parent and drops out
         m = 1 << i
         if relative % (2 * m) == m:
             comm.exchange("reduce", sends=[(flat, (relative - m + dst) % size, None)])
@@ -98,6 +101,7 @@ def _broadcast_from(comm: _Comm, flat: torch.Tensor, src: int, algorithm: str) -
                           recvs=[(flat, (p + src) % size, None) for p, c in links
                                  if c == relative])
         return
+    # the reduce's rounds in reverse: the biggest jump first, each holder doubling the holders
     for i in reversed(range(math.ceil(math.log2(size)))):
         m = 1 << i
         if relative % (2 * m) == 0 and relative + m < size:
@@ -142,6 +146,7 @@ def reduce(tensor: torch.Tensor, dst: int = 0, op: str = "sum", algorithm: str =
     comm = _Comm("reduce", group)
     _check_root("dst", dst, comm.size)
     _agree(comm, tensor, op, algorithm, dst)
+    # off the root, a copy: partial sums land in it, and the caller's tensor stays unchanged
     flat = _flat_work(tensor) if comm.rank == dst else tensor.detach().reshape(-1).clone()
     if comm.size > 1:
         _reduce_into(comm, flat, dst, op, algorithm)
@@ -161,9 +166,11 @@ def scatter(tensor: torch.Tensor, src: int = 0,
     _check_root("src", src, comm.size)
     _agree(comm, tensor, root=src)
     if comm.rank == src:
+        # contiguous: a dim-0 piece of a contiguous tensor already is, but not of a strided one
         chunks = [c.contiguous() for c in torch.tensor_split(tensor, comm.size)]
         comm.exchange("scatter", sends=[(c.view(-1), r, r) for r, c in enumerate(chunks)
                                         if r != src])
+        # clone: the root's own chunk must not be a view into the caller's tensor
         return chunks[src].clone()
     mine = torch.empty_like(torch.tensor_split(tensor, comm.size)[comm.rank])
     comm.exchange("scatter", recvs=[(mine.view(-1), src, comm.rank)])

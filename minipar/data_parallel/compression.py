@@ -45,10 +45,12 @@ class Compressor:
 
     def round_trip(self, tensor: torch.Tensor, key: str = "") -> torch.Tensor:
         """What this rank's tensor looks like after compression and decompression."""
+        # a new tensor, as the lossy compressors return, never an alias of the input
         return tensor.clone()
 
     def average(self, tensor: torch.Tensor, key: str = "") -> torch.Tensor:
         """Average over ranks, exchanging only compressed data."""
+        # all_reduce works in place: the caller's gradient stays as it was
         out = tensor.clone()
         return collectives.all_reduce(out, op="avg")
 
@@ -71,9 +73,11 @@ class TopK(Compressor):
         self.ratio, self.name = float(ratio), f"top-{ratio:g}"
 
     def _k(self, tensor: torch.Tensor) -> int:
+        # at least one entry, so a tiny tensor still sends something
         return max(1, math.ceil(self.ratio * tensor.numel()))
 
     def _pick(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # largest by magnitude; int32 indices, half the bytes of int64 (payload_bytes counts 4)
         indices = flat.abs().topk(self._k(flat)).indices.to(torch.int32)
         return flat[indices.long()], indices
 
@@ -87,7 +91,9 @@ class TopK(Compressor):
         values, indices = self._pick(flat)
         all_values = collectives.all_gather(values)
         all_indices = collectives.all_gather(indices).long()
+        # index_add_, not index_put_: two ranks may have kept the same index, and both count
         out = torch.zeros_like(flat).index_add_(0, all_indices, all_values)
+        # divide by K: an entry a rank did not keep counts as zero from that rank
         return (out / world_size()).view_as(tensor)
 
     def payload_bytes(self, tensor: torch.Tensor) -> int:
@@ -101,6 +107,8 @@ class Int8(Compressor):
 
     @staticmethod
     def _quantize(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # 127, the largest int8: a symmetric range [-127, 127]; clamp_min: an all-zero tensor
+        # would otherwise divide by zero
         scale = tensor.abs().max().clamp_min(1e-30) / 127
         return torch.round(tensor / scale).to(torch.int8), scale.reshape(1).to(torch.float32)
 
@@ -138,15 +146,19 @@ class PowerSGD(Compressor):
         return q
 
     def _approximate(self, matrix: torch.Tensor, key: str, reduce: bool) -> torch.Tensor:
+        # a rank above either dimension would add nothing
         r = min(self.rank, *matrix.shape)
         q = self._q_for(key, matrix.shape[1], r, matrix)
         p = matrix @ q
+        # P = M Q is linear in M: the average of the ranks' P is the P of the average M
         if reduce:
             collectives.all_reduce(p, op="avg")
+        # orthonormal columns (PowerSGD, Algorithm 1): then P (M^T P)^T projects M onto span(P)
         p = torch.linalg.qr(p).Q
         q = matrix.t() @ p
         if reduce:
             collectives.all_reduce(q, op="avg")
+        # kept as next step's warm start: one power iteration a step, continued across steps
         self._q[key] = q
         return p @ q.t()
 
@@ -186,6 +198,7 @@ class ErrorFeedback:
         self.residuals: dict[str, torch.Tensor] = {}
 
     def average(self, compressor: Compressor, tensor: torch.Tensor, key: str) -> torch.Tensor:
+        # the error feedback: what earlier steps failed to deliver is added back before compressing
         corrected = tensor + self.residuals.get(key, torch.zeros_like(tensor))
         averaged = compressor.average(corrected, key)
         self.residuals[key] = corrected - compressor.delivered(corrected, averaged, key)
@@ -211,6 +224,8 @@ def choose_levels(errors: Sequence[Sequence[float]], sizes: Sequence[Sequence[in
             if best[used] == inf:
                 continue
             for option, (err, nbytes) in enumerate(zip(layer_errors, layer_sizes, strict=True)):
+                # - 1e-12: an error of exactly k units must not round up to k + 1 through float
+                # noise
                 total = used + math.ceil(err / unit - 1e-12)
                 if total <= resolution and best[used] + nbytes < new[total]:
                     new[total] = best[used] + nbytes
@@ -260,12 +275,14 @@ def train_compressed(model: nn.Module, batches: Sequence[tuple[torch.Tensor, tor
     for step, (x, y) in enumerate(batches):
         model.zero_grad()
         lx, ly = shard(x), shard(y)
+        # the package's loss-scaling rule (ddp.py), so uneven shards still weigh each sample once
         loss = loss_fn(model(lx), ly) * shard_weight(len(lx), len(x))
         loss.backward()
         if adaptive and step % replan_every == 0:
             chosen = _plan(params, error_budget)
             report.levels = [chosen[name].name for name, _ in params]
         sent = 0
+        # the update writes into leaf parameters in place, which autograd refuses while recording
         with torch.no_grad():
             for name, p in params:
                 method = chosen[name] if adaptive else compressor
@@ -281,6 +298,7 @@ def train_compressed(model: nn.Module, batches: Sequence[tuple[torch.Tensor, tor
 
 def _plan(params: list[tuple[str, nn.Parameter]], budget: float) -> dict[str, Compressor]:
     menus = {name: [make() for make in ADAPTIVE_MENU] for name, _ in params}
+    # relative errors, so the budget is a fraction; `or 1.0`: all-zero gradients
     norm = sum(float(p.grad.pow(2).sum()) for _, p in params) or 1.0
     errors = [[float((p.grad - c.round_trip(p.grad, name)).pow(2).sum()) / norm
                for c in menus[name]] for name, p in params]

@@ -40,12 +40,15 @@ def shard(batch: torch.Tensor, rank_: int | None = None, world: int | None = Non
     if batch.shape[0] < world:
         raise ValueError(f"a batch of {batch.shape[0]} samples cannot feed {world} ranks (each "
                          f"needs at least one); use a batch of at least {world} or fewer ranks")
+    # tensor_split: the first B mod K ranks get one sample more (see shard_weight)
     return torch.tensor_split(batch, world)[rank_]
 
 
 def shard_weight(local: int, global_: int, world: int | None = None) -> float:
     """K x local / global: scale a rank's mean loss by this so every sample counts once."""
     world = world_size() if world is None else world
+    # a mean over `local` samples times K x local / global, then averaged over K ranks:
+    # every sample ends up weighted 1 / global, as in one process
     return world * local / global_
 
 
@@ -54,14 +57,18 @@ def average_gradients(params: list[nn.Parameter], group=None) -> None:
     data parallelism applied after backward, for trainers whose backward does not pass
     through DataParallel's hooks (a pipeline computes gradients with autograd.grad). A
     parameter with no gradient counts as zeros, so every rank sends the same shapes."""
+    # frozen parameters have no gradient to average
     params = [p for p in params if p.requires_grad]
     if not params or world_size(group) == 1:
         return
+    # one flat buffer, one all-reduce (one message per step, not one per parameter); a missing
+    # gradient is zeros, so every rank sends the same number of elements
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                       for p in params])
     collectives.all_reduce(flat, op="avg", group=group)
     start = 0
     for p in params:
+        # clone: a .grad of its own, not a view that keeps the whole flat buffer alive
         p.grad = flat[start:start + p.numel()].view_as(p).clone()
         start += p.numel()
 
@@ -77,8 +84,10 @@ def single_process_sgd(model: nn.Module, batches, loss_fn, lr: float, momentum: 
         loss = loss_fn(model(x), y)
         loss.backward()
         opt.step()
+        # backward adds into .grad: clear it before the next step
         opt.zero_grad()
         losses.append(loss.item())
+    # detach: a plain tensor to compare with, outside any graph
     return losses, parameters_to_vector(model.parameters()).detach()
 
 
@@ -113,6 +122,7 @@ class _Bucket:
 
     def __init__(self, index: int, params: list[nn.Parameter]) -> None:
         self.index, self.params = index, params
+        # zeros: a parameter that gets no gradient in a step contributes zero to the average
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
                                 device=params[0].device)
         self.views, offset = {}, 0  # id(parameter) -> its slice of flat
@@ -124,6 +134,7 @@ class _Bucket:
     def adopt(self, param: nn.Parameter) -> None:
         """Make param.grad its view into the bucket (copying the gradient in if it is not)."""
         view = self.views[id(param)]
+        # same storage address: .grad still is our view, and backward added into the bucket itself
         if param.grad is None or param.grad.data_ptr() != view.data_ptr():
             if param.grad is None:
                 view.zero_()
@@ -163,6 +174,8 @@ class DataParallel(nn.Module):
         self.module, self.overlap, self.algorithm = module, overlap, algorithm
         with torch.no_grad():
             for tensor in list(module.parameters()) + list(module.buffers()):
+                # rank 0's values into every replica, as torch's DDP does at construction; buffers
+                # too (BatchNorm's running statistics), and in place on .data, outside autograd
                 collectives.broadcast(tensor.data, src=0)
         trainable = [p for p in module.parameters() if p.requires_grad]
         # backward produces gradients from the last layer to the first: bucket in that order
@@ -175,6 +188,8 @@ class DataParallel(nn.Module):
         self._ready: set[int] = set()
         self._comm = CommThread("minipar-dp-comm")
         for p in trainable:
+            # fires after the gradient is added into .grad (torch >= 2.1): the bucket sees the final
+            # gradient, even for a parameter used twice in the forward
             p.register_post_accumulate_grad_hook(self._grad_ready)
 
     def forward(self, *args, **kwargs):
@@ -197,6 +212,8 @@ class DataParallel(nn.Module):
             return
         if not self._started:
             self._started = True
+            # run _finish once this backward pass has ended; torch's DDP reducer queues its
+            # finalization the same way
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         bucket = self._bucket_of[param]
         bucket.adopt(param)
@@ -206,11 +223,14 @@ class DataParallel(nn.Module):
             self._launch_ready()
 
     def _launch_ready(self) -> None:
+        # collectives match across ranks by the order they are called: a bucket that is ready early
+        # waits for the ones before it
         while self._next in self._ready:  # strictly in bucket order, on every rank
             self._launch(self.buckets[self._next])
             self._next += 1
 
     def _launch(self, bucket: _Bucket) -> None:
+        # for parameters whose hook never fired (unused in this forward): zeros or their old .grad
         bucket.pack()
         if self.overlap:
             self._comm.submit(self._all_reduce, bucket)
@@ -222,12 +242,16 @@ class DataParallel(nn.Module):
         # so the per-call shape handshake would only cost time, as DDP does not pay it
         with record("all_reduce", f"bucket {bucket.index}", bytes=bucket.flat.numel()
                     * bucket.flat.element_size()), collectives.validation(False):
+            # avg, torch DDP's convention: the loss-scaling rule in the module docstring relies on
+            # it
             collectives.all_reduce(bucket.flat, op="avg", algorithm=self.algorithm)
 
     def _finish(self) -> None:
         """End of backward: launch what is left (unused parameters count as zero
         gradients), wait for every bucket, and write the averages into .grad."""
         with record("wait", "gradient sync"):
+            # buckets not launched yet: all of them without overlap, or those holding unused
+            # parameters
             for bucket in self.buckets[self._next:]:
                 self._launch(bucket)
             try:
@@ -236,5 +260,6 @@ class DataParallel(nn.Module):
                 raise RuntimeError(f"gradient all-reduce failed on rank {rank()}: {error}"
                                    ) from error
         for bucket in self.buckets:  # the averages are in .grad already: it views them
+            # reset for the next backward pass
             bucket.waiting = len(bucket.params)
         self._started, self._next, self._ready = False, 0, set()

@@ -77,12 +77,14 @@ def train_parameter_server(model: nn.Module, batches: Sequence[tuple[torch.Tenso
     batch per worker; call on every rank. `slow_workers` maps a worker rank to extra
     seconds per step (a simulated straggler, to see staleness grow)."""
     count = _check(model, servers, mode, max_staleness)
+    # each server's slice: tensor_split's boundaries, computed alike on every rank
     bounds = collectives.split_bounds(count, servers)
     workers = list(range(servers, world_size()))
     me = rank()
     with torch.no_grad():
         flat = parameters_to_vector(model.parameters()).detach().clone()
     if me < servers:
+        # clone: the slice is updated in place, and must not keep the whole vector alive
         mine = flat[bounds[me]:bounds[me + 1]].clone()
         if mode == "sync":
             return _sync_server(mine, workers, len(batches), lr)
@@ -103,6 +105,7 @@ def _sync_server(mine: torch.Tensor, workers: list[int], steps: int, lr: float) 
             for w in workers:
                 total += collectives.recv(incoming, w)
         with record("compute", "update", step=step):
+            # / W: the gradients were scaled by shard_weight for an average over the W workers
             mine -= lr * total / len(workers)
     return ServerReport("server", params=mine)
 
@@ -117,6 +120,7 @@ def _gradient(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Calla
     model.zero_grad()
     loss = loss_fn(model(x), y) * weight
     loss.backward()
+    # an unused parameter's gradient is zeros, so the vector always has the full length
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
     return loss.item(), torch.cat([g.reshape(-1) for g in grads])
 
@@ -145,6 +149,7 @@ def _sync_worker(model: nn.Module, flat: torch.Tensor, bounds: list[int], worker
 def _async_server(flat: torch.Tensor, workers: list[int], steps: int, lr: float,
                   max_staleness: int | None) -> ServerReport:
     report = ServerReport("server")
+    # the version travels as a one-element tensor: send and recv move tensors only
     version = torch.zeros(1, dtype=torch.float64)
     header, grad = torch.zeros(1, dtype=torch.float64), torch.empty_like(flat)
     remaining = {w: steps for w in workers}
@@ -164,6 +169,7 @@ def _async_server(flat: torch.Tensor, workers: list[int], steps: int, lr: float,
             report.dropped += 1
         remaining[src] -= 1
         if remaining[src]:
+            # only a worker with steps left is sent weights: it is the one waiting in recv
             collectives.send(version, src)
             collectives.send(flat, src)
     report.params = flat
@@ -185,6 +191,7 @@ def _async_worker(model: nn.Module, flat: torch.Tensor, batches: Sequence, loss_
             loss, grad = _gradient(model, lx, ly, loss_fn, 1.0)
             time.sleep(slow.get(rank(), 0.0))
         report.losses.append(loss)
+        # the version its gradient was computed at: the server measures staleness from it
         collectives.send(version, 0)
         collectives.send(grad, 0)
     return report

@@ -33,7 +33,7 @@ def _lab_steps(width: int, per_rank: int, bucket_bytes: int | None, compression:
                steps: int) -> float:
     """Median step time on this rank; compute and all-reduce spans go into the Timeline."""
 
-    model = mlp([width, width, width, width], seed=0)
+    model = mlp([width, width, width, width], seed=0)  # seed 0 on every rank: equal replicas
     x = torch.randn(per_rank, width)
     parallel = world_size() > 1
     wrapped = DataParallel(model, bucket_bytes, overlap=True) \
@@ -43,7 +43,7 @@ def _lab_steps(width: int, per_rank: int, bucket_bytes: int | None, compression:
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     times = []
     for step in range(steps + 1):
-        torch.distributed.barrier()
+        torch.distributed.barrier()  # every rank starts the step together
         start = time.perf_counter()
         with trace.record("compute", "forward+backward", step=step):
             ((wrapped(x) - x) ** 2).mean().backward()

@@ -29,6 +29,7 @@ def record_overhead(events: int = 200_000) -> tuple[float, float]:
         for _ in range(events):
             pass
 
+    # minimum of 3: the least disturbed run; the empty loop's own cost is subtracted
     base = min(timed(empty) for _ in range(3))
     with trace.capture():
         on = min(timed(loop) for _ in range(3))
@@ -56,6 +57,7 @@ def measure(world_size: int = 4, cold_repeats: int = 3, warm_repeats: int = 50) 
                      "goal": 4.0 if method == "forkserver" else None})
     progress(f"warm Cluster.run x{warm_repeats}")
     with Cluster(world_size, backend="gloo") as cluster:
+        # warm-up runs first: the first few pay for imports and gloo's first connections
         for _ in range(5):
             cluster.run(nothing)
         warm = [timed(lambda: cluster.run(nothing)) for _ in range(warm_repeats)]

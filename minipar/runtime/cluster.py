@@ -17,8 +17,8 @@ from .group import RankGroup, replay
 from .torchrun import run_under_torchrun, under_torchrun
 from .worker import in_rank
 
-START_METHODS = ("forkserver", "spawn")
-DEFAULT_TIMEOUT = 120.0
+START_METHODS = ("forkserver", "spawn")  # no plain fork: forking a threaded process can deadlock
+DEFAULT_TIMEOUT = 120.0  # seconds per run; RankTimeout then says where each rank waits
 
 
 def _check_world_size(world_size: Any) -> int:
@@ -41,6 +41,8 @@ def _serialize(fn: Callable, args: tuple, kwargs: dict) -> bytes:
         raise TypeError(f"fn must be a function to run on every rank; got {fn!r} "
                         f"({type(fn).__name__})")
     try:
+        # importable functions and modules travel by name, not by value: the ranks get this
+        # process's sys.path so that they can import them too
         return cloudpickle.dumps((fn, args, kwargs, list(sys.path)))
     except Exception as err:
         raise TypeError(
@@ -64,6 +66,8 @@ class Cluster:
         self.world_size = _check_world_size(world_size)
         self.timeout = _check_timeout(timeout)
         if start_method is None:
+            # forkserver imports torch once and forks ranks from that warm process (fast);
+            # spawn, the only choice on Windows, starts each rank as a fresh interpreter
             start_method = "forkserver" if hasattr(os, "fork") else "spawn"
         if start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS}; got {start_method!r}")
@@ -81,6 +85,7 @@ class Cluster:
         self._start()
 
     def _start(self) -> None:
+        # dropped first: if RankGroup() raises, no stale (stopped) group stays behind
         self._group = None
         self._group = RankGroup(self.world_size, self.backend, self.start_method,
                                  self.threads_per_rank)
@@ -100,6 +105,7 @@ class Cluster:
         started = time.perf_counter()
         try:
             replies = group.run(task, timeout, tolerate_deaths)
+        # BaseException includes Ctrl-C: show what the ranks printed, then stop them all
         except BaseException:
             replay(group.take_output())
             group.stop()
@@ -134,6 +140,7 @@ class Cluster:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # a Cluster dropped without close() must not leave its ranks running
     def __del__(self) -> None:
         group = getattr(self, "_group", None)
         if group is not None:

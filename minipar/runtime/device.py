@@ -42,6 +42,7 @@ def resolve_backend(backend: str, ranks_per_machine: int) -> str:
 def _bind_device(backend: str, local_rank: int) -> None:
     global _device
     if backend == "nccl":
+        # NCCL wants each rank bound to its own GPU before its first collective
         torch.cuda.set_device(local_rank)
         _device = torch.device("cuda", local_rank)
     else:

@@ -57,11 +57,14 @@ class RankGroup:
     def __init__(self, size: int, backend: str, start_method: str, threads: int) -> None:
         self.size, self.backend = size, backend
         self.io_dir = tempfile.mkdtemp(prefix="minipar-")
+        # the launcher hosts the rendezvous store (is_master=True) on a port the OS picks (0), and
+        # does not wait for workers: they connect only once started, below
         self.store = dist.TCPStore(HOST, 0, None, True,
                                    datetime.timedelta(seconds=STARTUP_TIMEOUT),
                                    wait_for_workers=False)
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
+            # imported once in the forkserver; every rank forked from it starts with torch loaded
             ctx.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle",
                                         "minipar.runtime.worker"])
             _start_forkserver_deaf_to_ctrl_c()
@@ -92,6 +95,7 @@ class RankGroup:
             self.conns.append(parent_end)
             self.procs.append(proc)  # before start: stop() ends it even if start is cut short
             proc.start()
+            # keep only our end: once the rank's end is closed here too, its death reads as EOF
             child_end.close()
 
     def run(self, task: bytes, timeout: float, tolerate_deaths: bool = False) -> list:
@@ -116,11 +120,13 @@ class RankGroup:
                                     f"{timeout:g}s ({waiting[min(pending)]})")
                 raise RankTimeout(timeout, waiting)
             handles = {self.conns[r]: r for r in pending}
+            # a process's sentinel becomes ready when it exits: a death is noticed without a reply
             handles.update({self.procs[r].sentinel: r for r in pending})
             for handle in wait_for(list(handles), timeout=min(remaining, 1.0)):
                 r = handles[handle]
                 if r not in pending:
                     continue
+                # a rank may reply and then exit: read a waiting reply before calling it dead
                 if handle is self.conns[r] or self.conns[r].poll():
                     try:
                         status, value = cloudpickle.loads(self.conns[r].recv_bytes())
@@ -176,6 +182,7 @@ class RankGroup:
         before = {r: size(r) for r in ranks}
         asked = {r for r in ranks if self.procs[r].is_alive()}
         for r in asked:
+            # the worker registered faulthandler on SIGUSR1: it appends its stack to the .stack file
             os.kill(self.procs[r].pid, signal.SIGUSR1)
         deadline = time.monotonic() + 3.0
         while time.monotonic() < deadline and any(size(r) == before[r] for r in asked):
@@ -199,6 +206,7 @@ class RankGroup:
             for i, ext in enumerate(("out", "err")):
                 try:
                     with open(os.path.join(self.io_dir, f"{r}.{ext}"), "rb") as f:
+                        # only what was printed since the last call (the files grow across runs)
                         f.seek(self.offsets[r][i])
                         data = f.read()
                 except OSError:
@@ -211,6 +219,7 @@ class RankGroup:
     def stop(self, graceful: bool = False) -> None:
         """End every rank; graceful lets them leave their loop first."""
         for conn in self.conns:
+            # a rank waiting in recv_bytes reads end-of-file and leaves its loop
             conn.close()
         started = [proc for proc in self.procs if proc.pid is not None]
         if graceful:
@@ -253,6 +262,7 @@ def _start_forkserver_deaf_to_ctrl_c() -> None:
         signal.signal(signal.SIGINT, previous)
 
 
+# weak: tracking a group for the exit handler must not keep a dropped group alive
 _live_groups: weakref.WeakSet[RankGroup] = weakref.WeakSet()
 
 

@@ -65,10 +65,11 @@ def run_under_torchrun(fn: Callable, size: int, args: tuple, kwargs: dict, backe
                                 **_attempt_store(max(timeout, 60)))
         atexit.register(_leave_process_group)
     started = time.perf_counter()
-    dist.barrier()
+    dist.barrier()  # a common t=0 for every rank's events, as in worker._run_task
     with trace.capture(rank()) as captured:
         result = fn(*args, **kwargs)
     gathered: list = [None] * size
+    # every process gets every rank's result, as launch() returns them on one machine
     dist.all_gather_object(gathered, (result, captured.events))
     results = Results(r for r, _ in gathered)
     results.timeline = trace.Timeline(e for _, events in gathered for e in events)

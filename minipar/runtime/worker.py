@@ -53,6 +53,8 @@ def _die_with_parent(lifeline: Any) -> None:
             lifeline.recv_bytes()  # nothing is ever sent: this returns only at end-of-file
         except (EOFError, OSError):
             pass
+        # os._exit, not sys.exit: in this thread sys.exit would end only the thread, and the
+        # main thread may be blocked in a collective
         os._exit(1)
 
     threading.Thread(target=watch, name="minipar-lifeline", daemon=True).start()
@@ -63,6 +65,8 @@ def _redirect_output(out_path: str, err_path: str) -> None:
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         os.dup2(target, fd)
         os.close(target)
+    # line-buffered, so what a rank printed is in the file even if it is killed mid-run;
+    # closefd=False: fds 1 and 2 stay open for C++ code (torch, gloo) that writes to them
     sys.stdout = open(1, "w", buffering=1, encoding="utf-8", closefd=False)
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", closefd=False)
 
@@ -108,27 +112,37 @@ def _worker_main(rank_: int, size: int, backend: str, port: int, io_dir: str,
         os._exit(1)            # rank began, e.g. Ctrl-C during start-up: leave quietly
     if hasattr(signal, "SIGUSR1"):
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    # the variables torchrun sets, so code written for torchrun reads the same values here
     os.environ.update(RANK=str(rank_), WORLD_SIZE=str(size), LOCAL_RANK=str(rank_),
                       LOCAL_WORLD_SIZE=str(size), **{IN_RANK_ENV: "1"})
     if backend == "gloo":
+        # every rank would otherwise start one thread per core: K ranks on one machine would run
+        # K times as many threads as cores and slow each other down (oversubscription)
         torch.set_num_threads(threads)
         try:
             torch.set_num_interop_threads(threads)
         except RuntimeError:  # already fixed in this process
             pass
+        # gloo otherwise picks the interface its hostname resolves to, which may not route to
+        # itself; all ranks are on this machine, so loopback. setdefault: a user's choice wins
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
     try:
         _bind_device(backend, rank_)
+        # a client (is_master=False) of the store the launcher hosts: rendezvous without env vars
         store = dist.TCPStore(HOST, port, None, False, datetime.timedelta(seconds=STARTUP_TIMEOUT))
+        # timeout: long, so that the launcher's own timeout (which reports where each rank
+        # waits) fires first, not gloo's terse one
         dist.init_process_group(backend, store=store, rank=rank_, world_size=size,
                                 timeout=datetime.timedelta(hours=1))
         conn.send_bytes(cloudpickle.dumps(("ready", None)))
     except BaseException:
+        # the launcher reports a failed start with this traceback, not just an exit code
         conn.send_bytes(cloudpickle.dumps(("error", traceback.format_exc())))
         _flush_output()
         os._exit(1)
     while True:
         try:
+            # end-of-file: the launcher closed our pipe (stop() or close()), so leave the loop
             task = conn.recv_bytes()
         except (EOFError, OSError):
             break
@@ -139,9 +153,11 @@ def _worker_main(rank_: int, size: int, backend: str, port: int, io_dir: str,
             except Exception as err:
                 raise TypeError(f"the return value of rank {rank_} cannot be pickled "
                                 f"({err}); return tensors, numbers or plain containers") from None
+        # BaseException: even SystemExit or KeyboardInterrupt in the user's function is reported and
+        # the rank stays ready for the next task
         except BaseException as err:
             reply = cloudpickle.dumps(("error", _user_traceback(err)))
-        _flush_output()
+        _flush_output()  # before the reply: the launcher replays the files once it has it
         conn.send_bytes(reply)
     _flush_output()
     os._exit(0)  # skip interpreter teardown: nothing is left to flush

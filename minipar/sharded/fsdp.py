@@ -51,6 +51,7 @@ class _Unit:
 
     def __init__(self, shard: FlatShard, index: int) -> None:
         self.shard, self.index = shard, index
+        # the full size, to resize the storage back to when the unit is gathered again
         self.nbytes = shard.flat.untyped_storage().nbytes()
         self.gathered = True
         self.pending: Future | None = None  # a prefetched all-gather not yet installed
@@ -70,6 +71,8 @@ class _Unit:
             gathered = comm.submit(self.fetch).result()
         else:
             gathered = self.fetch()
+        # the storage regrows in place: every view of it (parameters, autograd's saved tensors)
+        # sees the new memory
         self.shard.flat.untyped_storage().resize_(self.nbytes)
         # .data: a refill that autograd's saved views must not count as a modification
         self.shard.flat.data.copy_(gathered)
@@ -81,6 +84,7 @@ class _Unit:
             self.pending = comm.submit(self.fetch)
 
     def free(self) -> None:
+        # free the memory but keep the tensor objects and their views: see the class docstring
         self.shard.flat.untyped_storage().resize_(0)
         self.gathered = False
 
@@ -125,8 +129,11 @@ class FullyShardedDataParallel:
                    if owners[id(p)] == 1 and id(p) not in assigned]
             assigned |= {id(p) for p in own}
             if own:
+                # keep_full=False: at rest a rank keeps only its slice (ZeRO-3)
                 unit = _Unit(FlatShard(own, False, param_dtype), len(self.units))
                 self.units.append(unit)
+                # gather before the unit's forward; i=unit.index binds this unit, not the loop's
+                # last
                 unit_module.register_forward_pre_hook(
                     lambda _m, _a, i=unit.index: self._before(i, +1))
                 unit_module.register_forward_hook(
@@ -134,6 +141,7 @@ class FullyShardedDataParallel:
         rest = [p for p in trainable_parameters(module) if id(p) not in assigned]
         self.root = _Unit(FlatShard(rest, False, param_dtype), len(self.units)) if rest else None
         if self.root is not None:
+            # the root unit (tied or unassigned parameters) is gathered for the whole step
             module.register_forward_pre_hook(lambda _m, _a: self.root.gather(self.comm))
         for unit in self._all_units():
             unit.free()
@@ -158,6 +166,8 @@ class FullyShardedDataParallel:
         outputs = output if isinstance(output, (tuple, list)) else (output,)
         for t in outputs:
             if isinstance(t, torch.Tensor) and t.requires_grad:
+                # a hook on the unit's output fires when backward reaches it, just before the unit's
+                # own backward: the moment to gather its parameters again
                 t.register_hook(lambda _grad, i=unit.index: self._before(i, -1))
 
     def _before(self, i: int, direction: int) -> None:
@@ -166,6 +176,7 @@ class FullyShardedDataParallel:
         self.units[i].gather(self.comm)
         following = i + direction
         if self.comm is not None and 0 <= following < len(self.units):
+            # the next unit to compute: i + 1 in forward, i - 1 in backward
             self.units[following].prefetch(self.comm)
 
     def _arrived(self, unit: _Unit) -> None:
@@ -184,6 +195,7 @@ class FullyShardedDataParallel:
             unit.shard.hand_gradient_to_optimizer()
             unit.free()
         self.optimizer.step()
+        # set_to_none: no zero-filled gradient tensors are kept between steps
         self.optimizer.zero_grad(set_to_none=True)
 
     def gather_parameters(self) -> None:

@@ -65,16 +65,22 @@ class FlatShard:
         self.shapes = [p.shape for p in params]  # kept: stage 3 empties the parameters
         self.numel = sum(p.numel() for p in params)
         self.group, self.world, self.rank = group, world_size(group), rank(group)
+        # ZeRO's padding: round up so all K slices have one length, as all-gather and
+        # reduce-scatter of equal pieces need; flatten() pads the tail with zeros
         self.slice = math.ceil(self.numel / self.world)  # padded length / K
+        # detach: the flat copy of the values must not join the autograd graph
         full = self.flatten([p.detach() for p in params])
         self.dtype = param_dtype or full.dtype  # what the model computes and sends in
         mine = full[self.rank * self.slice:(self.rank + 1) * self.slice]
         same = self.dtype == full.dtype
+        # clone for stage 3 (flat is emptied between uses) or when master keeps a wider dtype
         self.master = nn.Parameter(mine if same and keep_full else mine.clone())
         self.grad: torch.Tensor | None = None  # this rank's averaged gradient slice
         self.waiting = len(params)  # gradients backward has still to produce
         self.flat = full if same else full.to(self.dtype)
         for p, piece in zip(params, self.pieces(self.flat), strict=True):
+            # .data, not a new Parameter: the module and any optimizer keep the same Parameter
+            # objects, which now read and write the flat buffer
             p.data = piece
 
     def flatten(self, tensors: Iterable[torch.Tensor | None]) -> torch.Tensor:
@@ -83,6 +89,7 @@ class FlatShard:
         pieces = [torch.zeros(shape.numel(), dtype=like.dtype, device=like.device)
                   if t is None else t.reshape(-1).to(like.dtype)
                   for shape, t in zip(self.shapes, tensors, strict=True)]
+        # the padding zeros: they carry no parameter, and their gradient is zero too
         pad = self.slice * self.world - self.numel
         if pad:
             pieces.append(torch.zeros(pad, dtype=like.dtype, device=like.device))
@@ -106,6 +113,7 @@ class FlatShard:
         (only this rank's slice will survive); the count of gradients owed starts over."""
         flat = self.flatten(p.grad for p in self.params)
         for p in self.params:
+            # full gradients freed now: only this rank's reduced slice is kept (ZeRO-2's saving)
             p.grad = None
         self.waiting = len(self.params)
         return flat
@@ -119,18 +127,21 @@ class FlatShard:
     def reduce_scatter_gradients(self, flat: torch.Tensor) -> None:
         """Average `flat` (from take_gradients) over ranks; keep only this rank's slice (in
         `grad`, in the parameters' dtype, added to what an earlier backward left)."""
+        # avg: gradients are averaged over ranks, the package's loss-scaling convention (ddp.py)
         mine = collectives.reduce_scatter(flat, op="avg", group=self.group)
         self.grad = mine if self.grad is None else self.grad + mine
 
     def hand_gradient_to_optimizer(self) -> None:
         """Move the reduced slice into master.grad, in the master's precision; a partial
         count of gradients owed starts over."""
+        # the optimizer steps in the master precision (float32 under mixed precision)
         self.master.grad, self.grad = self.grad.to(self.master.dtype), None
         self.waiting = len(self.params)
 
     def gather(self) -> torch.Tensor:
         """All ranks' updated slices, concatenated: the full flat parameters (padded), in
         the parameters' dtype (mixed precision sends 16-bit values)."""
+        # detach: the gathered values are data, not part of any graph
         return collectives.all_gather(self.master.detach().to(self.dtype), group=self.group)
 
 
@@ -146,6 +157,7 @@ def cast_inputs(args: tuple, dtype: torch.dtype | None) -> tuple:
     """Floating-point tensor arguments in the dtype the model computes in (mixed precision)."""
     if dtype is None:
         return args
+    # floating inputs only: integer ones (token ids, labels) stay as they are
     return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                  for a in args)
 
@@ -183,6 +195,7 @@ class ZeroDataParallel:
         if stage == 2:
             for shard in self.shards:
                 for p in shard.params:
+                    # s=shard binds this shard now (a plain closure would see the loop's last one)
                     p.register_post_accumulate_grad_hook(lambda _p, s=shard: self._arrived(s))
 
     def __call__(self, *args, **kwargs):
@@ -201,7 +214,7 @@ class ZeroDataParallel:
                 shard.reduce_scatter_gradients(shard.take_gradients())
             shard.hand_gradient_to_optimizer()
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)  # no zero-filled gradients kept between steps
         with torch.no_grad():
             for shard in self.shards:
                 shard.flat.copy_(shard.gather())  # the parameters are views of flat
