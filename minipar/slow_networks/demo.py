@@ -36,12 +36,14 @@ def _local_sgd() -> Check:
 
 def _shared_file() -> str:
     """A path every rank maps for Hogwild!: rank 0 picks it, the others are told."""
+    # broadcast_object_list fills the list in place: every rank passes a one-slot list
     path = [tempfile.mkstemp(prefix="minipar-hogwild-")[1] if rank() == 0 else None]
     dist.broadcast_object_list(path)
     return path[0]
 
 
 def _relaxed(method: str) -> Check:
+    # hogwild maps raw float32 memory and refuses any other dtype
     dtype = torch.float32 if method == "hogwild" else torch.float64
     kwargs = {"shared_file": _shared_file()} if method == "hogwild" else {"local_steps": 4}
     start = start_clock()
