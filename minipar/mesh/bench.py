@@ -101,6 +101,7 @@ def spearman(a: list[float], b: list[float]) -> float:
             while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
                 j += 1
             for k in range(i, j + 1):
+                # ties share the mean of the ranks they span, as Spearman's rho usually takes them
                 out[order[k]] = (i + j) / 2
             i = j + 1
         return out
@@ -123,6 +124,8 @@ def this_machine(ranks: int, flops: float, bandwidth: float, alpha: float,
     """The planner's description of `ranks` CPU processes on this machine: one node whose
     links are the fitted loopback and whose compute and memory rates were measured with
     all ranks busy."""
+    # beta is seconds per byte, so 1 / beta is the bandwidth; 1e12 bytes of memory: CPU ranks
+    # never run out in the planner; efficiency 1.0, as the rates are measured, not peak
     return Hardware(1, ranks, flops, 1e12, 1 / beta, 1 / beta, intra_latency=alpha,
                    inter_latency=alpha, efficiency=1.0, memory_bandwidth=bandwidth,
                    cores=os.cpu_count() or 1, name="this machine")
