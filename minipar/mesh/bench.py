@@ -61,6 +61,7 @@ def _time_steps(dims: dict[str, int], steps: int) -> list[float]:
     ids, targets = _data()
     times = []
     for i in range(steps + 1):
+        # every rank starts the step together; step 0 (the warm-up) is not kept
         torch.distributed.barrier()
         start = time.perf_counter()
         model.train_step(ids, targets)
@@ -86,6 +87,7 @@ def compute_rates(steps: int = 3) -> tuple[float, float]:
         updates.append(time.perf_counter() - middle)
     flops = sum(cost.transformer_flops(_config()).values()) * BATCH * SHAPE["seq_len"]
     params = sum(p.numel() for p in model.parameters())
+    # [1:]: the first pass is a warm-up (allocator, first-call overheads)
     return (flops / statistics.median(passes[1:]),
             params * OPTIMIZER_BYTES_PER_PARAM / statistics.median(updates[1:]))
 
