@@ -101,6 +101,7 @@ def _killed_and_resumed(ctx: Context) -> Row:
         try:
             launch(train_resumable, 4, *run, folder, 2, kill_at=(2, 5))
             died = False
+        # the SIGKILL is the point: the first launch is expected to fail
         except RankError:
             died = True
         resumed = launch(train_resumable, 3, *run, folder, 2)
@@ -114,6 +115,7 @@ def _killed_and_resumed(ctx: Context) -> Row:
 
 RUNS = {"local_sgd": _local_sgd, "co2": lambda: _relaxed("co2"),
         "hogwild": lambda: _relaxed("hogwild"), "top_k": _top_k,
+        # case=case binds each name now: a plain closure would see only the loop's last case
         **{case: (lambda case=case: _gossip(case)) for case in ("sgp_complete", "sgp",
                                                                  "grouped")}}
 
