@@ -133,7 +133,7 @@ class MeshGPT:
         local_ids = shard(ids, rank(dp), world_size(dp))
         local_targets = shard(targets, rank(dp), world_size(dp))
         loss = self.pipe.train_step(local_ids, local_targets, gpt_loss)
-        # before the dp average: the tied weight's gradient is whole only once both ends agree
+        # before any averaging or step: both copies of the tied weight then step alike
         self._sum_tied_gradients()
         if not self.zero:
             average_gradients(list(self._local.parameters()), dp)

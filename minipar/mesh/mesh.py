@@ -121,8 +121,8 @@ class MeshGroups:
     by_name: dict[str, dist.ProcessGroup]
 
     def __getattr__(self, name: str) -> dist.ProcessGroup:
-        # copy and pickle probe dunders, and unpickling reads fields before they exist: raising
-        # here, not looking in by_name, keeps those from recursing into __getattr__ forever
+        # dunders (copy and pickle probe them) and our own fields (absent mid-unpickling) raise
+        # at once: the lookup below reads self.mesh, which would re-enter __getattr__ forever
         if name.startswith("__") or name in ("mesh", "rank", "by_name"):
             raise AttributeError(name)
         self.mesh._axis(name)

@@ -76,8 +76,8 @@ def reshard(local: torch.Tensor | None, shape: tuple[int, ...], src_ranks: list[
     pending, pieces = [], {}
     for m in plan:
         if m.src == me:
-            # narrow takes global rows relative to this rank's own piece; contiguous, as a message
-            # must be one dense buffer
+            # m.start is a global row: subtract where this rank's piece begins; contiguous, as
+            # a message must be one dense buffer
             piece = local.narrow(dim, m.start - my_start, m.stop - m.start).contiguous()
             if m.dst == me:
                 # a rank in both meshes keeps its overlap: no message to itself

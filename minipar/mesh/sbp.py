@@ -79,7 +79,7 @@ def conversion(source: str | Placement, target: str | Placement, nbytes: float, 
     """Which collective converts `source` to `target` for a logical tensor of `nbytes` on
     `ranks` ranks, and its alpha-beta cost (ring algorithms, as minipar's collectives)."""
     s, t, k, n = placement(source), placement(target), ranks, float(nbytes)
-    # what a ring collective sends of each rank's share: all of it but the rank's own piece
+    # (K-1)/K: a ring passes on K-1 of the K pieces, every piece but the rank's own
     frac = (k - 1) / k
     if s == t or k == 1:
         name, sent, msgs = "none", 0.0, 0

@@ -23,7 +23,7 @@ def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 def _last_dim_gather(x: torch.Tensor, group) -> torch.Tensor:
     # all_gather joins along dim 0: bring the last dim to the front, gather, move it back;
-    # contiguous, so the pieces are the moved layout and the result views cleanly downstream
+    # contiguous: movedim only relabels strides, and the copies give dense buffers
     moved = x.movedim(-1, 0).contiguous()
     gathered = collectives.all_gather(moved, group=group)
     return gathered.movedim(0, -1).contiguous()
@@ -61,7 +61,7 @@ class _ReduceFromParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # every rank holds the full sum forward, so each rank's gradient is already the whole one
+        # y = x_0 + ... + x_(K-1), so dL/dx_r = dL/dy: the gradient passes through as it is
         return grad, None
 
 
