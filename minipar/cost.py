@@ -193,6 +193,7 @@ class CollectiveCost:
 
 
 def _log2_ceil(k: int) -> int:
+    # ceil(log2 k) in integers: k - 1 needs that many bits (no float log to round wrong)
     return (k - 1).bit_length()
 
 
@@ -225,16 +226,19 @@ def all_reduce_steps(algorithm: str, world_size: int, nbytes: float) -> list[Com
     if k == 1:
         return []
     if algorithm == "ring":
+        # reduce-scatter steps add each arriving chunk; all-gather steps only copy it
         return [CommStep(k, n / k, k, n / k)] * (k - 1) + [CommStep(k, n / k, k)] * (k - 1)
     if algorithm == "naive":  # the root takes one rank at a time, then sends to each
         return [CommStep(1, n, 2, n)] * (k - 1) + [CommStep(1, n, 2)] * (k - 1)
     if algorithm == "tree":  # binomial: round i pairs ranks 2^i apart
+        # round i's senders: the ranks whose lowest set bit is bit i
         rounds = [sum(1 for r in range(k) if r % (2 << i) == 1 << i)
                   for i in range(_log2_ceil(k))]
         return [CommStep(t, n, 2 * t, n) for t in rounds] \
             + [CommStep(t, n, 2 * t) for t in reversed(rounds)]
     p = 1 << (k.bit_length() - 1)  # halving_doubling: fold the extra ranks in first
     extra = k - p
+    # halving step j exchanges N / 2^(j+1): half of what the pair still shares
     sizes = [n / (2 << j) for j in range((p - 1).bit_length())]
     fold = [CommStep(extra, n, 2 * extra, n)] if extra else []
     unfold = [CommStep(extra, n, 2 * extra)] if extra else []
@@ -296,6 +300,7 @@ def fit_alpha_beta(sizes: list[float], seconds: list[float]) -> tuple[float, flo
         raise ValueError("sizes must not all be equal")
     beta = sum(w * (x - mean_x) * (y - mean_y)
                for w, x, y in zip(weights, sizes, seconds, strict=True)) / sxx
+    # clamped: noisy points can give a negative intercept, and a latency never is
     return max(mean_y - beta * mean_x, 0.0), beta
 
 
@@ -342,6 +347,7 @@ class TransformerConfig:
     @property
     def params(self) -> float:
         """Weights of the blocks and the (tied) embedding, biases and norms ignored."""
+        # Q, K, V and the output projection (4 h^2), the MLP's up and down (2 h ffn)
         per_layer = 4 * self.hidden**2 + 2 * self.hidden * self.ffn_size
         return self.layers * per_layer + self.vocab * self.hidden
 
@@ -363,6 +369,7 @@ def transformer_flops(cfg: TransformerConfig) -> dict[str, float]:
     forward = {
         "attention projections": cfg.layers * 2 * 4 * h * h,  # Q, K, V and output
         "ffn": cfg.layers * 2 * 2 * h * f,
+        # per token: q against s keys (s h multiply-adds), then the weighted sum of s values
         "attention scores": cfg.layers * 2 * 2 * s * h,
         "logits": 2 * h * cfg.vocab,
     }

@@ -87,6 +87,7 @@ def combine(results: list[list[Check]]) -> list[Row]:
         sent = [c.bytes_sent for c in checks if c.bytes_sent is not None]
         judged = [c.matches for c in checks if c.matches is not None]
         matches = all(judged) if judged else None  # a rank may hold nothing to compare
+        # a parallel case takes as long as its slowest rank
         rows.append(Row(first.technique, len(checks), matches, max(c.seconds for c in checks),
                         bytes_moved=sum(sent) if sent else None, note=first.note,
                         skipped=first.skipped))
@@ -106,6 +107,7 @@ def format_rows(rows: list[Row], width: int = WIDTH) -> str:
               "speedup": "-" if r.speedup is None else f"{r.speedup:.2f}x",
               "bytes": "-" if r.bytes_moved is None else f"{r.bytes_moved:,}"} for r in rows]
     widths = [max([len(header)] + [len(c[key]) for c in cells]) for key, header in COLUMNS]
+    # 2 columns of gap after each cell; at least 20 for the name even in a narrow terminal
     room = max(width - sum(widths) - 2 * len(widths), 20)
     name_width = min(room, max([len("technique")] + [len(r.technique) for r in rows]))
 
@@ -148,6 +150,7 @@ class Context:
 def one_process(fn: Callable[[], object], repeats: int = 3) -> tuple[object, float]:
     """Run the single-process reference on one thread, as one rank would; best time of a few."""
     threads = torch.get_num_threads()
+    # the baseline computes on one core; `finally` puts the thread count back even on error
     torch.set_num_threads(1)
     try:
         best = math.inf
@@ -173,6 +176,7 @@ def demo_parser(description: str, default_ranks: int = 2, prog: str | None = Non
     mistakes are one line (see `minipar.cli`)."""
     parser = OneLineParser(prog=prog, description=" ".join(description.split()))
     parser.add_argument("--ranks", type=positive_int,
+                        # torchrun exports WORLD_SIZE to every worker: its world size is the default
                         default=int(os.environ.get("WORLD_SIZE", default_ranks)),
                         help=f"how many ranks to spawn (default {default_ranks}; under "
                              "torchrun, its world size)")

@@ -24,6 +24,7 @@ class ExerciseError(AssertionError):
 def refuse_library(name: str, fn: object) -> None:
     """A learner who passes minipar's own implementation (or torch's) has not written the
     exercise: say so instead of grading it."""
+    # a partial keeps the wrapped function's module in .func, not on itself
     inner = fn.func if isinstance(fn, functools.partial) else fn
     module = getattr(inner, "__module__", "") or ""
     if module.startswith(("minipar.", "torch.")):
@@ -50,8 +51,10 @@ def run_on_ranks(name: str, fn: Callable, world_size: int, *args, timeout: float
     whose message contains a key of `crash_hints` (default: size and dtype mismatches) with
     that hint, any other crash with the line of the learner's code it came from, and a
     deadlock with where each rank waited and `deadlock_hint`."""
+    # a check's own hints come second, so they win over the defaults on the same words
     hints = CRASH_HINTS if crash_hints is None else {**CRASH_HINTS, **crash_hints}
     try:
+        # gloo: exercises run on CPU ranks everywhere; the timeout turns a deadlock into a hint
         return launch(fn, world_size, *args, backend="gloo", timeout=timeout)
     except RankError as err:
         text = str(err)
@@ -86,6 +89,7 @@ def _learner_line(remote_traceback: str) -> str:
     if not frames:
         return ""
     i = frames[-1]
+    # a frame's source line follows its "File" line, unless Python could not read the source
     code = lines[i + 1].strip() if i + 1 < len(lines) and not lines[i + 1].strip().startswith(
         ("File ", "Traceback")) else ""
     return lines[i].strip() + (f": {code}" if code else "")
@@ -105,8 +109,10 @@ class SendLog:
             def logged(*args, _original=original, **kwargs):
                 if self.depth == 0:
                     tensor = args[0] if args else kwargs["tensor"]
+                    # newer torch also names the peer group_dst (a rank inside the group)
                     dst = args[1] if len(args) > 1 else kwargs.get("dst",
                                                                    kwargs.get("group_dst"))
+                    # a copy: the sender may reuse or overwrite its buffer after the call
                     self.sent.append((int(dst), tensor.detach().clone()))
                 self.depth += 1
                 try:
@@ -114,6 +120,7 @@ class SendLog:
                 finally:
                     self.depth -= 1
 
+            # both names: code may call dist.isend or reach c10d's own
             setattr(c10d, name, logged)
             setattr(dist, name, logged)
         return self.sent

@@ -68,12 +68,17 @@ class Machine:
         extra = step.transfers - 1
         if self.busy_alpha is None or self.busy_beta is None:
             alpha = self.alpha
+            # loopback copies on both ends: T transfers at full speed need 2T cores
             beta = self.beta * max(1.0, 2 * step.transfers / self.cores)
         else:
+            # linear between the two measured points: 0 at one transfer, 1 at busy_ranks transfers
             slope = extra / (self.busy_ranks - 1)
             alpha = self.alpha + (self.busy_alpha - self.alpha) * slope
             beta = self.beta + (self.busy_beta - self.beta) * slope
+        # ranks beyond the cores take turns, so their additions stretch by ranks / cores
         share = max(1.0, step.ranks / self.cores)
+        # clamped: extrapolating a noisy fit must not give a negative latency, nor a busy step
+        # faster per byte than one transfer alone
         return max(alpha, 0.0) + step.nbytes * max(beta, self.beta) \
             + step.reduced * self.gamma * share
 
@@ -86,6 +91,7 @@ class Machine:
         """Keep these constants (one entry per backend) in `path` or `machine_file()`."""
         path = Path(path) if path else machine_file()
         saved = json.loads(path.read_text()) if path.exists() else {}
+        # merged into what is there: fitting gloo keeps a fitted nccl entry, and the other way round
         saved[self.backend] = asdict(self)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(saved, indent=1))

@@ -15,6 +15,7 @@ def mlp(sizes: list[int], seed: int = 0, dtype: torch.dtype = torch.float32) -> 
     """Linear layers with tanh between them, initialized from `seed`."""
     if len(sizes) < 2:
         raise ValueError(f"sizes must list at least an input and an output size; got {sizes}")
+    # nn.Linear draws its init from the global RNG: seeding it makes every rank's twin the same
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
@@ -73,6 +74,7 @@ def attend(qkv: torch.Tensor, heads: int) -> torch.Tensor:
     d = width // (3 * heads)
     q, k, v = qkv.view(s, b, heads, 3, d).permute(3, 1, 2, 0, 4)  # each [b, heads, s, d]
     scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    # above the diagonal: keys later than the query; -inf there leaves them zero weight
     mask = torch.ones(s, s, dtype=torch.bool, device=qkv.device).triu(1)
     weights = scores.masked_fill(mask, float("-inf")).softmax(-1)
     return (weights @ v).permute(2, 0, 1, 3).reshape(s, b, heads * d)
@@ -91,6 +93,7 @@ class TransformerBlock(nn.Module):
         self.mlp = FFN(hidden, ffn, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # pre-norm, as GPT-2: an untouched residual path trains stably (Xiong et al. 2020)
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
@@ -105,14 +108,18 @@ class TinyGPT(nn.Module):
         torch.manual_seed(seed)
         self.tokens = nn.Embedding(vocab, hidden, dtype=dtype)
         self.positions = nn.Embedding(seq_len, hidden, dtype=dtype)
+        # a seed per block: block i's weights do not depend on which blocks were built before it,
+        # so a block built alone from its seed equals the twin's
         self.blocks = nn.ModuleList(TransformerBlock(hidden, heads, 4 * hidden, seed + 1 + i,
                                                      dtype) for i in range(layers))
         self.norm = nn.LayerNorm(hidden, dtype=dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # learned positions as GPT-2's; [:, None, :] broadcasts them over the batch
         x = self.tokens(ids) + self.positions(torch.arange(ids.shape[0]))[:, None, :]
         for block in self.blocks:
             x = block(x)
+        # the output head is the token embedding transposed (weight tying, Press and Wolf 2017)
         return self.norm(x) @ self.tokens.weight.t()  # logits [sequence, batch, vocab]
 
 
@@ -130,6 +137,7 @@ class TiedAutoencoder(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.encoder(x))
+        # h @ W (not W^T): the decoder is the encoder's map transposed, one shared Parameter
         return (h @ self.encoder.weight + self.decoder_bias) * self.scale
 
 
@@ -143,8 +151,10 @@ def regression_data(samples: int, features: int, outputs: int = 1, seed: int = 0
                     noise: float = 0.1, dtype: torch.dtype = torch.float32
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y) with y a fixed random nonlinear function of x plus noise."""
+    # a generator of its own: the data does not depend on, nor disturb, the global RNG
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(samples, features, generator=generator, dtype=dtype)
+    # / sqrt(features): x @ w has variance about 1, so tanh is not saturated
     w = torch.randn(features, outputs, generator=generator, dtype=dtype) / features**0.5
     y = torch.tanh(x @ w) + noise * torch.randn(samples, outputs, generator=generator,
                                                 dtype=dtype)

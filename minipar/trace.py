@@ -93,6 +93,7 @@ def merged_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, 
     """The same cover as disjoint intervals, in order (touching ones joined)."""
     merged: list[tuple[float, float]] = []
     for start, end in sorted(intervals):
+        # sorted by start, so an interval overlaps (or touches) only the last merged one
         if merged and start <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(merged[-1][1], end))
         else:
@@ -110,6 +111,7 @@ def subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]
                 continue
             if cut_start > start:
                 out.append((start, cut_start))
+            # cuts are sorted and disjoint: what is left of this interval starts after the cut
             start = max(start, cut_end)
         if start < end:
             out.append((start, end))
@@ -122,6 +124,7 @@ def overlap_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -
     total, i, j = 0.0, 0, 0
     while i < len(a) and j < len(b):
         total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        # advance whichever interval ends first: it cannot overlap anything later in the other list
         if a[i][1] < b[j][1]:
             i += 1
         else:
@@ -133,6 +136,7 @@ class Timeline:
     """The events of all ranks on one clock, sorted by start time."""
 
     def __init__(self, events: Iterable[Event] = ()) -> None:
+        # rank and end break ties in start, so equal timelines list their events in one order
         self.events: list[Event] = sorted(events, key=lambda e: (e.start, e.rank, e.end))
 
     def __len__(self) -> int:
@@ -187,6 +191,7 @@ class Timeline:
         for r in range(n):
             mine = [e for e in self.events if e.rank == r]
             computing = []
+            # per thread: a "wait" pauses only the thread that waits, not the rank's other threads
             for thread in {e.thread for e in mine}:
                 on = [e for e in mine if e.thread == thread]
                 computing += subtract([(e.start, e.end) for e in on if e.track == "compute"],
@@ -195,6 +200,7 @@ class Timeline:
             covered = union_length([(e.start, e.end) for e in mine])
             busy.append(compute)
             comm.append(covered - compute)
+            # clamped: float error in the unions must not show a tiny negative idle time
             idle.append(max(span - covered, 0.0))
         bubble = 1.0 - sum(busy) / (n * span) if n and span > 0 else 0.0
         return Summary(span, busy, comm, idle, bubble)
@@ -209,6 +215,8 @@ class Timeline:
         """Chrome trace JSON: one complete ("X") event each; pid = rank, tid = track."""
         trace: list[dict] = []
         for r in self.ranks:
+            # Chrome's trace format: "M" metadata events name a process (a rank) and its threads
+            # (our tracks), so Perfetto labels the rows
             trace.append({"ph": "M", "name": "process_name", "pid": r, "tid": 0,
                           "args": {"name": f"rank {r}"}})
             for tid, name in enumerate(TRACKS):
@@ -220,6 +228,7 @@ class Timeline:
                 args["thread"] = e.thread
             args.update(e.args)
             trace.append({"name": e.label or e.kind, "cat": e.kind, "ph": "X",
+                          # the Chrome trace format counts ts and dur in microseconds
                           "ts": e.start * 1e6, "dur": e.duration * 1e6,
                           "pid": e.rank, "tid": TRACKS.index(e.track), "args": args})
         return {"traceEvents": trace, "displayTimeUnit": "ms"}
@@ -240,6 +249,7 @@ class Timeline:
             if item.get("ph") != "X":
                 continue
             args = dict(item.get("args", {}))
+            # to_chrome put the Event fields among args: take them back out
             named = {k: args.pop(k) for k in (*_OPTIONAL_FIELDS, "thread") if k in args}
             start = item["ts"] / 1e6
             events.append(Event(rank=int(item["pid"]), kind=item.get("cat") or item["name"],
@@ -284,6 +294,7 @@ class record:
 
     def __exit__(self, *exc: object) -> None:
         if _recorder.enabled:
+            # a plain tuple while recording: Events are built at capture's exit, off the hot path
             end = perf_counter()
             _recorder.buffer.append((self.kind, self.label, self.start, end, self.fields,
                                      threading.get_ident()))
@@ -293,6 +304,7 @@ def add_event(kind: str, label: str, start: float, end: float, **fields: Any) ->
     """Record an event whose times (from `now()`) were taken elsewhere."""
     if _recorder.enabled:
         t0 = _recorder.t0
+        # the buffer holds raw perf_counter times: add t0 back, capture subtracts it again
         _recorder.buffer.append((kind, label, start + t0, end + t0, fields,
                                  threading.get_ident()))
 
@@ -312,6 +324,7 @@ def _to_event(rank: int, t0: float, item: tuple, threads: dict[int, int]) -> Eve
     kind, label, start, end, extra, ident = item
     named = {k: v for k, v in extra.items() if k in _EVENT_FIELDS}
     others = {k: v for k, v in extra.items() if k not in _EVENT_FIELDS}
+    # thread idents are large and reused by the OS: number threads 0, 1, 2 in order first seen
     thread = threads.setdefault(ident, len(threads))
     return Event(rank, kind, label, start - t0, end - t0, thread=thread, args=others, **named)
 
@@ -328,6 +341,7 @@ class capture:
         self.events: list[Event] = []
 
     def __enter__(self) -> capture:
+        # saved and restored on exit: a capture inside another leaves the outer one's buffer whole
         self._saved = (_recorder.t0, _recorder.rank, _recorder.buffer)
         if self.rank is None:  # the rank that minipar's workers and torchrun both export
             self.rank = int(os.environ.get("RANK", 0))

@@ -19,6 +19,8 @@ from .steps import busy_work, hello, synchronized_steps
 def _split_work(tasks: int, units: int) -> float:
     """Tasks dealt round-robin over the ranks, the checksums summed by an all-reduce."""
     me, size = rank(), world_size()
+    # round-robin (me, me + K, ...): task sizes grow with t, so each rank gets early and late
+    # ones; float64 so the sum matches one process's to 1e-9
     local = torch.tensor([sum(busy_work(units + t) for t in range(me, tasks, size))],
                          dtype=torch.float64)
     dist.all_reduce(local)
@@ -33,6 +35,7 @@ def demo(cases: tuple[str, ...] = ("hello", "split_work"), tasks: int = 16,
     if "hello" in cases:
         start = start_clock()
         total = hello()
+        # exact ==: small integers are exact in floating point
         checks.append(Check("hello: all-reduce of rank+1", total == k * (k + 1) / 2,
                             time.perf_counter() - start,
                             note=f"every rank holds {'+'.join(str(r + 1) for r in range(k))}"))

@@ -15,6 +15,7 @@ TOLERANCE = 1e-6  # relative: float32 arithmetic (about 7 digits) is a right ans
 
 def _local_losses(rank: int) -> torch.Tensor:
     """Rank r holds r+1 per-sample losses: the shards are deliberately uneven."""
+    # a seed per rank: the checker rebuilds any rank's shard without asking it
     generator = torch.Generator().manual_seed(100 + rank)
     return torch.rand(rank + 1, generator=generator, dtype=torch.float64)
 

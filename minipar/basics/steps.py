@@ -15,7 +15,9 @@ from ..trace import record
 def hello() -> float:
     """Each rank contributes rank+1; after all_reduce every rank holds 1+2+...+K."""
     me, size = rank(), world_size()
+    # on this rank's device: under NCCL a collective's tensor must live on the GPU
     value = torch.tensor([me + 1.0], device=device())
+    # in place, summing by default: every rank's `value` becomes the total
     dist.all_reduce(value)
     print(f"hello from rank {me} of {size} on {device()}: sum = {value.item():g}")
     return value.item()
@@ -24,9 +26,11 @@ def hello() -> float:
 def busy_work(units: int, size: int = 96) -> float:
     """Deterministic CPU work: `units` small matrix products; returns a checksum."""
     generator = torch.Generator().manual_seed(0)
+    # / sqrt(size): x @ a keeps its scale, so tanh neither saturates nor vanishes
     a = torch.randn(size, size, generator=generator) / size**0.5
     x = torch.eye(size)
     for _ in range(units):
+        # each product depends on the last: the work cannot be skipped or reordered
         x = torch.tanh(x @ a)
     return float(x.sum())
 
@@ -58,7 +62,9 @@ def synchronized_steps(steps: int = 3, units: int = 40, slow_rank: int | None = 
             start = time.perf_counter()
             total = torch.tensor([busy_work(my_units)], dtype=torch.float64)
             if slow and straggle == "sleep":
+                # sleep, not more work: a sleep costs the same on any number of cores
                 time.sleep((slowdown - 1) * (time.perf_counter() - start))
         with record("wait", "all_reduce", step=step):
+            # the all-reduce waits for every rank: here the fast ranks pay for the slow one
             dist.all_reduce(total)
     return total.item()

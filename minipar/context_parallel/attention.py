@@ -24,10 +24,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
               ) -> torch.Tensor:
     """Plain softmax(q k^T / sqrt(d)) v over [..., S, D] tensors: the one-process reference.
     Causal: a query attends to keys at positions <= its own (positions default to 0..S-1)."""
+    # 1 / sqrt(d): "Attention Is All You Need"'s scaling, keeping the scores' variance near 1
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         q_pos = torch.arange(q.shape[-2]) if q_pos is None else q_pos
         k_pos = torch.arange(k.shape[-2]) if k_pos is None else k_pos
+        # -inf before the softmax, not 0 after it: exp(-inf) = 0 and the rest still sums to 1
         scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
@@ -44,6 +46,7 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks:
     cuts = torch.tensor_split(pos, blocks)
     outs = []
     for q_pos in cuts:
+        # tensor_split's cuts are contiguous runs, so a slice from first to last covers each
         qs = slice(int(q_pos[0]), int(q_pos[-1]) + 1)
         out = lse = None
         for k_pos in cuts:
@@ -69,7 +72,9 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    # logsumexp subtracts the row's max before exp, so large scores cannot overflow
     lse = torch.logsumexp(scores, dim=-1)
+    # exp(s - lse) is the softmax itself: the division by the row's sum is folded into lse
     weights = torch.exp(scores - _finite(lse).unsqueeze(-1))  # masked rows: exp(-inf) = 0
     return weights @ v, lse
 
@@ -77,7 +82,10 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
 def merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two partial attention results over disjoint key blocks -> the result over both."""
+    # logaddexp(a, b) = log(exp(a) + exp(b)), computed without overflow
     lse = torch.logaddexp(lse_a, lse_b)
+    # both blocks masked: lse is -inf, and -inf - (-inf) would be NaN; subtracting 0 instead
+    # keeps the row's output at 0
     safe = _finite(lse)
     out = out_a * torch.exp(lse_a - safe).unsqueeze(-1) + \
         out_b * torch.exp(lse_b - safe).unsqueeze(-1)
@@ -95,8 +103,11 @@ def block_gradients(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: to
     scores = q @ k.transpose(-1, -2) * scale
     if causal:
         scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
+    # the final lse, not this block's: p is this block's slice of the whole row's softmax
+    # (FlashAttention's backward recomputes it the same way, Dao et al. 2022)
     p = torch.exp(scores - _finite(lse).unsqueeze(-1))
     dv = p.transpose(-1, -2) @ dout
+    # softmax's backward: rowsum(p * dp) equals rowsum(dout * out), so delta is computed once
     ds = p * (dout @ v.transpose(-1, -2) - delta.unsqueeze(-1))
     return ds @ k * scale, ds.transpose(-1, -2) @ q * scale, dv
 
@@ -118,6 +129,8 @@ def positions(rank: int, world_size: int, seq_len: int, balanced: bool) -> torch
     c = seq_len // parts
     if not balanced:
         return torch.arange(rank * c, (rank + 1) * c)
+    # the zig-zag layout of Megatron's context parallelism: chunk r (cheap) pairs with chunk
+    # 2K-1-r (expensive), so causal work is even over the ranks
     mirror = parts - 1 - rank
     return torch.cat([torch.arange(rank * c, (rank + 1) * c),
                       torch.arange(mirror * c, (mirror + 1) * c)])

@@ -41,12 +41,14 @@ def _step_seconds(method: str, seq_len: int, steps: int) -> tuple[float, int]:
     setting = METHODS[method]
     balanced = isinstance(setting, dict) and setting["balanced"]
     pos = positions(me, k, seq_len, balanced)
+    # one seed on every rank: each draws the same whole sequence and keeps its own positions
     gen = torch.Generator().manual_seed(0)
     q, kk, v = (torch.randn(1, HEADS, seq_len, HEAD_DIM, generator=gen)[..., pos, :]
                 .requires_grad_() for _ in range(3))
     times, work = [], RingWork()
     for step in range(steps + 1):
         if k > 1:
+            # all ranks start the clock together
             torch.distributed.barrier()
         start = time.perf_counter()
         if setting is None:
@@ -59,6 +61,7 @@ def _step_seconds(method: str, seq_len: int, steps: int) -> tuple[float, int]:
             work = RingWork()
             out = ring_attention(q, kk, v, causal=True, **setting, work=work)
         out.sum().backward()
+        # step 0 is a warm-up: not timed
         if step:
             times.append(time.perf_counter() - start)
     # ring: the score entries this rank computed; the others split work evenly by design
@@ -72,11 +75,14 @@ def _fit_cost(cluster: Cluster, repeats: int = 3) -> tuple[float, float]:
     def seconds(length: int) -> float:
         runs = [cluster.run(run_assignment, [[0, 1, 2, 3]], [length] * 4, [1.0])[0][0]
                 for _ in range(repeats)]
+        # the best of a few runs: noise only ever adds time
         return min(runs) / 4
 
     short, long_ = 64, 512
     t_short, t_long = seconds(short), seconds(long_)
+    # t / L = a + b L: two points give the slope b and the intercept a
     b = (t_long / long_ - t_short / short) / (long_ - short)
+    # clamped at 0: a noisy fit must not give a negative cost
     return max(t_short / short - b * short, 0.0), max(b, 0.0)
 
 
@@ -95,6 +101,7 @@ def measure_placement(count: int = 32, speeds: tuple[float, ...] = (1.0, 0.5),
         for round_index in range(repeats):  # the placements take turns
             for name, assignment in plans:
                 progress(f"placement {name}, round {round_index + 1}/{repeats}")
+                # a synchronous step ends when its slowest rank does
                 times[name].append(max(r[0] for r in many.run(run_assignment, assignment,
                                                                lengths, list(speeds))))
         for name, assignment in plans:

@@ -22,10 +22,14 @@ BATCH, HEADS, HEAD_DIM = 1, 4, 16
 def _case(method: str, seq_len: int) -> Check:
     k, me = world_size(), rank()
     balanced = method == "ring"
+    # the same seed on every rank: each draws the whole sequence, then keeps its own tokens
     gen = torch.Generator().manual_seed(21)
     q, kk, v, w = (torch.randn(BATCH, HEADS, seq_len, HEAD_DIM, generator=gen,
                                dtype=torch.float64) for _ in range(4))
+    # clones as fresh leaves: the reference's gradients must not land on q, kk, v themselves
     full = [t.clone().requires_grad_() for t in (q, kk, v)]
+    # a random weight w, not a plain sum: every output entry gets its own upstream gradient,
+    # a stronger test of the backward than all ones
     (attention(*full, causal=True) * w).sum().backward()
     want = [attention(q, kk, v, causal=True)] + [t.grad for t in full]
     pos = positions(me, k, seq_len, balanced)

@@ -78,8 +78,10 @@ def _run_ring(fn: Callable) -> tuple[torch.Tensor, list[int | None]]:
     k, me = world_size(), rank()
     q_all, blocks = _blocks(k)
     q = q_all[..., positions(me, k, _S, False), :]
+    # a copy: the learner may write into kv in place, and `blocks` must stay as drawn
     kv = blocks[me].clone()
     out = torch.zeros_like(q)
+    # -inf: the log-sum-exp over no keys yet, the starting point of the online softmax
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype)
     held = []
     for _ in range(k):
@@ -103,6 +105,7 @@ def check_ring_step(ring_step: Callable, world_sizes: tuple[int, ...] = (2, 4),
         keys, values = (torch.cat([b[i] for b in blocks], dim=-2) for i in (0, 1))
         for r, (out, held) in enumerate(got):
             for step, block in enumerate(held):
+                # after step s, rank r holds the block that started s + 1 ranks to its left
                 want = (r - step - 1) % k
                 if block == want:
                     continue

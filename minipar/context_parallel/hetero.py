@@ -52,6 +52,8 @@ def assign_balanced(lengths: list[int], speeds: list[float], per_token: float = 
         raise ValueError(f"speeds must be positive, one per rank; got {speeds}")
     loads = [0.0] * len(speeds)
     out: list[list[int]] = [[] for _ in speeds]
+    # Graham's LPT rule (1969): placing the big jobs first leaves the small ones to even out
+    # the finish times; it is within 4/3 of the optimum on identical machines
     order = sorted(range(len(lengths)), key=lambda i: -sequence_cost(lengths[i], per_token,
                                                                      per_pair))
     for i in order:
@@ -73,6 +75,7 @@ def variable_lengths(count: int, seed: int = 0, shortest: int = 16, longest: int
                      ) -> list[int]:
     """A batch of sequence lengths with a long tail (log-uniform), as real corpora have."""
     gen = torch.Generator().manual_seed(seed)
+    # uniform in log(length), then exp: many short sequences, a few long ones
     logs = torch.empty(count).uniform_(float(torch.tensor(shortest).log()),
                                        float(torch.tensor(longest).log()), generator=gen)
     return [int(v) for v in logs.exp().round()]
@@ -97,6 +100,7 @@ def run_assignment(assignment: list[list[int]], lengths: list[int], speeds: list
         raise ValueError(f"speeds must be 1/n for a whole n (a rank of speed 1/n computes "
                          f"each sequence n times); got {speeds[me]}")
     if k > 1:
+        # every rank starts its clock together: the step is measured from a common start
         torch.distributed.barrier()
     start = time.perf_counter()
     for i in assignment[me]:
@@ -105,7 +109,9 @@ def run_assignment(assignment: list[list[int]], lengths: list[int], speeds: list
             if repeat == repeats - 1:  # the extra passes are the emulated slowness only
                 loss.backward()
             else:
+                # autograd.grad returns gradients without adding to .grad: real work, no effect
                 torch.autograd.grad(loss, list(block.parameters()))
+    # a rank with no sequences has no .grad yet: zeros keep every rank's vector the same shape
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                       for p in block.parameters()])
     if k > 1:

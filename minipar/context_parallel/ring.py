@@ -44,6 +44,7 @@ def ring_plan(world_size: int, causal: bool, balanced: bool) -> list[list[dict]]
     k = world_size
     if k < 1:
         raise ValueError(f"world_size must be at least 1; got {k}")
+    # in 2K-chunk units: balanced rank r holds chunks r and 2K-1-r, contiguous holds 2r, 2r+1
     cells = {r: [r, 2 * k - 1 - r] if balanced else [2 * r, 2 * r + 1] for r in range(k)}
 
     def groups(r: int) -> list[list[int]]:  # the chunks ring_attention computes as one
@@ -53,6 +54,7 @@ def ring_plan(world_size: int, causal: bool, balanced: bool) -> list[list[dict]]
     for step in range(k):
         row = []
         for me in range(k):
+            # the block that started on rank me - step: blocks move one hop forward per step
             src = (me - step) % k
             done = []
             for qs in groups(me):
@@ -87,6 +89,7 @@ class _Ring:
     def pass_on(self, tensor: torch.Tensor) -> tuple[torch.Tensor, list]:
         """Send `tensor` to the next rank and receive the previous rank's into a new buffer;
         returns (buffer, requests to wait on)."""
+        # a fresh buffer each time: `tensor` is still being read by the math while it is sent
         incoming = torch.empty_like(tensor)
         return incoming, [collectives.isend(tensor, self.next, self.group),
                           collectives.irecv(incoming, self.prev, self.group)]
@@ -101,12 +104,14 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: _Ring, work: RingWork):
         out = torch.zeros_like(q)
+        # the empty merge: lse -inf with output 0 is the identity of merge()
         lse = torch.full(q.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         kv = torch.stack([k, v]).contiguous()  # one message per step
         q_pos = ring.pos[ring.me]
         for step in range(ring.k):
             src = (ring.me - step) % ring.k
             last = step == ring.k - 1
+            # post the next transfer before the math, so the two overlap; the last block stays put
             if not last and ring.overlap:
                 incoming, requests = ring.pass_on(kv)
             with record("compute", f"attend to block {src}", step=step):
@@ -122,6 +127,7 @@ class _RingAttention(torch.autograd.Function):
                     incoming, requests = ring.pass_on(kv)
                 _wait(requests)
                 kv = incoming
+        # only out and lse per query: backward rebuilds each block's softmax from them
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.work = ring, work
         return out
@@ -131,6 +137,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring, work = ctx.ring, ctx.work
         dout = dout.contiguous()
+        # FlashAttention's D = rowsum(dout * out), once per query, used by every block
         delta = (dout * out).sum(-1)
         dq = torch.zeros_like(q)
         kv = torch.stack([k, v]).contiguous()
@@ -151,6 +158,7 @@ class _RingAttention(torch.autograd.Function):
                 mine[0][..., ks, :] += dk_b
                 mine[1][..., ks, :] += dv_b
                 work.backward += (qs.stop - qs.start) * (ks.stop - ks.start)
+            # the previous step's dk/dv sum must have arrived before it is added to
             _wait(grad_requests)
             total = mine if travelling is None else travelling + mine
             if ring.k > 1:  # block src's sum moves on, one step behind the block itself
@@ -163,6 +171,7 @@ class _RingAttention(torch.autograd.Function):
                 _wait(requests)
                 kv = incoming
         _wait(grad_requests)  # after K steps, this rank's own block's dk, dv came home
+        # None for ring and work: they are not tensors and have no gradient
         return dq, travelling[0], travelling[1], None, None
 
 

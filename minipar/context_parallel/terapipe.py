@@ -53,6 +53,7 @@ class TokenStage(nn.Module):
         s, start = x.shape[0], self.seen
         span = torch.arange(start, start + s)
         if self.embed:
+            # global positions: slice j's tokens start at `seen`, not at 0
             x = self.tokens(x) + self.positions(span)[:, None, :]
         kept, cached = [], []
         for i, block in enumerate(self.blocks):
@@ -60,12 +61,17 @@ class TokenStage(nn.Module):
             qkv = block.attn.qkv(block.ln1(x))
             b, d = qkv.shape[1], qkv.shape[2] // (3 * heads)
             q, k, v = qkv.view(s, b, heads, 3, d).permute(3, 1, 2, 0, 4)  # each [b, h, s, d]
+            # earlier slices' keys are detached leaves: their gradient is collected here and handed
+            # to their own slice's backward later (take_gradients), not pushed through now
             keys = torch.cat([c[i][0] for c in self.cached] + [k], dim=2)
             values = torch.cat([c[i][1] for c in self.cached] + [v], dim=2)
+            # causal on global positions: the slice's queries see every cached key and their past
             out = attention(q, keys, values, True, span, torch.arange(start + s))
             x = x + block.attn.proj(out.permute(2, 0, 1, 3).reshape(s, b, heads * d))
             x = x + block.mlp(block.ln2(x))
             kept.append((k, v))
+            # detach + requires_grad_: a new leaf over the same values, cutting later slices' graphs
+            # from this one, so each slice's backward runs on its own (TeraPipe's order, last first)
             cached.append((k.detach().requires_grad_(), v.detach().requires_grad_()))
         self.kept.append(kept)
         self.cached.append(cached)
@@ -104,6 +110,7 @@ def token_stages(twin: TinyGPT, stages: int) -> list[TokenStage]:
     n = len(twin.blocks)
     if not 1 <= stages <= n:
         raise ValueError(f"stages must be between 1 and the twin's {n} blocks; got {stages}")
+    # integer cuts: stage block counts differ by at most one
     cuts = [n * s // stages for s in range(stages + 1)]
     return [TokenStage(twin, cuts[s], cuts[s + 1], s == 0, s == stages - 1)
             for s in range(stages)]
@@ -119,6 +126,7 @@ def slice_cost(start: int, length: int, per_token: float, per_pair: float,
     """One stage's time for tokens start..start+length-1: a fixed cost per slice (kernel
     launches, a message, a device less busy on a small slice), per-token work
     (projections, MLP) and attention, one unit per (query, visible key) pair."""
+    # each query sees all `start` earlier tokens, plus a causal triangle within the slice
     pairs = length * start + length * (length + 1) / 2
     return per_slice + per_token * length + per_pair * pairs
 
@@ -133,6 +141,8 @@ def pipeline_latency(sizes: list[int], stages: int, per_token: float, per_pair: 
     for n in sizes:
         costs.append(slice_cost(start, n, per_token, per_pair, per_slice))
         start += n
+    # TeraPipe's (Li et al. 2021) latency: every slice through one stage, plus the slowest
+    # slice through the remaining stages - 1
     return sum(costs) + (stages - 1) * max(costs)
 
 

@@ -26,6 +26,8 @@ def _exchange(x: torch.Tensor, split: int, join: int, group) -> torch.Tensor:
     if k == 1:
         return x
     pieces = torch.stack(torch.chunk(x, k, dim=split))  # [K, ...]: piece j for rank j
+    # one row of the stacked [K, ...] tensor per rank each way; contiguous, as chunk's pieces
+    # of an inner dim are strided views
     received = collectives.all_to_all(pieces.contiguous(), [1] * k, [1] * k, group)
     return torch.cat(list(received), dim=join)
 
@@ -43,6 +45,7 @@ class _Reshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         split, join = ctx.dims
+        # an all-to-all's adjoint is the all-to-all the other way: swap split and join
         return _exchange(grad.contiguous(), join, split, ctx.group), None, None, None
 
 
@@ -61,5 +64,6 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     # after the exchange the tokens come in rank order; positions say where each belongs
     pos = torch.cat([positions(r, size, seq_len, balanced) for r in range(size)])
     qh, kh, vh = (_Reshard.apply(t.contiguous(), 1, 2, group) for t in (q, k, v))
+    # whole sequences per head: the causal mask needs only the global positions
     out = attention(qh, kh, vh, causal, pos, pos)
     return _Reshard.apply(out, 2, 1, group)

@@ -61,6 +61,7 @@ def _time_steps(dims: dict[str, int], steps: int) -> list[float]:
     ids, targets = _data()
     times = []
     for i in range(steps + 1):
+        # every rank starts the step together; step 0 (the warm-up) is not kept
         torch.distributed.barrier()
         start = time.perf_counter()
         model.train_step(ids, targets)
@@ -86,6 +87,7 @@ def compute_rates(steps: int = 3) -> tuple[float, float]:
         updates.append(time.perf_counter() - middle)
     flops = sum(cost.transformer_flops(_config()).values()) * BATCH * SHAPE["seq_len"]
     params = sum(p.numel() for p in model.parameters())
+    # [1:]: the first pass is a warm-up (allocator, first-call overheads)
     return (flops / statistics.median(passes[1:]),
             params * OPTIMIZER_BYTES_PER_PARAM / statistics.median(updates[1:]))
 
@@ -101,6 +103,7 @@ def spearman(a: list[float], b: list[float]) -> float:
             while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
                 j += 1
             for k in range(i, j + 1):
+                # ties share the mean of the ranks they span, as Spearman's rho usually takes them
                 out[order[k]] = (i + j) / 2
             i = j + 1
         return out
@@ -123,6 +126,8 @@ def this_machine(ranks: int, flops: float, bandwidth: float, alpha: float,
     """The planner's description of `ranks` CPU processes on this machine: one node whose
     links are the fitted loopback and whose compute and memory rates were measured with
     all ranks busy."""
+    # beta is seconds per byte, so 1 / beta is the bandwidth; 1e12 bytes of memory: CPU ranks
+    # never run out in the planner; efficiency 1.0, as the rates are measured, not peak
     return Hardware(1, ranks, flops, 1e12, 1 / beta, 1 / beta, intra_latency=alpha,
                    inter_latency=alpha, efficiency=1.0, memory_bandwidth=bandwidth,
                    cores=os.cpu_count() or 1, name="this machine")

@@ -46,6 +46,7 @@ def _check(title: str, fn, *args) -> Check:
     start = start_clock()
     with collectives.meter() as m:
         result = fn(*args)
+    # float64 on both sides: a loss gap beyond 1e-12 is a bug, not rounding
     ok = result["loss_gap"] < 1e-12 and not result["wrong_grads"] and not result["wrong_params"]
     note = "2 Adam steps, float64: loss, every gradient and parameter" if ok else (
         f"differs: {(result['wrong_grads'] + result['wrong_params'])[:3]}, loss gap "

@@ -39,6 +39,7 @@ def _run_groups(fn: Callable, dims: dict[str, int]) -> dict | str:
         return original(ranks, *args, **kwargs)
 
     connect, mesh_module.Mesh.connect = mesh_module.Mesh.connect, refuse
+    # both names: a learner may reach new_group through dist or through c10d itself
     dist.new_group = c10d.new_group = recorded
     try:
         groups = fn(dict(dims))
@@ -57,6 +58,7 @@ def _run_groups(fn: Callable, dims: dict[str, int]) -> dict | str:
         return {"calls": calls, "members": None}  # groups paired up wrongly: do not use them
     for name in dims:
         members = torch.zeros(runtime.world_size(), dtype=torch.float64)
+        # one-hot rank vectors summed over the group: the ones mark who is really in it
         members[runtime.rank()] = 1
         dist.all_reduce(members, group=groups[name])
         out[name] = [r for r, v in enumerate(members.tolist()) if v]
@@ -116,6 +118,7 @@ def check_mesh_groups(connect_mesh: Callable, meshes: tuple[dict[str, int], ...]
 def degree_cases() -> list[tuple[str, TransformerConfig, Hardware, int]]:
     """(name, model, cluster, global batch) on which `check_pick_degrees` grades."""
     fast = Hardware(2, 8, 312e12, 80 * GB, 300e9, 25e9, name="2 x 8 A100 80GB")
+    # 1.25e9 bytes/s = 10 Gb/s; the others are an A100's 312 TFLOP/s bf16 and 25 GB/s (200 Gb/s)
     slow = Hardware(2, 8, 312e12, 80 * GB, 300e9, 1.25e9, name="2 x 8 A100, 10 Gb/s NICs")
     small = Hardware(2, 8, 312e12, 24 * GB, 300e9, 25e9, name="2 x 8 24 GB GPUs")
     return [("OPT-1.3B on 2 x 8 A100 80GB", OPT_CONFIGS["1.3B"], fast, 64),

@@ -44,6 +44,7 @@ class Embedding(nn.Module):
         self.tokens, self.positions = copy.deepcopy(twin.tokens), copy.deepcopy(twin.positions)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # the pipeline cuts micro-batches along dim 0, the blocks want [sequence, batch]
         ids = ids.t()
         return self.tokens(ids) + self.positions(torch.arange(ids.shape[0]))[:, None, :]
 
@@ -53,6 +54,8 @@ class Head(nn.Module):
 
     def __init__(self, twin: TinyGPT, tokens: nn.Embedding) -> None:
         super().__init__()
+        # `tokens` itself, not a copy: with pp = 1 embedding and head share one Parameter, as the
+        # twin does; with pp > 1 the stages' copies are kept equal by _sum_tied_gradients
         self.norm, self.tokens = copy.deepcopy(twin.norm), tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,6 +84,7 @@ def stage_boundaries(layers: int, stages: int) -> list[int]:
     if not 1 <= stages <= blocks:
         raise ValueError(f"pp must be between 1 and the number of blocks ({blocks}); "
                          f"got {stages}")
+    # 1 +: layer 0 is the embedding; integer division spreads the blocks within one of even
     return [1 + (blocks * s) // stages for s in range(1, stages)]
 
 
@@ -129,11 +133,13 @@ class MeshGPT:
         local_ids = shard(ids, rank(dp), world_size(dp))
         local_targets = shard(targets, rank(dp), world_size(dp))
         loss = self.pipe.train_step(local_ids, local_targets, gpt_loss)
+        # before any averaging or step: both copies of the tied weight then step alike
         self._sum_tied_gradients()
         if not self.zero:
             average_gradients(list(self._local.parameters()), dp)
         if loss is None:
             return None
+        # each dp replica's loss is the mean over its own rows: their mean is the batch's
         return collectives.all_reduce(torch.tensor([loss], dtype=torch.float64), op="avg",
                                       group=dp).item()
 
@@ -142,8 +148,10 @@ class MeshGPT:
         each hold a copy, whose gradients add up to the twin's."""
         if self.pp == 1 or self.tied is None:
             return
+        # Megatron-LM's embedding group: the first and the last pipeline rank
         partner = self.pp - 1 if self.pp_rank == 0 else 0
         grad = self.tied.grad if self.tied.grad is not None else torch.zeros_like(self.tied)
+        # isend, then recv: both ends send first, so neither blocks the other
         pending = collectives.isend(grad.contiguous(), partner, self.groups.pp)
         theirs = collectives.recv(torch.empty_like(grad), partner, self.groups.pp)
         pending.wait()
@@ -168,6 +176,8 @@ def twin_slice(full: torch.Tensor, local: torch.Tensor, tp_rank: int, tp: int) -
     agree, else the tp_rank-th chunk along the dimension that was split."""
     if full.shape == local.shape:
         return full
+    # column-parallel weights are split along dim 0 (output features), row-parallel ones along
+    # the last (input features)
     dim = 0 if full.shape[0] != local.shape[0] else full.dim() - 1
     return full.chunk(tp, dim)[tp_rank]
 
@@ -184,6 +194,7 @@ def check_against_twin(mesh_dims: dict[str, int], zero: bool = False, steps: int
     groups = Mesh(**mesh_dims).connect()
     kwargs = dict(vocab=32, hidden=16, heads=4, layers=4, seq_len=8, seed=seed,
                   dtype=torch.float64)
+    # two builds from one seed: identical weights, one for the twin and one to cut up
     twin = TinyGPT(**kwargs)
     model = MeshGPT(TinyGPT(**kwargs), groups, lambda ps: torch.optim.Adam(ps, lr=1e-2),
                     microbatches=microbatches, zero=zero)

@@ -53,6 +53,7 @@ class Mesh:
         if not 0 <= rank_ < self.size:
             raise ValueError(f"rank must be in 0..{self.size - 1} for {self}; got {rank_}")
         out = {}
+        # row-major: peel the last (fastest) dimension off first, like digits of a mixed radix
         for name, size in zip(reversed(self.names), reversed(self.shape), strict=True):
             rank_, out[name] = divmod(rank_, size)
         return {n: out[n] for n in self.names}
@@ -65,6 +66,7 @@ class Mesh:
         for name, size in zip(self.names, self.shape, strict=True):
             if not 0 <= coords[name] < size:
                 raise ValueError(f"{name} must be in 0..{size - 1}; got {coords[name]}")
+            # Horner's rule in the mesh's mixed radix: the inverse of coords()
             r = r * size + coords[name]
         return r
 
@@ -75,6 +77,7 @@ class Mesh:
         found: dict[tuple, list[int]] = {}
         for r in range(self.size):
             c = self.coords(r)
+            # key: every coordinate but `name`'s; ranks come in increasing order, so index order
             found.setdefault(tuple(v for n, v in c.items() if n != name), []).append(r)
         return list(found.values())
 
@@ -98,6 +101,8 @@ class Mesh:
             raise ValueError(f"{self} has {self.size} ranks but this run has {world_size()}; "
                              f"launch {self.size} ranks or change the dimensions")
         me, mine = rank(), {}
+        # torch's new_group is collective: every process calls it for every group, members or
+        # not, in the same order, or the group ids disagree across ranks
         for name in self.names:
             for ranks in self.groups(name):
                 group = dist.new_group(ranks)  # every rank creates every group
@@ -116,6 +121,8 @@ class MeshGroups:
     by_name: dict[str, dist.ProcessGroup]
 
     def __getattr__(self, name: str) -> dist.ProcessGroup:
+        # dunders (copy and pickle probe them) and our own fields (absent mid-unpickling) raise
+        # at once: the lookup below reads self.mesh, which would re-enter __getattr__ forever
         if name.startswith("__") or name in ("mesh", "rank", "by_name"):
             raise AttributeError(name)
         self.mesh._axis(name)

@@ -121,6 +121,7 @@ class Plan(Layout):
 
 def _link(cluster: Hardware, ranks: list[int]) -> Link:
     """The link of a group: inside a node, or the slowest NIC it touches."""
+    # ranks are numbered node by node: devices_per_node consecutive ranks share a node
     nodes = {r // cluster.devices_per_node for r in ranks}
     if len(nodes) == 1:
         return Link(cluster.intra_latency, cluster.intra_bandwidth)
@@ -132,6 +133,7 @@ def _link(cluster: Hardware, ranks: list[int]) -> Link:
 
 def _slowest(links: list[Link]) -> Link:
     """The group that limits a dimension: least bandwidth, then most latency."""
+    # a collective runs at its slowest group's pace: every group must finish the step
     return min(links, key=lambda link: (link.bandwidth, -link.latency))
 
 
@@ -158,26 +160,38 @@ def estimate(model: TransformerConfig, cluster: Hardware, global_batch: int, lay
     if m < 1 or global_batch % (dp * micro_batch):
         raise ValueError(f"global_batch={global_batch} must be a multiple of dp * micro_batch "
                          f"= {dp * micro_batch}")
+    # the fullest stage sets the memory: it holds ceil(layers / pp) layers
     layers = math.ceil(model.layers / pp)
     params = model.params / (pp * tp)
     states = cost.zero_memory(cost.training_memory(params, master_weights="fp32"), zero, dp)
     in_flight = min(pp, m)  # 1F1B: the first stage holds pp micro-batches
+    # Korthikanti et al. 2022 divide every activation by tp under sequence parallelism;
+    # this estimate assumes it is on
     activations = cost.activation_bytes(layers, model.hidden, model.seq_len, micro_batch,
                                         model.heads, recompute) * in_flight / tp
     tokens = global_batch * model.seq_len
     per_token = sum(cost.transformer_flops(model).values())
+    # backward costs about twice the forward, so forward is 1/3 of a step: one more forward
+    # under full recomputation is 4/3 of the work (Narayanan et al. 2021 count it so too)
     flops = per_token * tokens * (4 / 3 if recompute == "full" else 1)
     compute = flops / (cluster.devices * cluster.peak_flops * cluster.efficiency)
     activation = micro_batch * model.seq_len * model.hidden * bytes_per_value
     links = _links(cluster, dp, pp, tp)
     ring = cost.all_reduce_cost("ring", tp, activation, links["tp"].alpha,
                                 links["tp"].beta).seconds
+    # Megatron's count: two g's forward (after attention, after the MLP), two f's backward (4);
+    # recomputing the forward runs its two all-reduces again (6)
     tp_time = layers * m * (6 if recompute == "full" else 4) * ring
+    # m + pp - 1 sends on the critical path each way; each tp rank sends its 1/tp of the
+    # activation (Megatron's scatter/gather optimization, Narayanan et al. 2021)
     pp_time = 2 * (m + pp - 1) * links["pp"].seconds(activation / tp) if pp > 1 else 0.0
+    # once per step, after the last micro-batch: gradients accumulate over the m micro-batches
     dp_time = cost.all_reduce_cost("ring", dp, params * bytes_per_value, links["dp"].alpha,
                                    links["dp"].beta).seconds
     updated = params / (dp if zero >= 1 else 1)  # ZeRO: each rank updates its slice
     optimizer = updated * OPTIMIZER_BYTES_PER_PARAM / cluster.memory_bandwidth
+    # 1F1B's bubble: (pp - 1) / m of the compute (GPipe's, Huang et al. 2019; 1F1B keeps it
+    # and only lowers the memory)
     seconds = {"compute": compute, "bubble": compute * (pp - 1) / m, "tp": tp_time,
                "pp": pp_time, "dp": dp_time, "optimizer": optimizer}
     if cluster.cores and cluster.devices > cluster.cores:
@@ -206,11 +220,13 @@ def plan(model: TransformerConfig, cluster: Hardware, global_batch: int,
             continue
         dp = n // (tp * pp)
         for mb, z, rc in itertools.product(micro_batches, zero_stages, recompute):
+            # ZeRO over one rank shards nothing: the same layout as z = 0, listed once
             if global_batch % (dp * mb) or (z and dp == 1):
                 continue
             p = estimate(model, cluster, global_batch, Layout(dp, pp, tp, mb, z, rc))
             if p.memory <= cluster.memory_bytes:
                 found.append(p)
+    # rounded: steps equal but for float noise tie, and the tie goes to less memory
     return sorted(found, key=lambda p: (round(p.step, 9), p.memory))
 
 

@@ -51,10 +51,12 @@ def reshard_plan(length: int, src_ranks: list[int], src: str | Placement,
     messages = []
     for j, (c, e) in enumerate(need):
         if isinstance(s, Broadcast):
+            # every source holds everything: spread the sends round-robin, not all from the first
             i = j % len(src_ranks)
             messages.append(Message(src_ranks[i], dst_ranks[j], c, e))
             continue
         for i, (a, b) in enumerate(have):
+            # two half-open intervals overlap when the later start comes before the earlier stop
             if max(a, c) < min(b, e):
                 messages.append(Message(src_ranks[i], dst_ranks[j], max(a, c), min(b, e)))
     return messages
@@ -74,10 +76,15 @@ def reshard(local: torch.Tensor | None, shape: tuple[int, ...], src_ranks: list[
     pending, pieces = [], {}
     for m in plan:
         if m.src == me:
+            # m.start is a global row: subtract where this rank's piece begins; contiguous, as
+            # a message must be one dense buffer
             piece = local.narrow(dim, m.start - my_start, m.stop - m.start).contiguous()
             if m.dst == me:
+                # a rank in both meshes keeps its overlap: no message to itself
                 pieces[m.start] = piece
             else:
+                # all sends go out before any blocking recv: a rank in both meshes must not wait in
+                # recv while its own sends are not yet posted
                 pending.append(collectives.isend(piece, m.dst))
     for m in plan:
         if m.dst == me and m.src != me:
@@ -88,4 +95,5 @@ def reshard(local: torch.Tensor | None, shape: tuple[int, ...], src_ranks: list[
         p.wait()
     if me not in dst_ranks:
         return None
+    # keyed by global start row: sorting puts the pieces back in order
     return torch.cat([pieces[start] for start in sorted(pieces)], dim=dim)

@@ -79,6 +79,7 @@ def conversion(source: str | Placement, target: str | Placement, nbytes: float, 
     """Which collective converts `source` to `target` for a logical tensor of `nbytes` on
     `ranks` ranks, and its alpha-beta cost (ring algorithms, as minipar's collectives)."""
     s, t, k, n = placement(source), placement(target), ranks, float(nbytes)
+    # (K-1)/K: a ring passes on K-1 of the K pieces, every piece but the rank's own
     frac = (k - 1) / k
     if s == t or k == 1:
         name, sent, msgs = "none", 0.0, 0
@@ -89,8 +90,10 @@ def conversion(source: str | Placement, target: str | Placement, nbytes: float, 
     elif isinstance(s, Split) and isinstance(t, Broadcast):
         name, sent, msgs = "all_gather", frac * n, k - 1
     elif isinstance(s, Split):  # S(i) -> S(j)
+        # each rank holds n / K and keeps 1/K of it: it sends (K-1)/K of its own piece
         name, sent, msgs = "all_to_all", frac * n / k, k - 1
     elif isinstance(t, Broadcast):  # P -> B
+        # ring all-reduce = reduce-scatter + all-gather: twice the bytes and steps of either
         name, sent, msgs = "all_reduce", 2 * frac * n, 2 * (k - 1)
     else:  # P -> S
         name, sent, msgs = "reduce_scatter", frac * n, k - 1
@@ -99,6 +102,7 @@ def conversion(source: str | Placement, target: str | Placement, nbytes: float, 
 
 def _along(fn, x: torch.Tensor, dim: int) -> torch.Tensor:
     """Apply a dim-0 collective along `dim`."""
+    # the collectives split and join dim 0; movedim is a strided view, hence the copies
     return fn(x.movedim(dim, 0).contiguous()).movedim(0, dim).contiguous()
 
 
@@ -115,7 +119,9 @@ def convert(x: torch.Tensor, source: str | Placement, target: str | Placement,
         return x
     if isinstance(t, Partial):
         if isinstance(s, Broadcast):
+            # B -> P: one rank keeps the value and the others hold zeros, so the sum is the value
             return x if me == 0 else torch.zeros_like(x)
+        # S -> P: each rank writes its piece at its own place in a full-size tensor of zeros
         return _along(lambda y: torch.cat([y if r == me else torch.zeros_like(y)
                                            for r in range(k)]), x, s.dim)
     if isinstance(s, Broadcast):
@@ -125,10 +131,12 @@ def convert(x: torch.Tensor, source: str | Placement, target: str | Placement,
         return _along(lambda y: collectives.all_gather(y, group=group), x, s.dim)
     if isinstance(s, Split):
         _check_even(x, t.dim, k)
+        # S(i) -> S(j): cut along j, send piece r to rank r, join what arrives along i
         pieces = [p.contiguous() for p in x.chunk(k, t.dim)]
         flat = collectives.all_to_all(torch.cat([p.reshape(-1) for p in pieces]), group=group)
         return torch.cat([f.view_as(pieces[0]) for f in flat.chunk(k)], dim=s.dim)
     if isinstance(t, Broadcast):
+        # the all-reduce works in place: reduce a copy, the caller's x stays its partial sum
         return collectives.all_reduce(x.clone(), group=group)
     _check_even(x, t.dim, k)
     return _along(lambda y: collectives.reduce_scatter(y, group=group), x, t.dim)
@@ -144,6 +152,8 @@ def _check_even(x: torch.Tensor, dim: int, k: int) -> None:
 
 _MATMUL = {  # (input, weight) -> output, for y = x @ W with x [tokens, in], W [in, out]
     ("B", "B"): "B", ("B", "S(1)"): "S(1)", ("S(0)", "B"): "S(0)",
+    # S(1) x S(0): each rank multiplies its slice of the shared inner dimension, a partial
+    # sum; a partial sum times anything whole stays partial, as the matmul is linear
     ("S(1)", "S(0)"): "P", ("P", "B"): "P", ("B", "P"): "P",
 }
 
@@ -178,8 +188,10 @@ def derive(ops: list[tuple], x: str = "B", out: str = "B", nbytes: float = 1.0,
                                                              beta).seconds)
                 before, here = conversion(here, best, nbytes, ranks, alpha, beta), best
             here = _MATMUL[(here, w)]
+            # later conversions price this matmul's output, which may be wider or narrower
             nbytes *= scale[0] if scale else 1.0
         elif op == "elementwise":
+            # gelu(a + b) != gelu(a) + gelu(b): a nonlinear function needs the sum itself
             if here == "P":
                 before, here = conversion("P", "B", nbytes, ranks, alpha, beta), "B"
         else:

@@ -45,6 +45,7 @@ def save_checkpoint(directory: str | Path, steps_done: int, model: nn.Module,
     partial.rename(path)  # atomic: the file is whole or absent
     dist.barrier()  # every rank has written: now the checkpoint counts
     if rank() == 0:
+        # the same write-then-rename as the rank files: a reader never sees a half-written "latest"
         marker = Path(directory) / "latest.partial"
         marker.write_text(str(steps_done))
         marker.rename(Path(directory) / "latest")
@@ -66,6 +67,7 @@ def load_checkpoint(directory: str | Path, model: nn.Module,
         return 0
     folder = Path(directory) / f"step-{steps}"
     mine = folder / f"rank-{rank()}.pt"
+    # weights_only: load tensors and plain containers only, never unpickle arbitrary code
     state = torch.load(mine if mine.exists() else folder / "rank-0.pt", weights_only=True)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
@@ -90,6 +92,7 @@ def train_resumable(model_fn: Callable[[], nn.Module],
     losses = []
     for step in range(start, len(batches)):
         if kill_at == (rank(), step):
+            # SIGKILL, not an exception: no finally block, no atexit, no half-polite shutdown
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batches[step]
         with record("compute", "step", step=step):
@@ -97,6 +100,7 @@ def train_resumable(model_fn: Callable[[], nn.Module],
             lx, ly = shard(x), shard(y)
             loss = loss_fn(model(lx), ly)
             (loss * shard_weight(len(lx), len(x))).backward()  # every sample counts once
+        # after backward, before step: the momentum buffer must see the averaged gradient
         average_gradients(list(model.parameters()))
         optimizer.step()
         losses.append(loss.item())

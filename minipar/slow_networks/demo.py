@@ -36,12 +36,14 @@ def _local_sgd() -> Check:
 
 def _shared_file() -> str:
     """A path every rank maps for Hogwild!: rank 0 picks it, the others are told."""
+    # broadcast_object_list fills the list in place: every rank passes a one-slot list
     path = [tempfile.mkstemp(prefix="minipar-hogwild-")[1] if rank() == 0 else None]
     dist.broadcast_object_list(path)
     return path[0]
 
 
 def _relaxed(method: str) -> Check:
+    # hogwild maps raw float32 memory and refuses any other dtype
     dtype = torch.float32 if method == "hogwild" else torch.float64
     kwargs = {"shared_file": _shared_file()} if method == "hogwild" else {"local_steps": 4}
     start = start_clock()
@@ -99,6 +101,7 @@ def _killed_and_resumed(ctx: Context) -> Row:
         try:
             launch(train_resumable, 4, *run, folder, 2, kill_at=(2, 5))
             died = False
+        # the SIGKILL is the point: the first launch is expected to fail
         except RankError:
             died = True
         resumed = launch(train_resumable, 3, *run, folder, 2)
@@ -112,6 +115,7 @@ def _killed_and_resumed(ctx: Context) -> Row:
 
 RUNS = {"local_sgd": _local_sgd, "co2": lambda: _relaxed("co2"),
         "hogwild": lambda: _relaxed("hogwild"), "top_k": _top_k,
+        # case=case binds each name now: a plain closure would see only the loop's last case
         **{case: (lambda case=case: _gossip(case)) for case in ("sgp_complete", "sgp",
                                                                  "grouped")}}
 

@@ -66,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.kill_at and not under_torchrun():
         parser.error("--kill-at needs torchrun --max-restarts to restart the killed rank")
     kill = None
+    # torchrun sets TORCHELASTIC_RESTART_COUNT, 0 on the first attempt: a restarted worker must
+    # not kill itself again, or the run would never finish
     if args.kill_at and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         victim, step = (int(v) for v in args.kill_at.split(":"))
         kill = (victim, step)
@@ -80,6 +82,7 @@ def _train(args, folder: str, kill: tuple[int, int] | None) -> int:
                      timeout=args.timeout)
     losses, params = results[0]
     _, reference = single_process_sgd(model(), batches(args.steps), mse, 0.05, momentum=0.9)
+    # float64 on both sides and tight tolerances: only summation order may differ
     same = bool(torch.allclose(params, reference, rtol=1e-10, atol=1e-12))
     if rank() == 0:
         torch.save(params, Path(folder) / "final.pt")

@@ -40,6 +40,7 @@ def _gossip(push_sum: Callable) -> dict:
     sources = [r for r, outs in IRREGULAR.items() if me in outs]
     totals = []
     for _ in range(PUSH_SUM_STEPS):
+        # copies: a learner's in-place update must not change the x we keep, nor our peer lists
         out = push_sum(x.clone(), w, list(IRREGULAR[me]), list(sources))
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], torch.Tensor)):
             return {"shape": repr(type(out).__name__)}
@@ -102,12 +103,14 @@ def _interrupted(directory: Path) -> None:
     try:
         launch(train_resumable, 2, _model, _batches(), mse, LR, directory, EVERY,
                kill_at=(1, 5), backend="gloo", timeout=30)
+    # the SIGKILL at step 5 is the point: the launch is expected to fail
     except RankError:
         pass
     if latest_step(directory) != 4:
         raise RuntimeError("the interrupted run did not leave its step-4 checkpoint")
     state = torch.load(directory / "step-4" / "rank-0.pt", weights_only=True)
     state["steps_done"] = 6
+    # zeroed weights: a resume that wrongly loads step 6 is caught by its weights too
     state["model"] = {k: torch.zeros_like(v) for k, v in state["model"].items()}
     (directory / "step-6").mkdir()
     torch.save(state, directory / "step-6" / "rank-0.pt")
@@ -184,6 +187,7 @@ _FEEDBACK_STEPS, _FEEDBACK_SIZE, _FEEDBACK_K = 6, 20, 3
 
 
 def _feedback_gradient(rank: int, step: int) -> torch.Tensor:
+    # a seed per (rank, step): the checker regenerates any rank's gradient on its own
     return torch.randn(_FEEDBACK_SIZE, dtype=torch.float64,
                        generator=torch.Generator().manual_seed(1000 * rank + step))
 
@@ -205,6 +209,7 @@ def _run_feedback(fn: Callable) -> tuple[list[tuple[torch.Tensor, torch.Tensor]]
     steps = []
     for step in range(_FEEDBACK_STEPS):
         grad = _feedback_gradient(runtime.rank(), step)
+        # clones: a learner's in-place edit must not change the tensors we check against
         sent, residual = fn(grad.clone(), residual.clone(), _FEEDBACK_K)
         sent, residual = torch.as_tensor(sent), torch.as_tensor(residual)
         if sent.shape != grad.shape or residual.shape != grad.shape:
@@ -250,6 +255,8 @@ def check_error_feedback(topk_with_error_feedback: Callable, world_size: int = 2
                        " It is grad + residual - sent.")
                 raise ExerciseError(f"{where}: the residual is wrong.{why}")
             residual = want_residual
+    # error feedback's invariant (Seide et al. 2014; Karimireddy et al. 2019): what was applied
+    # plus what is still held back equals everything that was computed
     gradients = sum(_feedback_gradient(r, s) for r in range(world_size)
                     for s in range(_FEEDBACK_STEPS)) / world_size
     mean_residual = sum(steps[-1][1] for steps, _ in got) / world_size

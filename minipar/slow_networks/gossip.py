@@ -58,6 +58,7 @@ def out_peers(me: int, size: int, step: int, graph: str = "exponential") -> list
         return []
     if graph == "complete":
         return [(me + hop) % size for hop in range(1, size)]
+    # SGP's directed exponential graph: peers 1, 2, 4, ... hops ahead, one per step in turn
     hops = max(1, math.ceil(math.log2(size)))
     return [(me + 2 ** (step % hops)) % size]
 
@@ -69,11 +70,14 @@ def push_sum(x: torch.Tensor, w: float, peers: list[int], sources: list[int],
     peer that has died (its connection closed) is skipped: the share meant for it stays
     here, and nothing arrives from it."""
     share = 1.0 / (len(peers) + 1)
+    # w rides as the last element: x and its weight travel in one message
     message = torch.cat([x * share, x.new_tensor([w * share])])
     incoming = [torch.empty_like(message) for _ in sources]
+    # default arguments bind b, s (d below) now: plain closures would all see the last ones
     pending = [_attempt(lambda b=b, s=s: collectives.irecv(b, s), survive)
                for b, s in zip(incoming, sources, strict=True)]
     sends = [_attempt(lambda d=d: collectives.isend(message, d), survive) for d in peers]
+    # the share we keep: a clone, as message itself is still being sent
     total = message.clone()
     for request in pending:
         if request is not None and _attempt(request.wait, survive) is not None:
@@ -98,9 +102,11 @@ def _attempt(call: Callable, survive: bool, done: bool = False):
 def consensus_distance(z: torch.Tensor) -> float:
     """Mean over ranks of ||z_rank - mean z||^2. A measurement, not part of the algorithm:
     torch's own all-reduce, so no meter counts it and no emulated link slows it."""
+    # dist.all_reduce works in place: reduce a copy, not the caller's z
     mean = z.clone()
     dist.all_reduce(mean)
     mean /= world_size()
+    # float64: the measurement keeps full precision whatever the model's dtype
     gap = torch.tensor([float((z - mean).pow(2).sum())], dtype=torch.float64)
     dist.all_reduce(gap)
     return float(gap) / world_size()
@@ -123,17 +129,19 @@ def sgp(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     distance, a global all-reduce that a dead rank would block."""
     me, size = rank(), world_size()
     report = GossipReport()
+    # push-sum starts with weight 1 on every rank, so z = x / w is the model itself
     x, w = parameters_to_vector(model.parameters()).detach().clone(), 1.0
     for step, (xb, yb) in enumerate(batches):
         start = time.perf_counter()
         loss, grad = _gradient(model, xb, yb, loss_fn, step)
         report.losses.append(loss)
         peers = out_peers(me, size, step, graph)
+        # in-peers follow from everyone's out-peers: every rank computes the same graph, no message
         sources = [r for r in range(size) if me in out_peers(r, size, step, graph)]
         with collectives.meter() as m, record("comm", "push-sum", step=step):
             x, w = push_sum(x - lr * grad, w, peers, sources, survive)
         with torch.no_grad():
-            vector_to_parameters(x / w, model.parameters())
+            vector_to_parameters(x / w, model.parameters())  # de-bias: the model is z = x / w
         report.rounds += 1
         report.sent_bytes.append(m.sent_bytes)
         report.seconds.append(time.perf_counter() - start)
@@ -145,6 +153,7 @@ def sgp(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
 def butterfly_groups(size: int, group_size: int) -> list[list[list[int]]]:
     """Partitions of range(size) into groups of `group_size`, one per phase: in phase t
     a group is the ranks whose base-`group_size` digits differ only in digit t."""
+    # round: math.log(125, 5) is 3.0000000000000004; the check below catches non-powers
     levels = round(math.log(size, group_size)) if group_size > 1 else 0
     if group_size < 2 or group_size ** levels != size:
         raise ValueError(f"group_size must be >= 2 with world size a power of it "
@@ -187,6 +196,7 @@ def grouped(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor
         with collectives.meter() as m, record("all_reduce", "group average", step=step):
             updated = parameters_to_vector(model.parameters()).detach() - lr * grad
             flat = _attempt(lambda u=updated, g=group: collectives.all_reduce(
+                # clone: the fallback below needs `updated` as it was if the partner is dead
                 u.clone(), op="avg", group=g), survive)
             flat = updated if flat is None else flat  # a dead partner: go on alone
         with torch.no_grad():

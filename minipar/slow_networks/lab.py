@@ -37,6 +37,7 @@ class _DiesAt(Sequence):
         return len(self.batches)
 
     def __getitem__(self, index: int):
+        # the death comes when the training loop asks for that step's batch: mid-run, unannounced
         if index == self.step and rank() == self.victim:
             os.kill(os.getpid(), signal.SIGKILL)
         return self.batches[index]
@@ -53,6 +54,7 @@ def _averaging(method: str, steps: int, latency: float, slow_link, slow_latency:
                       "grouped pairs": (grouped, {"group_size": 2, "swap_every": 2})}[method]
     dying = _DiesAt(batches(steps), victim, kill_step)
     with _network(latency, slow_link, slow_latency):
+        # measure=False: the consensus distance is a global all-reduce a dead rank would block
         return train(model(), dying, mse, LR, survive=victim is not None, measure=False,
                      **options)
 

@@ -54,6 +54,7 @@ def _local_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Cal
         with torch.no_grad():
             for p in model.parameters():
                 if p.grad is not None:
+                    # in place under no_grad: p stays the same leaf (for hogwild, the shared view)
                     p -= lr * p.grad
     return loss.item()
 
@@ -90,6 +91,7 @@ def co2_local_sgd(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.
         thread.join()
         with torch.no_grad():
             current = parameters_to_vector(model.parameters())
+            # CO2's rebase: the one-round-stale average plus this round's local progress
             vector_to_parameters(averaged + (current - snapshot), model.parameters())
         report.rounds += 1
 
@@ -100,7 +102,9 @@ def co2_local_sgd(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.
                 land()  # last round's average, computed while this round ran
             with torch.no_grad():
                 snapshot = parameters_to_vector(model.parameters()).clone()
+            # the thread averages `averaged` in place; `snapshot` stays as it is, for the rebase
             averaged = snapshot.clone()
+            # daemon: a hung average never blocks the rank's exit
             thread = threading.Thread(target=_average, args=(averaged,), daemon=True)
             thread.start()
             pending = (thread, snapshot, averaged)
@@ -121,8 +125,11 @@ def hogwild(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor
     if rank() == 0:
         with torch.no_grad():
             start = parameters_to_vector(params).to(torch.float32).contiguous()
+        # raw float32 bytes, no header: torch.from_file below reads them back as they are
         start.numpy().tofile(shared_file)
+    # the file exists and holds the start values before anyone maps it
     dist.barrier()
+    # shared=True: a MAP_SHARED mapping, so every process's writes land in the same pages
     shared = torch.from_file(shared_file, shared=True, size=count, dtype=torch.float32)
     offset = 0
     for p in params:  # every parameter becomes a view of the shared memory
@@ -131,6 +138,7 @@ def hogwild(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor
     report = RelaxedReport()
     for step, (x, y) in enumerate(batches):
         report.losses.append(_local_step(model, x, y, loss_fn, lr, step))
+    # every rank's updates are in before anyone reads the final parameters
     dist.barrier()
     return report
 

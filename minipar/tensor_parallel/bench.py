@@ -26,15 +26,18 @@ def _tp_step_seconds(kind: str, hidden: int, tokens: int, steps: int) -> float:
         twin = FFN(hidden, 4 * hidden)
         block = ParallelMLP(twin) if world_size() > 1 else twin
     else:
+        # heads of 64 and an FFN of 4 x hidden: GPT-2's proportions
         twin = TransformerBlock(hidden, hidden // 64, 4 * hidden)
         block = ParallelTransformerBlock(twin) if world_size() > 1 else twin
     x = torch.randn(tokens // 4, 4, hidden)
     times = []
     for step in range(steps + 1):
+        # both ranks start the clock together: the slower rank's time is the step's
         torch.distributed.barrier()
         start = time.perf_counter()
         with trace.record("compute", f"{kind} step", step=step):
             block(x).sum().backward()
+        # step 0 is a warm-up (allocator, first-call overheads): not timed
         if step:
             times.append(time.perf_counter() - start)
     return statistics.median(times)
@@ -52,6 +55,7 @@ def measure(hidden_sizes: tuple[int, ...] = TP_HIDDEN, tokens: int = 256,
                 singles, parallels = [], []
                 for _ in range(rounds):
                     singles.append(one.run(_tp_step_seconds, kind, hidden, tokens, steps)[0])
+                    # a parallel step ends when its slowest rank ends
                     parallels.append(max(two.run(_tp_step_seconds, kind, hidden, tokens, steps)))
                 speedups = [s / p for s, p in zip(singles, parallels, strict=True)]
                 rows.append({"block": kind, "hidden": hidden, "tokens": tokens,

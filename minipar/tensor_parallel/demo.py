@@ -22,6 +22,7 @@ HEAD_DIM, HEADS, SEQUENCE = 16, 4, 16
 def shape_for(k: int) -> tuple[int, int, int]:
     """(hidden, heads, sequence) for k ranks: 4 heads of 16 and a sequence of 16 when they
     split evenly, else the next multiples of k, so every rank count runs."""
+    # -(-a // b): ceiling division in integers
     heads = -(-HEADS // k) * k
     return heads * HEAD_DIM, heads, -(-SEQUENCE // k) * k
 
@@ -40,6 +41,8 @@ def _case(kind: str, sequence_parallel: bool) -> Check:
     reference = twin(x)
     parallel = ParallelMLP(twin, sequence_parallel=sequence_parallel) if kind == "mlp" \
         else ParallelTransformerBlock(twin, sequence_parallel=sequence_parallel)
+    # sequence parallel: each rank starts with its slice of the sequence (dim 0), as after a
+    # previous block's reduce-scatter
     local = x.chunk(k, 0)[me].contiguous() if sequence_parallel else x
     start = start_clock()
     with collectives.meter() as m:
@@ -49,6 +52,7 @@ def _case(kind: str, sequence_parallel: bool) -> Check:
     want = reference.chunk(k, 0)[me] if sequence_parallel else reference
     shape = "" if (heads, sequence) == (HEADS, SEQUENCE) else \
         f"{heads} heads, sequence {sequence} (to split over {k}); "
+    # float64 twins: a tolerance of 1e-10 leaves room only for summation order
     return Check(title, bool(torch.allclose(out, want, rtol=1e-10)), seconds, m.sent_bytes,
                  note=f"{shape}output vs the one-process twin; speedups: minipar bench "
                       "tensor-parallel")

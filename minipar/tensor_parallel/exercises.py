@@ -11,10 +11,12 @@ from ..grading import ExerciseError, refuse_library, run_on_ranks
 
 
 def _call_g(g_class: type) -> tuple[list[float], list[float], bool]:
+    # a different partial sum on every rank, so a g that skips the all-reduce shows
     partial = (torch.arange(4, dtype=torch.float64) + 1) * (runtime.rank() + 1)
     x = partial.clone().requires_grad_(True)
     y = g_class.apply(x)
     unchanged = torch.equal(x.detach(), partial)  # the caller's tensor must keep its values
+    # a different upstream gradient on every rank: an all-reduce in backward would show
     upstream = torch.arange(4, dtype=torch.float64) + 10 * (runtime.rank() + 1)
     y.backward(upstream)
     return y.detach().tolist(), x.grad.tolist(), unchanged
@@ -56,6 +58,7 @@ def _call_row(fn: Callable) -> tuple:
     weight = twin.weight.detach().chunk(k, dim=1)[me].clone().requires_grad_(True)
     bias = twin.bias.detach().clone().requires_grad_(True)
     y = fn(x_local, weight, bias)
+    # sin, not a plain sum: the upstream gradient then depends on y, so wrong outputs show in it
     y.sin().sum().backward()
     return (y.detach(), x_local.grad, weight.grad, bias.grad)
 

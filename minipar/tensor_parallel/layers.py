@@ -61,12 +61,15 @@ class ColumnParallelLinear(nn.Module):
                     gather_output, group, sequence_parallel, linear.weight.dtype)
         _, size = _tp(group)
         with torch.no_grad():
+            # nn.Linear's weight is [out, in]: a column split of Y = X A^T cuts A's rows (dim 0)
             layer.weight.copy_(linear.weight.chunk(size, dim=0)[layer._rank])
             if linear.bias is not None:
                 layer.bias.copy_(linear.bias.chunk(size, dim=0)[layer._rank])
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # sequence parallel: x arrives as this rank's slice of the sequence, so the all-gather
+        # stands where f would (Korthikanti et al. 2022)
         x = gather_from_sequence_parallel_region(x, self.group) if self.sequence_parallel \
             else copy_to_parallel_region(x, self.group)
         y = nn.functional.linear(x, self.weight, self.bias)
@@ -101,14 +104,17 @@ class RowParallelLinear(nn.Module):
                     input_is_parallel, group, sequence_parallel, linear.weight.dtype)
         _, size = _tp(group)
         with torch.no_grad():
+            # a row split of the product cuts the input features: dim 1 of the [out, in] weight
             layer.weight.copy_(linear.weight.chunk(size, dim=1)[layer._rank])
             if linear.bias is not None:
+                # the whole bias on every rank: it is added once, after the partial sums are reduced
                 layer.bias.copy_(linear.bias)
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_parallel_region(x, self.group)
+        # no bias here: each rank's product is a partial sum, and K biases would add up to K x b
         partial = nn.functional.linear(x, self.weight)
         y = reduce_scatter_to_sequence_parallel_region(partial, self.group) \
             if self.sequence_parallel else reduce_from_parallel_region(partial, self.group)
@@ -127,6 +133,8 @@ class ParallelMLP(nn.Module):
                                                   sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # GELU is elementwise, so it runs on the column slice with no communication: the reason
+        # Megatron (Shoeybi et al. 2019) splits the first matrix by columns and the second by rows
         return self.down(nn.functional.gelu(self.up(x)))
 
 
@@ -157,6 +165,8 @@ class ParallelTransformerBlock(nn.Module):
                  ) -> None:
         super().__init__()
         self.group, self.sequence_parallel = group, sequence_parallel
+        # the norms are replicated, not split: each rank needs the full hidden vector's mean and
+        # variance, which it has (whole features, or whole rows under sequence parallelism)
         self.ln1, self.ln2 = copy.deepcopy(twin.ln1), copy.deepcopy(twin.ln2)
         self.attn = ParallelSelfAttention(twin.attn, group, sequence_parallel)
         self.mlp = ParallelMLP(twin.mlp, group, sequence_parallel)
@@ -180,6 +190,7 @@ class ParallelTinyGPT(nn.Module):
         self.blocks = nn.ModuleList(ParallelTransformerBlock(b, group) for b in twin.blocks)
         self.norm = copy.deepcopy(twin.norm)
 
+    # the twin's forward itself: it only reads tokens, positions, blocks and norm
     forward = TinyGPT.forward
 
 
@@ -196,4 +207,5 @@ def sync_sequence_parallel_grads(module: nn.Module, group=None) -> None:
             shared.append(layer.bias)
     for p in shared:
         if p.grad is not None:
+            # a sum, not an average: each rank's partial gradient covers its own slice of tokens
             collectives.all_reduce(p.grad, group=group)

@@ -22,6 +22,8 @@ def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 
 def _last_dim_gather(x: torch.Tensor, group) -> torch.Tensor:
+    # all_gather joins along dim 0: bring the last dim to the front, gather, move it back;
+    # contiguous: movedim only relabels strides, and the copies give dense buffers
     moved = x.movedim(-1, 0).contiguous()
     gathered = collectives.all_gather(moved, group=group)
     return gathered.movedim(0, -1).contiguous()
@@ -29,6 +31,7 @@ def _last_dim_gather(x: torch.Tensor, group) -> torch.Tensor:
 
 def _last_dim_slice(x: torch.Tensor, group) -> torch.Tensor:
     me, size = _tp(group)
+    # a column slice of a row-major tensor is strided: copy it into memory of its own
     return x.chunk(size, dim=-1)[me].contiguous()
 
 
@@ -38,10 +41,13 @@ class _CopyToParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        # identity without a copy: a view, a new tensor object for f's backward to attach to
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
+        # the all-reduce writes in place: reduce a copy, since autograd may hand the same grad
+        # tensor to other consumers; None is the gradient for `group`
         return collectives.all_reduce(grad.contiguous().clone(), group=ctx.group), None
 
 
@@ -50,10 +56,12 @@ class _ReduceFromParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
+        # a copy: x (a partial sum) must not be overwritten in place under autograd
         return collectives.all_reduce(x.contiguous().clone(), group=group)
 
     @staticmethod
     def backward(ctx, grad):
+        # y = x_0 + ... + x_(K-1), so dL/dx_r = dL/dy: the gradient passes through as it is
         return grad, None
 
 
@@ -89,10 +97,14 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
+        # the sequence-parallel pair (Korthikanti et al. 2022): all-gather before a column split,
+        # reduce-scatter after a row split; each is the other's mirror in backward
         return collectives.all_gather(x.contiguous(), group=group)
 
     @staticmethod
     def backward(ctx, grad):
+        # every rank's gradient for the whole sequence is partial (it used only its heads or
+        # columns): sum them, and each keeps its own slice of the sequence
         return collectives.reduce_scatter(grad.contiguous(), group=ctx.group), None
 
 
