@@ -8,7 +8,11 @@ tested against it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -65,3 +69,241 @@ class DecoderConfig:
                              f"kv_heads={self.kv_heads}")
         if self.ffn_hidden < 0:
             raise ValueError(f"ffn_hidden must be >= 0 (0: 8/3 x hidden); got {self.ffn_hidden}")
+
+    def parameters(self) -> int:
+        """Exact parameter count of `Decoder(self)`; a tied head shares the embedding's
+        weight, so that weight counts once."""
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        attention = 2 * h * h + 2 * h * kv  # q_proj and o_proj, k_proj and v_proj
+        block = attention + 3 * h * self.ffn + 2 * h  # gate, up, down; two RMSNorm weights
+        head = 0 if self.tied else self.vocab_size * h
+        return self.vocab_size * h + self.layers * block + h + head  # + the final norm
+
+    def flops_per_token(self, seq_len: int | None = None) -> int:
+        """Training FLOPs per token (forward and backward) at `seq_len` (default: the
+        config's), the numerator of MFU:
+
+            6 N + 12 L T h
+
+        with N the parameters that multiply activations (the blocks' projections and the
+        head's matmul; not the embedding lookup, nor the norms' elementwise scales), L
+        layers, T tokens of context and h = heads x head_dim. The second term is attention
+        itself: per layer and token, q . k against T keys and the weighted sum of T values
+        are 2 T h multiply-adds, 4 T h FLOPs forward, x 3 with the backward (twice the
+        forward). Causal attention is counted in full, as PaLM's MFU does (Chowdhery et al.
+        2022, appendix B: 6N + 12 L H Q T; Chinchilla's appendix F counts the same terms).
+        With grouped-query attention the score work is still per query head, so h, not
+        kv_heads x head_dim."""
+        t = self.seq_len if seq_len is None else seq_len
+        h, kv = self.hidden, self.kv_heads * self.head_dim
+        per_layer = 2 * h * h + 2 * h * kv + 3 * h * self.ffn
+        matmul_params = self.layers * per_layer + self.vocab_size * h  # the head, tied or not
+        return 6 * matmul_params + 12 * self.layers * t * h
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight (Zhang and Sennrich 2019): LayerNorm without the
+    mean subtraction and without a bias."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # as Llama: the mean of squares in float32 when x is bf16/fp16 (a sum of squares
+        # loses too many bits in 8 or 11), cast back before the weight multiplies it
+        wide = x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+def rope_tables(head_dim: int, positions: torch.Tensor, base: float = 10000.0,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each [len(positions), head_dim], for any integer positions: a
+    context-parallel rank passes the global positions of the tokens it holds."""
+    # frequency i turns base^(-2i/d) radians per position (Su et al. 2021); float64 angles,
+    # so a float32 and a float64 model see the same tables up to the final cast
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]
+    # each frequency twice, [f0..f(d/2-1), f0..f(d/2-1)]: the rotate-half layout below
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., seq, head_dim] by its positions' angles (cos, sin [seq, head_dim]).
+
+    Rotate-half convention, as Llama and GPT-NeoX: dimension i pairs with i + head_dim/2
+    (not with i + 1, as the paper and GPT-J interleave them). Either way q . k then depends
+    only on the distance between the two positions."""
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)  # (a, b) -> (-b, a): a quarter turn
+    return x * cos + rotated * sin
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        causal: bool = True) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v, written out, over [batch, heads, seq, d]: the
+    teaching reference that scaled_dot_product_attention must equal. Causal: query t sees
+    keys 0..t of the same call."""
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        # -inf above the diagonal (keys after the query): exp(-inf) = 0 after the softmax
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return scores.softmax(dim=-1) @ v
+
+
+class Attention(nn.Module):
+    """Causal grouped-query attention with rotary embeddings, [batch, seq, hidden] in and
+    out. Fused `scaled_dot_product_attention` by default; `explicit=True` runs
+    `attention_reference` instead (same numbers, every step visible)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, explicit: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.explicit = explicit
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False, dtype=dtype)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False, dtype=dtype)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                explicit: bool | None = None) -> torch.Tensor:
+        b, s, _ = x.shape
+        # [b, s, heads * d] -> [b, heads, s, d]: head i is columns i*d..(i+1)*d of the projection
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # kv head j serves the consecutive query heads j*g .. j*g + g-1 (g = heads/kv_heads),
+        # so splitting heads and kv heads into the same number of contiguous chunks (tensor
+        # parallelism) keeps every query head with its kv head
+        group = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        if self.explicit if explicit is None else explicit:
+            out = attention_reference(q, k, v, causal=True)
+        else:
+            out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)), no biases: the gated feed-forward of Shazeer 2020
+    ("GLU Variants Improve Transformer"), as Llama uses it."""
+
+    def __init__(self, hidden: int, ffn: int, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.gate = nn.Linear(hidden, ffn, bias=False, dtype=dtype)
+        self.up = nn.Linear(hidden, ffn, bias=False, dtype=dtype)
+        self.down = nn.Linear(ffn, hidden, bias=False, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x))."""
+
+    def __init__(self, config: DecoderConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        c = config
+        self.attn_norm = RMSNorm(c.hidden, c.norm_eps, dtype)
+        self.attn = Attention(c.hidden, c.heads, c.kv_heads, dtype=dtype)
+        self.mlp_norm = RMSNorm(c.hidden, c.norm_eps, dtype)
+        self.mlp = SwiGLU(c.hidden, c.ffn, dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                explicit: bool | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, explicit)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Decoder(nn.Module):
+    """Token embedding, `config.layers` blocks, a final RMSNorm and the output head: ids
+    [batch, seq] -> logits [batch, seq, vocab]. Weights drawn from `seed` (see `init`)."""
+
+    def __init__(self, config: DecoderConfig, seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        config.check()
+        self.config = config
+        # built on the meta device (no memory, no draws from the global RNG), then given
+        # real storage on the CPU and filled by init(seed)
+        with torch.device("meta"):
+            self.embed = nn.Embedding(config.vocab_size, config.hidden, dtype=dtype)
+            self.blocks = nn.ModuleList(DecoderBlock(config, dtype)
+                                        for _ in range(config.layers))
+            self.norm = RMSNorm(config.hidden, config.norm_eps, dtype)
+            self.head = nn.Linear(config.hidden, config.vocab_size, bias=False, dtype=dtype)
+        self.to_empty(device="cpu")
+        if config.tied:
+            self.head.weight = self.embed.weight  # one Parameter (Press and Wolf 2017)
+        self.init(seed)
+
+    @torch.no_grad()
+    def init(self, seed: int) -> None:
+        """N(0, 0.02) for embedding and linear weights, the residual outputs (o_proj, down)
+        scaled by 1/sqrt(2 layers) as GPT-2 does (two residual additions per block, so the
+        stream's variance stays put with depth), norms to 1. Drawn in float32 on the CPU
+        from one generator in parameter order: the same numbers on any machine, and a
+        float64 model holds exactly its float32 twin's values."""
+        generator = torch.Generator().manual_seed(seed)
+        residual_std = 0.02 / math.sqrt(2 * self.config.layers)
+        for name, param in self.named_parameters():  # a tied weight is listed once
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            std = residual_std if name.endswith(("o_proj.weight", "down.weight")) else 0.02
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
+                explicit: bool | None = None) -> torch.Tensor:
+        """Logits [batch, seq, vocab]. `positions` [seq] (default 0..seq-1) place the tokens
+        for the rotary tables only; attention stays causal within this call's tokens."""
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device)
+        x = self.embed(ids)
+        cos, sin = rope_tables(self.config.head_dim, positions, self.config.rope_base, x.dtype)
+        for block in self.blocks:
+            x = block(x, cos, sin, explicit)
+        return self.head(self.norm(x))
+
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy over every token of the batch."""
+        logits = self(ids)
+        # low-precision logits are widened first: the log-softmax over the vocabulary is a sum
+        wide = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+        return nn.functional.cross_entropy(wide.flatten(0, 1), targets.flatten())
+
+
+def decoder(config: DecoderConfig, seed: int = 0, dtype: torch.dtype = torch.float32
+            ) -> Decoder:
+    """The trainer's twin, deterministic from `seed` on any machine; one-line error first
+    if the config's shape cannot be (`config.check()`)."""
+    config.check()
+    return Decoder(config, seed, dtype)
+
+
+@torch.no_grad()
+def generate(model: Decoder, ids: torch.Tensor, new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, generator: torch.Generator | None = None
+             ) -> torch.Tensor:
+    """Append `new_tokens` sampled tokens to ids [batch, seq]. No key/value cache: each step
+    reruns the last `seq_len` tokens (short, and obviously right). temperature 0 is greedy."""
+    for _ in range(new_tokens):
+        window = ids[:, -model.config.seq_len:]
+        logits = model(window)[:, -1, :].float()
+        if temperature == 0:
+            chosen = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                # keep the k largest; the rest get -inf, so zero probability
+                kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            chosen = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
+        ids = torch.cat([ids, chosen.to(ids.dtype)], dim=1)
+    return ids
