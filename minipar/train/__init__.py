@@ -1,0 +1,8 @@
+"""The trainer (lesson 11): every technique composed into one training run.
+
+Files:
+- config.py    TrainConfig (model, data, parallel, optim, train sections), TOML presets,
+               load_config, check (every impossible combination is one line), to_toml
+- flags.py     the command line's flags over a config (`minipar train --dp 2 ...`)
+- presets/     tiny.toml (about a minute on 2 CPU cores), small.toml (about ten)
+"""
