@@ -142,7 +142,7 @@ def _valid_name(section: str, key: str | None, where: str) -> None:
                          f"{', '.join(names)}")
 
 
-def _typed(name: str, hint: object, value: object) -> object:
+def _typed(name: str, hint: object, value: object, where: str) -> object:
     """The value as the field's type (a whole number is a float where a float is due), or
     one line naming the field."""
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
@@ -151,7 +151,7 @@ def _typed(name: str, hint: object, value: object) -> object:
     if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
         kind = {int: "a whole number", float: "a number", str: "a string",
                 bool: "true or false"}[allowed[0]]
-        raise ValueError(f"{name} must be {kind}; got {value!r}")
+        raise ValueError(f"{name} in {where} must be {kind}; got {value!r}")
     return value
 
 
@@ -167,7 +167,7 @@ def from_dict(d: dict, where: str = "the config") -> TrainConfig:
         values = {}
         for key, value in table.items():
             _valid_name(section, key, where)
-            values[key] = _typed(f"{section}.{key}", hints[key], value)
+            values[key] = _typed(f"{section}.{key}", hints[key], value, where)
         sections[section] = SECTIONS[section](**values)
     return TrainConfig(**sections)
 
@@ -259,7 +259,10 @@ def check(config: TrainConfig, world_size: int | None = None) -> None:
     """One line naming the parameter and what would work, for a configuration that cannot
     run (on `world_size` ranks, when given)."""
     m, p, o, t = config.model, config.parallel, config.optim, config.train
-    m.check()
+    try:
+        m.check()
+    except ValueError as err:  # DecoderConfig's lines start with the field's name
+        raise ValueError(f"model.{err}") from None
     for name in ("dp", "pp", "tp", "cp", "microbatches", "virtual"):
         _at_least(f"parallel.{name}", getattr(p, name), 1)
     if p.zero not in (0, 1, 2, 3):
@@ -277,13 +280,16 @@ def check(config: TrainConfig, world_size: int | None = None) -> None:
         raise ValueError(f"parallel.tp={p.tp} must divide heads={m.heads}, kv_heads={m.kv_heads} "
                          f"and the SwiGLU width {m.ffn}; tp in {fits} would work")
     stages = p.pp * p.virtual
+    if stages > m.layers and p.virtual == 1:
+        raise ValueError(f"parallel.pp={p.pp} exceeds model.layers={m.layers}; each pipeline "
+                         f"stage needs a layer: pp <= {m.layers}")
     if stages > m.layers:
-        raise ValueError(f"pp x virtual = {p.pp} x {p.virtual} = {stages} pipeline stages "
-                         f"exceeds layers={m.layers}; each stage needs a layer: pp x virtual "
-                         f"<= {m.layers}")
+        raise ValueError(f"parallel.pp x virtual = {p.pp} x {p.virtual} = {stages} pipeline "
+                         f"stages exceeds model.layers={m.layers}; each stage needs a layer: "
+                         f"pp x virtual <= {m.layers}")
     if p.virtual > 1 and m.layers % stages:
         fits = [v for v in _divisors(m.layers) if m.layers % (p.pp * v) == 0]
-        raise ValueError(f"layers={m.layers} must split evenly over pp x virtual = {p.pp} x "
+        raise ValueError(f"model.layers={m.layers} must split evenly over pp x virtual = {p.pp} x "
                          f"{p.virtual} = {stages} stages; layers a multiple of {stages}, or "
                          f"virtual in {fits}")
     try:
