@@ -74,6 +74,8 @@ def test_toml_round_trip(tmp_path):
     assert load_config(str(path)) == config
     assert from_dict(to_dict(config)) == config
     assert load_config(str(path), {"parallel.dp": 4}).parallel.dp == 4
+    path.write_text(to_toml(load_config("tiny")))  # data.path None: left out, read back None
+    assert load_config(str(path)) == load_config("tiny")
 
 
 @pytest.mark.parametrize("text, words", [
