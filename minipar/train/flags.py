@@ -1,0 +1,96 @@
+"""The command line over a TrainConfig: a flag for each field a learner changes often, its
+help text the field's own docstring, and the flags given turned into dotted overrides.
+
+    parser = OneLineParser(prog="minipar train")
+    add_flags(parser)
+    args = parser.parse_args()
+    config = load_config(args.config, overrides_from_args(args))
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import textwrap
+from functools import cache
+
+from ..cli import nonnegative_int, positive_int
+from ..cost import RECOMPUTE
+from ..pipeline import SCHEDULES
+from .config import PRECISIONS, SECTIONS
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0; got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0; got {value}")
+    return value
+
+
+# flag -> (dotted field, argparse keywords). Every default is None: a flag left out keeps the
+# config file's value.
+FLAGS: dict[str, tuple[str, dict]] = {
+    "--dp": ("parallel.dp", {"type": positive_int}),
+    "--pp": ("parallel.pp", {"type": positive_int}),
+    "--tp": ("parallel.tp", {"type": positive_int}),
+    "--cp": ("parallel.cp", {"type": positive_int}),
+    "--zero": ("parallel.zero", {"type": int, "choices": (0, 1, 2, 3)}),
+    "--schedule": ("parallel.schedule", {"choices": tuple(SCHEDULES)}),
+    "--microbatches": ("parallel.microbatches", {"type": positive_int}),
+    "--virtual": ("parallel.virtual", {"type": positive_int}),
+    "--sequence-parallel": ("parallel.sequence_parallel",
+                            {"action": argparse.BooleanOptionalAction}),
+    "--precision": ("train.precision", {"choices": PRECISIONS}),
+    "--recompute": ("train.recompute", {"choices": RECOMPUTE}),
+    "--steps": ("train.steps", {"type": positive_int}),
+    "--batch-size": ("train.batch_size", {"type": positive_int}),
+    "--accumulation": ("train.accumulation", {"type": positive_int}),
+    "--lr": ("optim.lr", {"type": _positive_float}),
+    "--seed": ("train.seed", {"type": nonnegative_int}),
+    "--data": ("data.path", {"metavar": "PATH"}),
+    "--layers": ("model.layers", {"type": positive_int}),
+    "--hidden": ("model.hidden", {"type": positive_int}),
+    "--heads": ("model.heads", {"type": positive_int}),
+    "--kv-heads": ("model.kv_heads", {"type": positive_int}),
+    "--seq-len": ("model.seq_len", {"type": positive_int}),
+}
+
+
+@cache
+def _docstrings(cls: type) -> dict[str, str]:
+    """Each field's attribute docstring (the string right under it), read from the source."""
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    except (OSError, TypeError):  # no source shipped: flags without help text
+        return {}
+    docs = {}
+    for node, after in zip(body, body[1:], strict=False):  # each node and the next
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """--config and a flag per common field; help from each field's docstring."""
+    group = parser.add_argument_group("configuration (flags override the config file)")
+    group.add_argument("--config", default="tiny", metavar="NAME_OR_TOML",
+                       help="a preset (tiny, small) or a .toml file (default: tiny)")
+    for flag, (dotted, keywords) in FLAGS.items():
+        section, key = dotted.split(".")
+        doc = _docstrings(SECTIONS[section]).get(key, "")
+        if "choices" not in keywords and "action" not in keywords:
+            keywords = {"metavar": key.upper(), **keywords}
+        group.add_argument(flag, dest=dotted.replace(".", "__"), default=None,
+                           help=f"{doc} [{dotted}]".replace("%", "%%"), **keywords)
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict:
+    """{dotted name: value} for each flag that was given."""
+    given = {dotted: getattr(args, dotted.replace(".", "__"), None)
+             for dotted, _ in FLAGS.values()}
+    return {dotted: value for dotted, value in given.items() if value is not None}
