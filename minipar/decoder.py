@@ -155,6 +155,34 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return scores.softmax(dim=-1) @ v
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, explicit: bool = False
+           ) -> torch.Tensor:
+    """Causal attention over [batch, heads, seq, d]: fused `scaled_dot_product_attention`,
+    or `attention_reference` with explicit=True (same numbers, every step visible)."""
+    if explicit:
+        return attention_reference(q, k, v, causal=True)
+    return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
+                            explicit: bool = False) -> torch.Tensor:
+    """The projections q [batch, seq, heads * d], k and v [batch, seq, kv_heads * d] ->
+    attended heads [batch, seq, heads * d]: split into heads, RoPE, each kv head repeated
+    for its query heads, causal attention. Head counts come from the shapes, so a
+    tensor-parallel rank passes its local heads through the same code."""
+    b, s = q.shape[:2]
+    # [b, s, n * d] -> [b, n, s, d]: head i is columns i*d..(i+1)*d of the projection
+    q, k, v = (t.view(b, s, -1, head_dim).transpose(1, 2) for t in (q, k, v))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    # kv head j serves the consecutive query heads j*g .. j*g + g-1 (g = heads/kv_heads),
+    # so splitting heads and kv heads into the same number of contiguous chunks (tensor
+    # parallelism) keeps every query head with its kv head
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return attend(q, k, v, explicit).transpose(1, 2).reshape(b, s, -1)
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention with rotary embeddings, [batch, seq, hidden] in and
     out. Fused `scaled_dot_product_attention` by default; `explicit=True` runs
@@ -172,22 +200,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 explicit: bool | None = None) -> torch.Tensor:
-        b, s, _ = x.shape
-        # [b, s, heads * d] -> [b, heads, s, d]: head i is columns i*d..(i+1)*d of the projection
-        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # kv head j serves the consecutive query heads j*g .. j*g + g-1 (g = heads/kv_heads),
-        # so splitting heads and kv heads into the same number of contiguous chunks (tensor
-        # parallelism) keeps every query head with its kv head
-        group = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        if self.explicit if explicit is None else explicit:
-            out = attention_reference(q, k, v, causal=True)
-        else:
-            out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+        out = grouped_query_attention(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin,
+                                      self.head_dim, self.explicit if explicit is None
+                                      else explicit)
+        return self.o_proj(out)
 
 
 class SwiGLU(nn.Module):

@@ -14,11 +14,13 @@ all-reduce by a reduce-scatter and an all-gather of the same volume, so the norm
 dropout regions between them hold only their slice of the sequence.
 
 Activations are [sequence, batch, hidden], so the sequence is dim 0, which minipar's
-all_gather and reduce_scatter split and join. Weights are shards of one master
-weight: `from_linear` cuts a single-process `nn.Linear`, so a parallel model and its
-one-process twin start identical.
+all_gather and reduce_scatter split and join; the decoder's block (`decoder.py`) keeps
+its twin's [batch, sequence, hidden] and passes dim 1 to the sequence-parallel pair.
+Weights are shards of one master weight: `from_linear` cuts a single-process
+`nn.Linear`, so a parallel model and its one-process twin start identical.
 """
 
+from .decoder import ParallelAttention, ParallelDecoderBlock, ParallelSwiGLU
 from .layers import (
     ColumnParallelLinear,
     ParallelMLP,
@@ -37,7 +39,8 @@ from .mappings import (
     scatter_to_parallel_region,
 )
 
-__all__ = ["ColumnParallelLinear", "ParallelMLP", "ParallelSelfAttention", "ParallelTinyGPT",
+__all__ = ["ColumnParallelLinear", "ParallelAttention", "ParallelDecoderBlock", "ParallelMLP",
+           "ParallelSelfAttention", "ParallelSwiGLU", "ParallelTinyGPT",
            "ParallelTransformerBlock", "RowParallelLinear", "copy_to_parallel_region",
            "gather_from_parallel_region", "gather_from_sequence_parallel_region",
            "reduce_from_parallel_region", "reduce_scatter_to_sequence_parallel_region",

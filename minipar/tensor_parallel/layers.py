@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .. import collectives
+from ..decoder import RMSNorm
 from ..models import FFN, SelfAttention, TinyGPT, TransformerBlock, attend
 from .mappings import (
     _tp,
@@ -38,16 +39,22 @@ class ColumnParallelLinear(nn.Module):
 
     Input: the full X (f copies it in, and all-reduces its gradient). Output: this
     rank's slice of Y's features, or all of Y with gather_output=True. The bias is
-    split with the output features.
+    split with the output features. `sequence_dim` is where the sequence-parallel
+    all-gather joins the sequence (0: [seq, batch, hidden]; 1: the decoder's layout).
+    shared_input=True: the caller has already passed X through f (or the all-gather) once
+    for several column layers that read it (q, k and v; gate and up), so X's gradient is
+    all-reduced once, as with Megatron's fused QKV and fc1 weights.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  gather_output: bool = False, group=None, sequence_parallel: bool = False,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, sequence_dim: int = 0,
+                 shared_input: bool = False) -> None:
         super().__init__()
         me, size = _tp(group)
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, \
             sequence_parallel
+        self.sequence_dim, self.shared_input = sequence_dim, shared_input
         local = _divide("out_features", out_features, size)
         self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(local, dtype=dtype)) if bias else None
@@ -55,10 +62,12 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, gather_output: bool = False, group=None,
-                    sequence_parallel: bool = False) -> ColumnParallelLinear:
+                    sequence_parallel: bool = False, sequence_dim: int = 0,
+                    shared_input: bool = False) -> ColumnParallelLinear:
         """This rank's shard of a single-process layer (same values as the twin)."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    gather_output, group, sequence_parallel, linear.weight.dtype)
+                    gather_output, group, sequence_parallel, linear.weight.dtype,
+                    sequence_dim, shared_input)
         _, size = _tp(group)
         with torch.no_grad():
             # nn.Linear's weight is [out, in]: a column split of Y = X A^T cuts A's rows (dim 0)
@@ -70,8 +79,9 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # sequence parallel: x arrives as this rank's slice of the sequence, so the all-gather
         # stands where f would (Korthikanti et al. 2022)
-        x = gather_from_sequence_parallel_region(x, self.group) if self.sequence_parallel \
-            else copy_to_parallel_region(x, self.group)
+        if not self.shared_input:
+            x = gather_from_sequence_parallel_region(x, self.group, self.sequence_dim) \
+                if self.sequence_parallel else copy_to_parallel_region(x, self.group)
         y = nn.functional.linear(x, self.weight, self.bias)
         return gather_from_parallel_region(y, self.group) if self.gather_output else y
 
@@ -82,16 +92,18 @@ class RowParallelLinear(nn.Module):
     Input: this rank's slice of X's features (input_is_parallel=True, as after a
     column-parallel layer) or the full X, which is then split. Each rank's product is
     a partial sum; g all-reduces it (or, sequence parallel, reduce-scatters it along
-    the sequence). The bias is not split: it is added once, after the reduction.
+    the sequence, dimension `sequence_dim`). The bias is not split: it is added once,
+    after the reduction.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  input_is_parallel: bool = False, group=None, sequence_parallel: bool = False,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, sequence_dim: int = 0) -> None:
         super().__init__()
         me, size = _tp(group)
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, \
             sequence_parallel
+        self.sequence_dim = sequence_dim
         local = _divide("in_features", in_features, size)
         self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
@@ -99,9 +111,11 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, input_is_parallel: bool = False, group=None,
-                    sequence_parallel: bool = False) -> RowParallelLinear:
+                    sequence_parallel: bool = False, sequence_dim: int = 0
+                    ) -> RowParallelLinear:
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    input_is_parallel, group, sequence_parallel, linear.weight.dtype)
+                    input_is_parallel, group, sequence_parallel, linear.weight.dtype,
+                    sequence_dim)
         _, size = _tp(group)
         with torch.no_grad():
             # a row split of the product cuts the input features: dim 1 of the [out, in] weight
@@ -116,7 +130,7 @@ class RowParallelLinear(nn.Module):
             x = scatter_to_parallel_region(x, self.group)
         # no bias here: each rank's product is a partial sum, and K biases would add up to K x b
         partial = nn.functional.linear(x, self.weight)
-        y = reduce_scatter_to_sequence_parallel_region(partial, self.group) \
+        y = reduce_scatter_to_sequence_parallel_region(partial, self.group, self.sequence_dim) \
             if self.sequence_parallel else reduce_from_parallel_region(partial, self.group)
         return y + self.bias if self.bias is not None else y
 
@@ -200,7 +214,7 @@ def sync_sequence_parallel_grads(module: nn.Module, group=None) -> None:
     gradients: sum them over the tensor-parallel ranks. Call after backward."""
     shared = []
     for layer in module.modules():
-        if isinstance(layer, nn.LayerNorm):
+        if isinstance(layer, (nn.LayerNorm, RMSNorm)):
             shared += list(layer.parameters())
         elif isinstance(layer, RowParallelLinear) and layer.sequence_parallel \
                 and layer.bias is not None:

@@ -4,7 +4,8 @@ forward, and its mirror backward.
 f = `copy_to_parallel_region`: identity forward, all-reduce backward.
 g = `reduce_from_parallel_region`: all-reduce forward, identity backward.
 scatter / gather split and join the last dimension; the sequence-parallel pair
-all-gathers and reduce-scatters along dim 0 (the sequence).
+all-gathers and reduce-scatters along the sequence: dim 0 ([seq, batch, hidden], the
+default) or any `dim` (1 for the decoder's [batch, seq, hidden]).
 """
 
 from __future__ import annotations
@@ -91,34 +92,50 @@ class _GatherFromParallel(torch.autograd.Function):
         return _last_dim_slice(grad, ctx.group), None
 
 
+def _gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    # all_gather and reduce_scatter work on dim 0: bring `dim` to the front and back again
+    # (dim 0 itself needs no move, so the [seq, batch, hidden] path is as before)
+    if dim == 0:
+        return collectives.all_gather(x.contiguous(), group=group)
+    gathered = collectives.all_gather(x.movedim(dim, 0).contiguous(), group=group)
+    return gathered.movedim(0, dim).contiguous()
+
+
+def _reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    if dim == 0:
+        return collectives.reduce_scatter(x.contiguous(), group=group)
+    mine = collectives.reduce_scatter(x.movedim(dim, 0).contiguous(), group=group)
+    return mine.movedim(0, dim).contiguous()
+
+
 class _GatherSequence(torch.autograd.Function):
     """Sequence parallel: all-gather the sequence forward, reduce-scatter it backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
         # the sequence-parallel pair (Korthikanti et al. 2022): all-gather before a column split,
         # reduce-scatter after a row split; each is the other's mirror in backward
-        return collectives.all_gather(x.contiguous(), group=group)
+        return _gather_along(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
         # every rank's gradient for the whole sequence is partial (it used only its heads or
         # columns): sum them, and each keeps its own slice of the sequence
-        return collectives.reduce_scatter(grad.contiguous(), group=ctx.group), None
+        return _reduce_scatter_along(grad, ctx.dim, ctx.group), None, None
 
 
 class _ReduceScatterSequence(torch.autograd.Function):
     """Sequence parallel: reduce-scatter the sequence forward, all-gather it backward."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return collectives.reduce_scatter(x.contiguous(), group=group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter_along(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return collectives.all_gather(grad.contiguous(), group=ctx.group), None
+        return _gather_along(grad, ctx.dim, ctx.group), None, None
 
 
 def copy_to_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -141,11 +158,15 @@ def gather_from_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
     return _GatherFromParallel.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    """All-gather along the sequence (dim 0); backward reduce-scatters."""
-    return _GatherSequence.apply(x, group)
+def gather_from_sequence_parallel_region(x: torch.Tensor, group=None, dim: int = 0
+                                         ) -> torch.Tensor:
+    """All-gather along the sequence (dimension `dim`, 0 by default); backward
+    reduce-scatters."""
+    return _GatherSequence.apply(x, group, dim)
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    """Reduce-scatter along the sequence (dim 0); backward all-gathers."""
-    return _ReduceScatterSequence.apply(x, group)
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None, dim: int = 0
+                                               ) -> torch.Tensor:
+    """Reduce-scatter along the sequence (dimension `dim`, 0 by default); backward
+    all-gathers."""
+    return _ReduceScatterSequence.apply(x, group, dim)
