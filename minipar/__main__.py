@@ -1,4 +1,4 @@
-"""The `minipar` command: tour, bench, lessons, doctor."""
+"""The `minipar` command: tour, bench, lessons, train, doctor."""
 
 from __future__ import annotations
 
@@ -55,6 +55,10 @@ def _parser() -> OneLineParser:
     lessons.add_argument("--force", action="store_true",
                          help="overwrite notebooks already in DIR (your work in them is lost)")
     commands.add_parser(
+        "train", add_help=False,
+        help="train a decoder on real text, every technique composed (minipar train --help)",
+        description="Train the trainer's decoder: see `minipar train --help`.")
+    commands.add_parser(
         "doctor", help="what this machine gives minipar: torch build, backends, cores",
         description="Print, on one screen, the torch build (CPU or CUDA), the backends, GPUs "
                     "and cores, what backend='auto' picks, and the extras the lessons need.")
@@ -62,6 +66,11 @@ def _parser() -> OneLineParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:  # its own flags (a config's every field): its own parser
+        from .train.__main__ import main as train_main
+
+        return train_main(argv[1:], prog="minipar train")
     args = _parser().parse_args(argv)
     return run_command(f"minipar {args.command}", lambda: _run(args))
 

@@ -11,6 +11,8 @@ import minipar
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 # Lessons under nbval write their benchmarks' JSON and plots here, never into lessons/.
 os.environ.setdefault("MINIPAR_OUT", tempfile.mkdtemp(prefix="minipar-test-out-"))
+# Token caches and the measured peak go here, never into the user's ~/.cache/minipar.
+os.environ.setdefault("MINIPAR_CACHE", tempfile.mkdtemp(prefix="minipar-test-cache-"))
 
 
 def pytest_collection_modifyitems(items):
@@ -70,11 +72,6 @@ def child_pids(parent: int | None = None) -> set:
         if int(fields[1]) == parent and fields[0] != "Z":
             found.add(int(entry))
     return found
-
-
-def mse(out, target):
-    """The mean squared error every training test uses."""
-    return ((out - target) ** 2).mean()
 
 
 def value_errors(*calls) -> list[str]:

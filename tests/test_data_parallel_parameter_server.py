@@ -3,13 +3,13 @@ async converges with bounded, recorded staleness."""
 
 import pytest
 import torch
-from conftest import mse, value_errors
+from conftest import value_errors
 
 import minipar
 from minipar import collectives
 from minipar.data_parallel import single_process_sgd
 from minipar.data_parallel.parameter_server import train_parameter_server
-from minipar.models import mlp, regression_data
+from minipar.models import mlp, mse, regression_data
 
 STEPS, BATCH, LR = 4, 12, 0.2
 

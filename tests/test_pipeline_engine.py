@@ -3,10 +3,9 @@ the loss and every gradient, float64, rtol 1e-10."""
 
 import pytest
 import torch
-from conftest import mse
 
 import minipar
-from minipar.models import regression_data
+from minipar.models import mse, regression_data
 from minipar.pipeline import Pipeline, schedule, simulate, split_model
 from minipar.pipeline.pipedream import versions_used
 

@@ -4,10 +4,9 @@ paths on one process."""
 
 import pytest
 import torch
-from conftest import mse
 
 import minipar
-from minipar.models import regression_data
+from minipar.models import mse, regression_data
 from minipar.pipeline.skippipe import (
     one_process_paths,
     plan_paths,

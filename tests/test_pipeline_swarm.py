@@ -6,11 +6,10 @@ import random
 
 import pytest
 import torch
-from conftest import mse
 
 import minipar
 from minipar.data_parallel import single_process_sgd
-from minipar.models import mlp, regression_data
+from minipar.models import mlp, mse, regression_data
 from minipar.pipeline.engine import split_model
 from minipar.pipeline.swarm import SwarmReport, pick, swarm
 

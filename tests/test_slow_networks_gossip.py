@@ -5,11 +5,10 @@ the regression with stated tolerances, sending less than an all-reduce."""
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import mse
 
 from minipar import collectives
 from minipar.data_parallel import single_process_sgd
-from minipar.models import mlp, regression_data
+from minipar.models import mlp, mse, regression_data
 from minipar.runtime import rank
 from minipar.slow_networks.gossip import butterfly_groups, out_peers, push_sum, train_gossip
 

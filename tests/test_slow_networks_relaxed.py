@@ -2,11 +2,11 @@
 averages with local steps; Hogwild! ranks share one tensor and still converge."""
 
 import torch
-from conftest import mse, value_errors
+from conftest import value_errors
 
 import minipar
 from minipar.data_parallel import single_process_sgd
-from minipar.models import mlp, regression_data
+from minipar.models import mlp, mse, regression_data
 from minipar.slow_networks.relaxed import train_relaxed
 
 BATCH = 16

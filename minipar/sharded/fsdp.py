@@ -187,6 +187,12 @@ class FullyShardedDataParallel:
     def step(self) -> None:
         """Finish the gradient exchange (units that got no gradient send zeros) and update
         this rank's slices; the next forward gathers the new parameters."""
+        self.reduce_gradients()
+        self.update()
+
+    def reduce_gradients(self) -> None:
+        """The first half of `step`: every slice's averaged gradient in its master's .grad
+        (where a trainer may clip them, by a norm summed over the ranks' slices)."""
         if self.comm is not None:
             self.comm.join()  # every background gather and reduce-scatter has landed
         for unit in self._all_units():
@@ -194,6 +200,9 @@ class FullyShardedDataParallel:
                 unit.send_gradients()
             unit.shard.hand_gradient_to_optimizer()
             unit.free()
+
+    def update(self) -> None:
+        """The second half of `step`: update this rank's slices."""
         self.optimizer.step()
         # set_to_none: no zero-filled gradient tensors are kept between steps
         self.optimizer.zero_grad(set_to_none=True)

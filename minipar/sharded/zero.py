@@ -209,10 +209,19 @@ class ZeroDataParallel:
 
     def step(self) -> None:
         """Finish the gradient exchange, update this rank's slices, gather the parameters."""
+        self.reduce_gradients()
+        self.update()
+
+    def reduce_gradients(self) -> None:
+        """The first half of `step`: every slice's averaged gradient in its master's .grad
+        (where a trainer may clip them, by a norm summed over the ranks' slices)."""
         for shard in self.shards:
             if shard.unsent():  # stage 1, or gradients a backward left behind
                 shard.reduce_scatter_gradients(shard.take_gradients())
             shard.hand_gradient_to_optimizer()
+
+    def update(self) -> None:
+        """The second half of `step`: update this rank's slices, gather the parameters."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # no zero-filled gradients kept between steps
         with torch.no_grad():

@@ -1,0 +1,97 @@
+"""Train the trainer's decoder on real text: the Python standard library's own sources by
+default (no download), or any file or folder (--data). A preset (--config tiny, about a
+minute on 2 cores; small, about ten) with flags on top; every impossible combination is
+one line. Writes config.toml and metrics.jsonl (loss, lr, grad_norm, tokens_per_s, mfu,
+val_loss) into --out. --check trains the same config again on one process and compares
+the loss curves (they match to rounding in fp32, exactly in fp64). Runs on the CPU
+processes it spawns (dp x pp x tp x cp of them, or --ranks), or under torchrun. Examples:
+--config tiny --steps 200; --dp 2 --zero 1 --precision fp64 --check."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..cli import OneLineParser, output_folder, positive_int, run_command
+from ..runtime import BACKENDS, DEFAULT_TIMEOUT, launch, under_torchrun, world_size
+from .config import check, load_config, same_run
+from .flags import add_flags, overrides_from_args
+from .loop import train
+
+
+def parser(prog: str = "python -m minipar.train") -> OneLineParser:
+    p = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0].replace("\n", " "))
+    add_flags(p)
+    p.add_argument("--ranks", type=positive_int, default=None,
+                   help="ranks to spawn; dp becomes ranks / (pp x tp x cp) unless --dp is "
+                        "given (default: the product of the degrees)")
+    p.add_argument("--out", type=output_folder, default="runs/latest",
+                   help="run folder for config.toml and metrics.jsonl (default: runs/latest)")
+    p.add_argument("--force", action="store_true",
+                   help="reuse an --out folder that holds a run of another config")
+    p.add_argument("--check", action="store_true",
+                   help="also train on one process and compare the loss curves")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="auto: NCCL with a GPU per rank if there are enough, else gloo")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                   help=f"seconds a rank may wait in one operation (default {DEFAULT_TIMEOUT})")
+    return p
+
+
+def _config(args):
+    overrides = overrides_from_args(args)
+    config = load_config(args.config, overrides)
+    par = config.parallel
+    others = par.pp * par.tp * par.cp
+    ranks = world_size() if under_torchrun() else args.ranks
+    if ranks is not None and "parallel.dp" not in overrides:
+        if ranks % others:
+            raise ValueError(f"--ranks {ranks} is not a multiple of pp x tp x cp = {others}; "
+                             f"use --ranks {others * max(1, ranks // others)} or other degrees")
+        config = load_config(args.config, {**overrides, "parallel.dp": ranks // others})
+    ranks = config.parallel.dp * others
+    check(config, ranks)
+    return config, ranks
+
+
+def _refuse_other_run(config, out: Path, force: bool) -> None:
+    saved = out / "config.toml"
+    if not saved.exists() or force:
+        return
+    differ = same_run(load_config(str(saved)), config)
+    if differ:
+        raise ValueError(f"--out {out} holds a run of another config ({', '.join(differ[:4])} "
+                         "differ); pick another --out or pass --force to overwrite it")
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m minipar.train") -> int:
+    args = parser(prog).parse_args(argv)
+
+    def body() -> int:
+        config, ranks = _config(args)
+        out = Path(args.out)
+        _refuse_other_run(config, out, args.force)
+        runs = launch(train, ranks, config, out, backend=args.backend, timeout=args.timeout)
+        if not args.check:
+            return 0
+        one = launch(train, 1, _one_process(config), None, backend=args.backend,
+                     timeout=args.timeout)[0]
+        gap = max(abs(a - b) for a, b in zip(runs[0].losses, one.losses, strict=True))
+        same = gap <= (1e-10 if config.train.precision == "fp64" else 1e-4)
+        print(f"loss curve {'matches' if same else 'does NOT match'} one process: largest "
+              f"gap {gap:.1e} over {len(one.losses)} steps")
+        return 0 if same else 1
+
+    return run_command(prog, body)
+
+
+def _one_process(config):
+    """The same run on one process: every degree 1, ZeRO off, the same global batch."""
+    from dataclasses import replace
+
+    return replace(config, parallel=replace(config.parallel, dp=1, pp=1, tp=1, cp=1, zero=0,
+                                            sequence_parallel=False))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""The training loop, top to bottom (run on every rank): build the model from its seed,
+draw each step's global batch, accumulate, reduce, clip by the global norm, step, log.
+
+One step, as every rank runs it:
+1. the learning rate for this step (warmup, then cosine);
+2. this rank's rows of the step's global batch (the sampler: the same global batch for
+   any dp), cut into `accumulation` chunks; each chunk's mean loss is weighted by
+   dp x chunk / global rows (the package's loss-scaling convention, `shard_weight`), so
+   after the average over dp every token counts once, as in one process;
+3. the gradients averaged over dp (DDP during backward; ZeRO in reduce_gradients);
+4. the global gradient norm (each entry counted once) and clipping by it;
+5. AdamW's update; the batch's loss, tokens per second and MFU logged.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .. import collectives
+from ..data_parallel import shard_weight
+from ..decoder import decoder
+from ..runtime import rank, world_size
+from .config import TrainConfig, check, describe, to_toml
+from .data import BatchSampler, load_tokens
+from .metrics import MetricsLog, cores_in_use, measured_peak, mfu
+from .optim import clip_, global_norm, learning_rate
+from .replicas import ReplicatedModel
+
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+@dataclass
+class Run:
+    """What a run leaves on each rank: one record per step (as in metrics.jsonl)."""
+
+    records: list[dict] = field(default_factory=list)
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)  # keep_weights=True
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.records]
+
+    @property
+    def val_losses(self) -> list[tuple[int, float]]:
+        return [(r["step"], r["val_loss"]) for r in self.records if "val_loss" in r]
+
+
+def refuse_unbuilt(config: TrainConfig) -> None:
+    """One line for a combination the trainer does not compose yet (the config itself is
+    valid: `check` passed)."""
+    par, loop = config.parallel, config.train
+    for name in ("pp", "tp", "cp"):
+        if getattr(par, name) > 1:
+            raise ValueError(f"parallel.{name}={getattr(par, name)}: the trainer composes data "
+                             f"parallelism (dp, zero 0-3) so far; use {name}=1 (its lesson's "
+                             "package runs it on its own)")
+    if par.sequence_parallel:
+        raise ValueError("parallel.sequence_parallel needs tensor parallelism, which the "
+                         "trainer does not compose yet; leave it off")
+    if loop.precision not in DTYPES:
+        raise ValueError(f"train.precision={loop.precision!r}: the trainer runs "
+                         f"{' or '.join(DTYPES)} so far")
+    if loop.recompute != "none":
+        raise ValueError(f"train.recompute={loop.recompute!r}: the trainer runs without "
+                         "recomputation so far; use none")
+
+
+def _shared_peak(dtype: torch.dtype) -> float:
+    """The measured peak per core, timed by rank 0 alone (ranks timing at once would slow
+    each other) and sent to the others."""
+    box = [measured_peak(dtype) if rank() == 0 else None]
+    if world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _average(value: float) -> float:
+    """The mean of a float over the ranks (each rank's share already weighted)."""
+    total = torch.tensor([value], dtype=torch.float64)
+    return collectives.all_reduce(total, op="avg").item() if world_size() > 1 else value
+
+
+def evaluate(replica: ReplicatedModel, sampler: BatchSampler, batches: int) -> float:
+    """The validation loss: the mean over `batches` fixed global batches (steps 0.. of a
+    sampler of the held-out documents, so every evaluation sees the same tokens)."""
+    sampler.load_state_dict({"step": 0})
+    total = 0.0
+    with replica.evaluating():
+        for _ in range(batches):
+            ids, targets = sampler.next()
+            weight = shard_weight(len(ids), sampler.batch_size, world_size())
+            total += replica.loss(ids, targets).item() * weight
+    return _average(total) / batches
+
+
+def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool = False
+          ) -> Run:
+    """Train `config` on this rank (every rank of the run calls it); write metrics.jsonl
+    and config.toml into `out` (rank 0) and return the step records (and, with
+    `keep_weights`, every parameter at the end, whole, under the twin's names)."""
+    check(config, world_size())
+    refuse_unbuilt(config)
+    loop, optim, k = config.train, config.optim, world_size()
+    dtype = DTYPES[loop.precision]
+    tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
+    seq_len, batch = config.model.seq_len, loop.batch_size
+    # the same seed and step -> the same global batch for any dp; each rank takes its rows
+    sampler = BatchSampler(tokens.train, seq_len, batch, config.data.seed, rank(), k)
+    held_out = BatchSampler(tokens.val, seq_len, batch, config.data.seed + 1, rank(), k)
+    replica = ReplicatedModel(decoder(config.model, loop.seed, dtype), config)
+    flops, peak = config.model.flops_per_token(), _shared_peak(dtype)
+    log = MetricsLog(Path(out) / "metrics.jsonl") if out is not None and rank() == 0 else None
+    if log is not None:
+        (Path(out) / "config.toml").write_text(to_toml(config))
+        print(describe(config), flush=True)
+    run = Run()
+    for step in range(loop.steps):
+        lr = learning_rate(step, optim, loop.steps)
+        start = time.perf_counter()
+        ids, targets = sampler.next()
+        chunks = list(zip(torch.tensor_split(ids, loop.accumulation),
+                          torch.tensor_split(targets, loop.accumulation), strict=True))
+        loss_share = 0.0
+        for i, (x, y) in enumerate(chunks):
+            with replica.accumulating(last=i == len(chunks) - 1):
+                loss = replica.loss(x, y) * shard_weight(len(x), batch, k)
+                loss.backward()
+            loss_share += loss.item()
+        replica.reduce_gradients()
+        owned = replica.owned_gradients()
+        norm = global_norm(owned, replica.norm_groups())
+        clip_(owned, norm, optim.grad_clip)
+        replica.update(lr)
+        batch_loss = _average(loss_share)  # every rank's weighted share: the batch's mean
+        seconds = time.perf_counter() - start
+        tokens_per_s = batch * seq_len / seconds
+        record = {"step": step + 1, "loss": batch_loss, "lr": lr, "grad_norm": norm,
+                  "tokens_per_s": tokens_per_s,
+                  "mfu": mfu(flops, tokens_per_s, peak, cores_in_use(k)), "seconds": seconds}
+        if not math.isfinite(batch_loss):
+            raise FloatingPointError(f"step {step + 1}: the loss is {batch_loss}; lower "
+                                     "optim.lr or raise optim.warmup_steps")
+        last = step + 1 == loop.steps
+        if (loop.eval_every and (step + 1) % loop.eval_every == 0) or last:
+            record["val_loss"] = evaluate(replica, held_out, loop.eval_batches)
+        run.records.append(record)
+        if log is not None:
+            log.write(record)
+            if (step + 1) % loop.log_every == 0 or last or "val_loss" in record:
+                print(progress_line(record, loop.steps), flush=True)
+    if log is not None:
+        log.close()
+    if keep_weights:
+        run.weights = {name: p.clone() for name, p in replica.full_parameters()}
+    return run
+
+
+def progress_line(record: dict, steps: int) -> str:
+    """One line a learner watches: step, loss, rate, gradient norm, speed, MFU."""
+    line = (f"step {record['step']:>5}/{steps}  loss {record['loss']:.4f}  "
+            f"lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  "
+            f"{record['tokens_per_s']:,.0f} tok/s  MFU {record['mfu']:.1%}")
+    if "val_loss" in record:
+        line += f"  val {record['val_loss']:.4f}"
+    return line

@@ -1,0 +1,91 @@
+"""What a run shows: tokens per second, model FLOPs utilization (MFU) against a peak
+measured on this machine, and one JSON line per step in `metrics.jsonl`.
+
+MFU = (model FLOPs per token x tokens per second) / peak FLOP/s of the cores in use
+(PaLM, Chowdhery et al. 2022, appendix B). Model FLOPs per token are
+`DecoderConfig.flops_per_token`: 6 N (forward and backward of every matmul weight) plus
+the attention scores' 12 L T h; recomputation's extra forward is not counted (that is
+"hardware FLOPs"). The peak is never a data sheet's: it is a large matmul timed here, on
+one thread (each rank computes on one), in the run's dtype, and cached like the fitted
+machine. Above 100% means the formula or the peak is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .data import cache_dir
+
+PEAK_SIZE = 1024  # a matmul this large keeps a core's vector units busy (AMX for bf16)
+
+
+def _peak_file() -> Path:
+    return cache_dir() / "peak_flops.json"
+
+
+def measured_peak(dtype: torch.dtype, size: int = PEAK_SIZE, repeats: int = 5) -> float:
+    """FLOP/s of one thread multiplying two size x size matrices of `dtype`: the median of
+    `repeats` timed products after a warm-up one. Cached per dtype, thread count, machine
+    and torch version."""
+    key = f"{dtype}|threads={torch.get_num_threads()}|{platform.machine()}|" \
+          f"{platform.processor()}|torch {torch.__version__}|{size}"
+    path = _peak_file()
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    if key in saved:
+        return saved[key]
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    a @ b  # warm-up: the first call pays for allocation and kernel choice
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    peak = 2 * size**3 / statistics.median(times)  # a multiply and an add per term
+    saved[key] = peak
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".tmp-{os.getpid()}")
+    partial.write_text(json.dumps(saved, indent=1))
+    partial.replace(path)  # atomic: two ranks measuring at once never leave half a file
+    return peak
+
+
+def cores_in_use(ranks: int) -> int:
+    """Cores the run's ranks compute on: one each, at most the machine's (ranks beyond it
+    time-share, so the peak they could reach together is the cores')."""
+    return max(1, min(ranks, os.cpu_count() or 1))
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, peak_per_core: float, cores: int
+        ) -> float:
+    """Model FLOPs utilization: achieved model FLOP/s over the peak of `cores` cores."""
+    return flops_per_token * tokens_per_s / (peak_per_core * cores)
+
+
+class MetricsLog:
+    """One JSON object per line in `metrics.jsonl` (written as it goes, so a killed run
+    keeps what it logged)."""
+
+    def __init__(self, path: Path, resume: bool = False) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.file = path.open("a" if resume else "w")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a `metrics.jsonl`."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,0 +1,126 @@
+"""The trainer: its loop on one process and its compositions over ranks give the same loss
+curve (float64, every step), clipping by the global norm equals torch's, the learning
+rate follows its schedule, and a run leaves its metrics."""
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+import minipar
+from minipar.decoder import DecoderConfig, decoder
+from minipar.train.config import (
+    DataConfig,
+    LoopConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+)
+from minipar.train.loop import refuse_unbuilt, train
+from minipar.train.optim import clip_, global_norm, learning_rate
+
+WORDS = ("def return import class self lambda yield while for in if else elif try except "
+         "with as pass break continue raise assert global nonlocal from print len range")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """A small text folder (a few "documents" of Python-ish words), seeded."""
+    folder = tmp_path_factory.mktemp("corpus")
+    gen = torch.Generator().manual_seed(0)
+    words = WORDS.split()
+    for d in range(6):
+        picks = torch.randint(0, len(words), (600,), generator=gen).tolist()
+        (folder / f"doc{d}.py").write_text(" ".join(words[i] for i in picks))
+    return str(folder)
+
+
+def tiny(corpus: str, **parallel) -> TrainConfig:
+    """20 float64 steps of a 2-layer decoder, accumulating 2 chunks, clipping active."""
+    return TrainConfig(
+        model=DecoderConfig(layers=2, hidden=32, heads=4, kv_heads=2, seq_len=16),
+        data=DataConfig(path=corpus, val_fraction=0.2, seed=1),
+        parallel=ParallelConfig(**parallel),
+        optim=OptimConfig(lr=3e-3, min_lr=3e-4, warmup_steps=5, grad_clip=0.5),
+        train=LoopConfig(batch_size=8, accumulation=2, steps=20, eval_every=10, eval_batches=2,
+                         log_every=10, precision="fp64", seed=2))
+
+
+@pytest.fixture(scope="module")
+def one_process(corpus):
+    return minipar.launch(train, 1, tiny(corpus), None, True)[0]
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_data_parallel_runs_equal_one_process(cluster2, corpus, one_process, zero):
+    """dp=2 with DDP buckets or ZeRO-1/2/3: every step's loss, gradient norm and
+    validation loss, and the final weights, equal one process's (float64)."""
+    runs = cluster2.run(train, tiny(corpus, dp=2, zero=zero), None, True)
+    ref = one_process
+    for run in runs:
+        assert len(run.records) == 20
+        for mine, theirs in zip(run.records, ref.records, strict=True):
+            for key in ("loss", "grad_norm", "lr"):
+                assert math.isclose(mine[key], theirs[key], rel_tol=1e-10, abs_tol=1e-12), \
+                    (zero, mine["step"], key)
+            if "val_loss" in theirs:
+                assert math.isclose(mine["val_loss"], theirs["val_loss"], rel_tol=1e-10)
+        for name, weight in ref.weights.items():
+            assert torch.allclose(run.weights[name], weight, rtol=1e-9, atol=1e-12), name
+    assert ref.records[0]["grad_norm"] > 0.5  # the clip really acted
+    assert ref.losses[-1] < ref.losses[0]  # and the model learned
+
+
+def test_clipping_by_the_global_norm_equals_torchs():
+    model = decoder(DecoderConfig(layers=1, hidden=16, heads=2, kv_heads=1, seq_len=8),
+                    seed=0, dtype=torch.float64)
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    model.loss(ids[:, :-1], ids[:, 1:]).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    norm = global_norm([p.grad for p in model.parameters()])
+    clip_([p.grad for p in model.parameters()], norm, norm / 2)
+    mine = [p.grad.clone() for p in model.parameters()]
+    for p, g in zip(model.parameters(), grads, strict=True):
+        p.grad = g.clone()
+    theirs_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), norm / 2)
+    assert math.isclose(norm, theirs_norm.item(), rel_tol=1e-12)
+    # torch takes the norm of per-tensor norms: the same value up to rounding, not bitwise
+    assert all(torch.allclose(a, p.grad, rtol=1e-12, atol=0)
+               for a, p in zip(mine, model.parameters(), strict=True))
+    assert not all(torch.allclose(a, g) for a, g in zip(mine, grads, strict=True))  # clipped
+
+
+def test_the_learning_rate_warms_up_then_decays_to_its_floor():
+    optim = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4)
+    rates = [learning_rate(s, optim, 20) for s in range(20)]
+    assert rates[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(rates[3:], rates[4:], strict=False))
+    assert math.isclose(rates[-1], 0.1)
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(parallel=ParallelConfig(tp=2)), "parallel.tp=2"),
+    (dict(parallel=ParallelConfig(pp=2)), "parallel.pp=2"),
+    (dict(train=LoopConfig(precision="bf16")), "train.precision='bf16'"),
+    (dict(train=LoopConfig(recompute="full")), "train.recompute='full'"),
+])
+def test_what_the_trainer_does_not_compose_yet_is_one_line(change, words):
+    with pytest.raises(ValueError, match=words) as err:
+        refuse_unbuilt(replace(TrainConfig(), **change))
+    assert "\n" not in str(err.value)
+
+
+def test_a_run_leaves_its_config_and_one_metrics_line_per_step(corpus, tmp_path):
+    config = replace(tiny(corpus), train=replace(tiny(corpus).train, steps=3, eval_every=0,
+                                                 precision="fp32"),
+                     optim=replace(tiny(corpus).optim, warmup_steps=1))
+    minipar.launch(train, 1, config, tmp_path)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2, 3]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
+        assert all(math.isfinite(r[key]) for r in lines), key
+    assert "val_loss" in lines[-1] and "val_loss" not in lines[0]  # 0: only at the end
+    assert 0 < lines[-1]["mfu"] < 1.5
+    assert "[model]" in (tmp_path / "config.toml").read_text()
