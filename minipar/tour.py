@@ -22,12 +22,14 @@ from .pipeline import demo as pipeline
 from .sharded import demo as sharded
 from .slow_networks import demo as slow_networks
 from .tensor_parallel import demo as tensor_parallel
+from .train import demo as trained
 
-# In lesson order (00-10), one package per lesson topic.
+# In lesson order (00-11), one package per lesson topic.
 TECHNIQUES = {"basics": basics, "collectives": collectives, "data parallelism": data_parallel,
               "pipelines": pipeline, "tensor parallelism": tensor_parallel, "experts": moe,
               "sharded data parallelism": sharded, "a mesh of them": mesh,
-              "long sequences": context_parallel, "slow networks": slow_networks}
+              "long sequences": context_parallel, "slow networks": slow_networks,
+              "a trained model": trained}
 
 
 def run_tour(out_dir: str | Path = "minipar-out") -> list[Row]:

@@ -7,6 +7,7 @@ import re
 import runpy
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ SMALL = {  # options that keep each run short; every command also gets --ranks 2
     "minipar.collectives": ["--numel", "4096"],
     "minipar.sharded": ["--cases", "zero1", "zero3"],
     "minipar.slow_networks": ["--cases", "local_sgd", "top_k"],
+    "minipar.train": ["--steps", "5", "--warmup-steps", "2", "--check",
+                      "--out", tempfile.mkdtemp(prefix="minipar-run-")],
     "minipar.slow_networks.elastic": ["--steps", "4"],
 }
 

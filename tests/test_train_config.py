@@ -135,7 +135,7 @@ IMPOSSIBLE = [  # (changes to tiny, world size, words the one line must hold)
     ({"parallel": {"schedule": "fastest"}}, None, ["parallel.schedule", "1f1b", "gpipe"]),
     ({"parallel": {"sequence_parallel": True}}, None, ["sequence_parallel", "tp"]),
     ({"parallel": {"dp": 0}}, None, ["parallel.dp", ">= 1"]),
-    ({"optim": {"warmup_steps": 300}}, None, ["warmup_steps", "steps=200"]),
+    ({"optim": {"warmup_steps": 3000}}, None, ["warmup_steps", "steps=2000"]),
     ({"optim": {"lr": 0.0}}, None, ["optim.lr", "> 0"]),
     ({"optim": {"min_lr": 0.1}}, None, ["optim.min_lr", "lr=0.003"]),
     ({"optim": {"beta2": 1.0}}, None, ["optim.beta2"]),

@@ -50,6 +50,7 @@ FLAGS: dict[str, tuple[str, dict]] = {
     "--batch-size": ("train.batch_size", {"type": positive_int}),
     "--accumulation": ("train.accumulation", {"type": positive_int}),
     "--lr": ("optim.lr", {"type": _positive_float}),
+    "--warmup-steps": ("optim.warmup_steps", {"type": nonnegative_int}),
     "--seed": ("train.seed", {"type": nonnegative_int}),
     "--data": ("data.path", {"metavar": "PATH"}),
     "--layers": ("model.layers", {"type": positive_int}),
