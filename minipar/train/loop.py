@@ -10,6 +10,8 @@ One step, as every rank runs it:
 3. the gradients averaged over dp (DDP during backward; ZeRO in reduce_gradients);
 4. the global gradient norm (each entry counted once) and clipping by it;
 5. AdamW's update; the batch's loss, tokens per second and MFU logged.
+In fp16 the loss is scaled before backward and the gradients unscaled after the
+reduction; an overflow on any rank skips the step on every rank (precision.py).
 """
 
 from __future__ import annotations
@@ -30,9 +32,8 @@ from .config import TrainConfig, check, describe, to_toml
 from .data import BatchSampler, load_tokens
 from .metrics import MetricsLog, cores_in_use, measured_peak, mfu
 from .optim import clip_, global_norm, learning_rate
+from .precision import COMPUTE_DTYPES, PARAM_DTYPES, LossScaler
 from .replicas import ReplicatedModel
-
-DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
 @dataclass
@@ -63,9 +64,6 @@ def refuse_unbuilt(config: TrainConfig) -> None:
     if par.sequence_parallel:
         raise ValueError("parallel.sequence_parallel needs tensor parallelism, which the "
                          "trainer does not compose yet; leave it off")
-    if loop.precision not in DTYPES:
-        raise ValueError(f"train.precision={loop.precision!r}: the trainer runs "
-                         f"{' or '.join(DTYPES)} so far")
     if loop.recompute != "none":
         raise ValueError(f"train.recompute={loop.recompute!r}: the trainer runs without "
                          "recomputation so far; use none")
@@ -107,14 +105,16 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
     check(config, world_size())
     refuse_unbuilt(config)
     loop, optim, k = config.train, config.optim, world_size()
-    dtype = DTYPES[loop.precision]
     tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
     seq_len, batch = config.model.seq_len, loop.batch_size
     # the same seed and step -> the same global batch for any dp; each rank takes its rows
     sampler = BatchSampler(tokens.train, seq_len, batch, config.data.seed, rank(), k)
     held_out = BatchSampler(tokens.val, seq_len, batch, config.data.seed + 1, rank(), k)
-    replica = ReplicatedModel(decoder(config.model, loop.seed, dtype), config)
-    flops, peak = config.model.flops_per_token(), _shared_peak(dtype)
+    replica = ReplicatedModel(decoder(config.model, loop.seed, PARAM_DTYPES[loop.precision]),
+                              config)
+    scaler = LossScaler(enabled=loop.precision == "fp16")
+    # MFU against the peak of the dtype the matmuls run in (bf16: AMX on this CPU)
+    flops, peak = config.model.flops_per_token(), _shared_peak(COMPUTE_DTYPES[loop.precision])
     log = MetricsLog(Path(out) / "metrics.jsonl") if out is not None and rank() == 0 else None
     if log is not None:
         (Path(out) / "config.toml").write_text(to_toml(config))
@@ -130,19 +130,28 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
         for i, (x, y) in enumerate(chunks):
             with replica.accumulating(last=i == len(chunks) - 1):
                 loss = replica.loss(x, y) * shard_weight(len(x), batch, k)
-                loss.backward()
+                scaler.scaled(loss).backward()
             loss_share += loss.item()
         replica.reduce_gradients()
         owned = replica.owned_gradients()
-        norm = global_norm(owned, replica.norm_groups())
-        clip_(owned, norm, optim.grad_clip)
-        replica.update(lr)
+        # every rank of the run agrees: one rank's overflow skips the step everywhere
+        overflow = scaler.unscale_and_check(owned, groups=(None,))
+        if overflow:
+            norm = None  # no norm of gradients that overflowed (and JSON has no inf)
+            replica.skip()
+        else:
+            norm = global_norm(owned, replica.norm_groups())
+            clip_(owned, norm, optim.grad_clip)
+            replica.update(lr)
+        scaler.update(overflow)
         batch_loss = _average(loss_share)  # every rank's weighted share: the batch's mean
         seconds = time.perf_counter() - start
         tokens_per_s = batch * seq_len / seconds
         record = {"step": step + 1, "loss": batch_loss, "lr": lr, "grad_norm": norm,
                   "tokens_per_s": tokens_per_s,
                   "mfu": mfu(flops, tokens_per_s, peak, cores_in_use(k)), "seconds": seconds}
+        if scaler.enabled:
+            record.update(loss_scale=scaler.scale, skipped=overflow)
         if not math.isfinite(batch_loss):
             raise FloatingPointError(f"step {step + 1}: the loss is {batch_loss}; lower "
                                      "optim.lr or raise optim.warmup_steps")
@@ -164,8 +173,10 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
 def progress_line(record: dict, steps: int) -> str:
     """One line a learner watches: step, loss, rate, gradient norm, speed, MFU."""
     line = (f"step {record['step']:>5}/{steps}  loss {record['loss']:.4f}  "
-            f"lr {record['lr']:.2e}  |g| {record['grad_norm']:.3f}  "
+            f"lr {record['lr']:.2e}  |g| {record['grad_norm'] or math.nan:.3f}  "
             f"{record['tokens_per_s']:,.0f} tok/s  MFU {record['mfu']:.1%}")
+    if record.get("skipped"):
+        line += f"  overflow: step skipped, loss scale now {record['loss_scale']:g}"
     if "val_loss" in record:
         line += f"  val {record['val_loss']:.4f}"
     return line

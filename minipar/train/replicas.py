@@ -25,6 +25,7 @@ from ..decoder import Decoder
 from ..runtime import world_size
 from ..sharded import FlatShard, FullyShardedDataParallel, ZeroDataParallel
 from .config import TrainConfig
+from .precision import autocast
 
 
 def decays(name: str, p: nn.Parameter) -> bool:
@@ -65,11 +66,13 @@ class ReplicatedModel:
                 self.wrapper = ZeroDataParallel(model, adam, stage=zero)
             self.optimizer = self.wrapper.optimizer
             self.masks = [_shard_mask(s, decayed) for s in self.wrapper.shards]
-        self.weight_decay = optim.weight_decay
+        self.weight_decay, self.precision = optim.weight_decay, config.train.precision
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """This rank's mean loss on its rows (the wrapper gathers what it must)."""
-        logits = self.wrapper(ids)
+        """This rank's mean loss on its rows (the wrapper gathers what it must), the forward
+        in the run's precision."""
+        with autocast(self.precision):
+            logits = self.wrapper(ids)
         wide = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
         return nn.functional.cross_entropy(wide.flatten(0, 1), targets.flatten())
 
@@ -106,6 +109,12 @@ class ReplicatedModel:
         else:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+
+    def skip(self) -> None:
+        """Drop this step's gradients without updating (an fp16 overflow)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.zero == 0:
+            self.model.zero_grad(set_to_none=True)
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter, whole, under the twin's names (a collective under ZeRO-3)."""
