@@ -186,7 +186,11 @@ def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 class Attention(nn.Module):
     """Causal grouped-query attention with rotary embeddings, [batch, seq, hidden] in and
     out. Fused `scaled_dot_product_attention` by default; `explicit=True` runs
-    `attention_reference` instead (same numbers, every step visible)."""
+    `attention_reference` instead (same numbers, every step visible). `core` is what
+    turns the projections into attended heads (`grouped_query_attention`): an extension
+    point, e.g. a trainer recomputing it in backward (selective recomputation)."""
+
+    core = staticmethod(grouped_query_attention)
 
     def __init__(self, hidden: int, heads: int, kv_heads: int, explicit: bool = False,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -200,9 +204,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 explicit: bool | None = None) -> torch.Tensor:
-        out = grouped_query_attention(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin,
-                                      self.head_dim, self.explicit if explicit is None
-                                      else explicit)
+        out = self.core(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin,
+                        self.head_dim, self.explicit if explicit is None else explicit)
         return self.o_proj(out)
 
 
@@ -237,9 +240,18 @@ class DecoderBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def run_block(block: DecoderBlock, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              explicit: bool | None) -> torch.Tensor:
+    """How the Decoder runs each block: plainly (a trainer may run it recomputed)."""
+    return block(x, cos, sin, explicit)
+
+
 class Decoder(nn.Module):
     """Token embedding, `config.layers` blocks, a final RMSNorm and the output head: ids
-    [batch, seq] -> logits [batch, seq, vocab]. Weights drawn from `seed` (see `init`)."""
+    [batch, seq] -> logits [batch, seq, vocab]. Weights drawn from `seed` (see `init`).
+    `run_block` is how each block runs: an extension point (full recomputation wraps it)."""
+
+    run_block = staticmethod(run_block)
 
     def __init__(self, config: DecoderConfig, seed: int = 0,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -284,7 +296,7 @@ class Decoder(nn.Module):
         x = self.embed(ids)
         cos, sin = rope_tables(self.config.head_dim, positions, self.config.rope_base, x.dtype)
         for block in self.blocks:
-            x = block(x, cos, sin, explicit)
+            x = self.run_block(block, x, cos, sin, explicit)
         return self.head(self.norm(x))
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from .data import BatchSampler, load_tokens
 from .metrics import MetricsLog, cores_in_use, measured_peak, mfu
 from .optim import clip_, global_norm, learning_rate
 from .precision import COMPUTE_DTYPES, PARAM_DTYPES, LossScaler
+from .recompute import apply_recompute
 from .replicas import ReplicatedModel
 
 
@@ -55,7 +56,7 @@ class Run:
 def refuse_unbuilt(config: TrainConfig) -> None:
     """One line for a combination the trainer does not compose yet (the config itself is
     valid: `check` passed)."""
-    par, loop = config.parallel, config.train
+    par = config.parallel
     for name in ("pp", "tp", "cp"):
         if getattr(par, name) > 1:
             raise ValueError(f"parallel.{name}={getattr(par, name)}: the trainer composes data "
@@ -64,9 +65,6 @@ def refuse_unbuilt(config: TrainConfig) -> None:
     if par.sequence_parallel:
         raise ValueError("parallel.sequence_parallel needs tensor parallelism, which the "
                          "trainer does not compose yet; leave it off")
-    if loop.recompute != "none":
-        raise ValueError(f"train.recompute={loop.recompute!r}: the trainer runs without "
-                         "recomputation so far; use none")
 
 
 def _shared_peak(dtype: torch.dtype) -> float:
@@ -110,8 +108,9 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
     # the same seed and step -> the same global batch for any dp; each rank takes its rows
     sampler = BatchSampler(tokens.train, seq_len, batch, config.data.seed, rank(), k)
     held_out = BatchSampler(tokens.val, seq_len, batch, config.data.seed + 1, rank(), k)
-    replica = ReplicatedModel(decoder(config.model, loop.seed, PARAM_DTYPES[loop.precision]),
-                              config)
+    model = decoder(config.model, loop.seed, PARAM_DTYPES[loop.precision])
+    apply_recompute(model, loop.recompute)  # before the wrappers: they see the same modules
+    replica = ReplicatedModel(model, config)
     scaler = LossScaler(enabled=loop.precision == "fp16")
     # MFU against the peak of the dtype the matmuls run in (bf16: AMX on this CPU)
     flops, peak = config.model.flops_per_token(), _shared_peak(COMPUTE_DTYPES[loop.precision])
