@@ -20,7 +20,8 @@ BENCHMARKS = {"launch": "minipar.runtime.bench",
               "tensor-parallel": "minipar.tensor_parallel.bench",
               "moe": "minipar.moe.bench",
               "mesh": "minipar.mesh.bench",
-              "context-parallel": "minipar.context_parallel.bench"}
+              "context-parallel": "minipar.context_parallel.bench",
+              "train": "minipar.train.bench"}
 
 
 def run_benchmark(name: str, out_dir: str | Path = "bench-out") -> list[dict]:
