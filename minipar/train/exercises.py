@@ -153,10 +153,10 @@ def _skip_hint(scenario: int, got: list[dict]) -> str | None:
     skipped = [r for r, out in enumerate(got) if out["skip"]]
     stepped = [r for r, out in enumerate(got) if not out["skip"]]
     if skipped and stepped:
-        why = (" only the ranks whose own gradients overflowed skip" if skipped == overflowed
-               else "")
-        return (f"{_ranks(skipped)} skipped the step but {_ranks(stepped)} did not:{why} the "
-                "replicas hold different weights from this step on and never agree again. "
+        why = (" (only the ranks whose own gradients overflowed skipped)"
+               if skipped == overflowed else "")
+        return (f"{_ranks(skipped)} skipped the step but {_ranks(stepped)} did not{why}, so "
+                "the replicas hold different weights from this step on and never agree again. "
                 "All-reduce an overflow flag over the group with MAX (any rank's inf or nan "
                 "is every rank's), then decide")
     if stepped and want_skip:
