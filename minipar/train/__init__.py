@@ -9,4 +9,6 @@ Files:
 - data.py      the corpus (Python's own standard library by default, or any file or
                folder), a byte tokenizer, a memory-mapped token cache split by document,
                and a seeded, resumable batch sampler sharded over data-parallel ranks
+- exercises.py lesson 11's checks: the global gradient norm over a tp x pp layout, and
+               the fp16 step every rank skips when any rank's gradients overflowed
 """
