@@ -53,6 +53,9 @@ def test_every_command_the_readme_names_runs_and_says_what_it_did(module):
 @pytest.mark.parametrize("module", README_COMMANDS)
 def test_every_command_has_a_full_help_text(module, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [module, "--help"])
+    # a module another test imported would be run a second time beside its imported copy
+    # (runpy warns "found in sys.modules"): run it as python -m would, fresh
+    monkeypatch.delitem(sys.modules, module, raising=False)
     with pytest.raises(SystemExit) as done:
         runpy.run_module(module, run_name="__main__", alter_sys=False)
     assert done.value.code == 0
