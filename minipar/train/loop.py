@@ -95,6 +95,36 @@ def evaluate(replica: ReplicatedModel, sampler: BatchSampler, batches: int) -> f
     return _average(total) / batches
 
 
+def train_step(replica: ReplicatedModel, scaler: LossScaler, ids: torch.Tensor,
+               targets: torch.Tensor, config: TrainConfig, lr: float
+               ) -> tuple[float, float | None, bool]:
+    """One optimizer step on this rank's rows (steps 2-5 of the module docstring): the
+    batch's mean loss, the global gradient norm (None after an fp16 overflow), and
+    whether the step was skipped for one."""
+    accumulation, batch = config.train.accumulation, config.train.batch_size
+    chunks = list(zip(torch.tensor_split(ids, accumulation),
+                      torch.tensor_split(targets, accumulation), strict=True))
+    loss_share = 0.0
+    for i, (x, y) in enumerate(chunks):
+        with replica.accumulating(last=i == len(chunks) - 1):
+            loss = replica.loss(x, y) * shard_weight(len(x), batch, world_size())
+            scaler.scaled(loss).backward()
+        loss_share += loss.item()
+    replica.reduce_gradients()
+    owned = replica.owned_gradients()
+    # every rank of the run agrees: one rank's overflow skips the step everywhere
+    overflow = scaler.unscale_and_check(owned, groups=(None,))
+    if overflow:
+        norm = None  # no norm of gradients that overflowed (and JSON has no inf)
+        replica.skip()
+    else:
+        norm = global_norm(owned, replica.norm_groups())
+        clip_(owned, norm, config.optim.grad_clip)
+        replica.update(lr)
+    scaler.update(overflow)
+    return _average(loss_share), norm, overflow  # the weighted shares: the batch's mean
+
+
 def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool = False
           ) -> Run:
     """Train `config` on this rank (every rank of the run calls it); write metrics.jsonl
@@ -122,28 +152,7 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
     for step in range(loop.steps):
         lr = learning_rate(step, optim, loop.steps)
         start = time.perf_counter()
-        ids, targets = sampler.next()
-        chunks = list(zip(torch.tensor_split(ids, loop.accumulation),
-                          torch.tensor_split(targets, loop.accumulation), strict=True))
-        loss_share = 0.0
-        for i, (x, y) in enumerate(chunks):
-            with replica.accumulating(last=i == len(chunks) - 1):
-                loss = replica.loss(x, y) * shard_weight(len(x), batch, k)
-                scaler.scaled(loss).backward()
-            loss_share += loss.item()
-        replica.reduce_gradients()
-        owned = replica.owned_gradients()
-        # every rank of the run agrees: one rank's overflow skips the step everywhere
-        overflow = scaler.unscale_and_check(owned, groups=(None,))
-        if overflow:
-            norm = None  # no norm of gradients that overflowed (and JSON has no inf)
-            replica.skip()
-        else:
-            norm = global_norm(owned, replica.norm_groups())
-            clip_(owned, norm, optim.grad_clip)
-            replica.update(lr)
-        scaler.update(overflow)
-        batch_loss = _average(loss_share)  # every rank's weighted share: the batch's mean
+        batch_loss, norm, overflow = train_step(replica, scaler, *sampler.next(), config, lr)
         seconds = time.perf_counter() - start
         tokens_per_s = batch * seq_len / seconds
         record = {"step": step + 1, "loss": batch_loss, "lr": lr, "grad_norm": norm,
