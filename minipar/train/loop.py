@@ -142,7 +142,7 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
     apply_recompute(model, loop.recompute)  # before the wrappers: they see the same modules
     replica = ReplicatedModel(model, config)
     scaler = LossScaler(enabled=loop.precision == "fp16")
-    # MFU against the peak of the dtype the matmuls run in (bf16: AMX on this CPU)
+    # MFU against the peak of the dtype the matmuls run in (bf16 on a CPU: AMX if it has it)
     flops, peak = config.model.flops_per_token(), _shared_peak(COMPUTE_DTYPES[loop.precision])
     log = MetricsLog(Path(out) / "metrics.jsonl") if out is not None and rank() == 0 else None
     if log is not None:
