@@ -159,6 +159,19 @@ def test_a_run_leaves_its_config_and_one_metrics_line_per_step(corpus, tmp_path)
     assert "val_loss" in lines[-1] and "val_loss" not in lines[0]  # 0: only at the end
     assert 0 < lines[-1]["mfu"] < 1.5
     assert "[model]" in (tmp_path / "config.toml").read_text()
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+    trace = json.loads((tmp_path / "step.trace.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"forward+backward", "optimizer"} <= names
+
+
+def test_a_run_on_two_ranks_traces_one_step_of_both(cluster2, corpus, tmp_path):
+    config = tiny(corpus, dp=2)
+    config = replace(config, train=replace(config.train, steps=4, eval_every=0),
+                     optim=replace(config.optim, warmup_steps=1))
+    cluster2.run(train, config, tmp_path)
+    trace = json.loads((tmp_path / "step.trace.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"] if e.get("ph") == "X"} == {0, 1}
 
 
 def _overflow_on(rank_with_inf: int, scale: float) -> tuple[bool, float, list[float]]:

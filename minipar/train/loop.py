@@ -18,23 +18,28 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .. import collectives
+from .. import collectives, trace
 from ..data_parallel import shard_weight
 from ..decoder import decoder
 from ..runtime import rank, world_size
+from ..trace import record
 from .config import TrainConfig, check, describe, to_toml
+from .curves import save_run_pictures
 from .data import BatchSampler, load_tokens
 from .metrics import MetricsLog, cores_in_use, measured_peak, mfu
 from .optim import clip_, global_norm, learning_rate
 from .precision import COMPUTE_DTYPES, PARAM_DTYPES, LossScaler
 from .recompute import apply_recompute
 from .replicas import ReplicatedModel
+
+TRACED_STEP = 3  # the step saved as step.trace.json: past the first steps' warm-up
 
 
 @dataclass
@@ -82,6 +87,15 @@ def _average(value: float) -> float:
     return collectives.all_reduce(total, op="avg").item() if world_size() > 1 else value
 
 
+def _gathered(events: list) -> list:
+    """Every rank's events of the traced step, on rank 0 (others get [])."""
+    if world_size() == 1:
+        return events
+    everyone = [None] * world_size() if rank() == 0 else None
+    dist.gather_object(events, everyone, dst=0)
+    return [e for mine in everyone for e in mine] if rank() == 0 else []
+
+
 def evaluate(replica: ReplicatedModel, sampler: BatchSampler, batches: int) -> float:
     """The validation loss: the mean over `batches` fixed global batches (steps 0.. of a
     sampler of the held-out documents, so every evaluation sees the same tokens)."""
@@ -107,8 +121,9 @@ def train_step(replica: ReplicatedModel, scaler: LossScaler, ids: torch.Tensor,
     loss_share = 0.0
     for i, (x, y) in enumerate(chunks):
         with replica.accumulating(last=i == len(chunks) - 1):
-            loss = replica.loss(x, y) * shard_weight(len(x), batch, world_size())
-            scaler.scaled(loss).backward()
+            with record("compute", "forward+backward", microbatch=i):
+                loss = replica.loss(x, y) * shard_weight(len(x), batch, world_size())
+                scaler.scaled(loss).backward()
         loss_share += loss.item()
     replica.reduce_gradients()
     owned = replica.owned_gradients()
@@ -120,7 +135,8 @@ def train_step(replica: ReplicatedModel, scaler: LossScaler, ids: torch.Tensor,
     else:
         norm = global_norm(owned, replica.norm_groups())
         clip_(owned, norm, config.optim.grad_clip)
-        replica.update(lr)
+        with record("compute", "optimizer"):
+            replica.update(lr)
     scaler.update(overflow)
     return _average(loss_share), norm, overflow  # the weighted shares: the batch's mean
 
@@ -148,12 +164,19 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
     if log is not None:
         (Path(out) / "config.toml").write_text(to_toml(config))
         print(describe(config), flush=True)
-    run = Run()
+    run, events = Run(), []
     for step in range(loop.steps):
         lr = learning_rate(step, optim, loop.steps)
+        traced = out is not None and step + 1 == min(TRACED_STEP, loop.steps)
+        if traced and k > 1:
+            dist.barrier()  # every rank's clock starts the traced step together
         start = time.perf_counter()
-        batch_loss, norm, overflow = train_step(replica, scaler, *sampler.next(), config, lr)
+        with trace.capture() if traced else nullcontext() as captured:
+            batch_loss, norm, overflow = train_step(replica, scaler, *sampler.next(), config,
+                                                    lr)
         seconds = time.perf_counter() - start
+        if traced:
+            events = _gathered(captured.events)
         tokens_per_s = batch * seq_len / seconds
         record = {"step": step + 1, "loss": batch_loss, "lr": lr, "grad_norm": norm,
                   "tokens_per_s": tokens_per_s,
@@ -173,6 +196,7 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
                 print(progress_line(record, loop.steps), flush=True)
     if log is not None:
         log.close()
+        save_run_pictures(Path(out), run.records, events)
     if keep_weights:
         run.weights = {name: p.clone() for name, p in replica.full_parameters()}
     return run
