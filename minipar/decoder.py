@@ -309,9 +309,8 @@ class Decoder(nn.Module):
 
 def decoder(config: DecoderConfig, seed: int = 0, dtype: torch.dtype = torch.float32
             ) -> Decoder:
-    """The trainer's twin, deterministic from `seed` on any machine; one-line error first
-    if the config's shape cannot be (`config.check()`)."""
-    config.check()
+    """The trainer's twin, deterministic from `seed` on any machine (a shape that cannot be
+    is one line from `config.check()`, before anything is built)."""
     return Decoder(config, seed, dtype)
 
 

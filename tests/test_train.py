@@ -19,6 +19,7 @@ from minipar.train.config import (
     TrainConfig,
 )
 from minipar.train.loop import refuse_unbuilt, train
+from minipar.train.metrics import read_metrics
 from minipar.train.optim import clip_, global_norm, learning_rate
 
 WORDS = ("def return import class self lambda yield while for in if else elif try except "
@@ -152,7 +153,7 @@ def test_a_run_leaves_its_config_and_one_metrics_line_per_step(corpus, tmp_path)
                                                  precision="fp32"),
                      optim=replace(tiny(corpus).optim, warmup_steps=1))
     minipar.launch(train, 1, config, tmp_path)
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in lines] == [1, 2, 3]
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
         assert all(math.isfinite(r[key]) for r in lines), key

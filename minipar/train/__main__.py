@@ -10,6 +10,7 @@ processes it spawns (dp x pp x tp x cp of them, or --ranks), or under torchrun. 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from ..cli import OneLineParser, output_folder, positive_int, run_command
@@ -48,7 +49,7 @@ def _config(args):
         if ranks % others:
             raise ValueError(f"--ranks {ranks} is not a multiple of pp x tp x cp = {others}; "
                              f"use --ranks {others * max(1, ranks // others)} or other degrees")
-        config = load_config(args.config, {**overrides, "parallel.dp": ranks // others})
+        config = replace(config, parallel=replace(par, dp=ranks // others))
     ranks = config.parallel.dp * others
     check(config, ranks)
     return config, ranks
@@ -87,8 +88,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m minipar.train") -
 
 def _one_process(config):
     """The same run on one process: every degree 1, ZeRO off, the same global batch."""
-    from dataclasses import replace
-
     return replace(config, parallel=replace(config.parallel, dp=1, pp=1, tp=1, cp=1, zero=0,
                                             sequence_parallel=False))
 

@@ -76,10 +76,10 @@ class MetricsLog:
     """One JSON object per line in `metrics.jsonl` (written as it goes, so a killed run
     keeps what it logged)."""
 
-    def __init__(self, path: Path, resume: bool = False) -> None:
+    def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self.file = path.open("a" if resume else "w")
+        self.file = path.open("w")
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")

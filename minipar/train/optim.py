@@ -1,5 +1,5 @@
-"""The optimizer side of a step: AdamW with decoupled weight decay, the learning rate's
-warmup and cosine decay, and clipping by the global gradient norm across shards.
+"""The optimizer side of a step: the learning rate's warmup and cosine decay, and
+clipping by the global gradient norm across shards (AdamW itself: replicas.py).
 
 The global norm is the classic bug of composed training (torchtitan#2318 reported a
 norm 8x too large): every gradient entry must count exactly once. A rank sums the
@@ -16,32 +16,9 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from .. import collectives
 from .config import OptimConfig
-
-
-def decay_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    """AdamW's parameter groups: matrices decay, vectors (norms) and the embedding do not
-    (as nanoGPT and Llama's recipes spare gains; the embedding, tied to the head or not,
-    is spared too, as in GPT-NeoX)."""
-    seen, decay, keep = set(), [], []
-    for name, p in named:
-        if id(p) in seen or not p.requires_grad:  # a tied weight is one parameter, once
-            continue
-        seen.add(id(p))
-        (decay if p.dim() >= 2 and "embed" not in name else keep).append(p)
-    return [{"params": decay, "weight_decay": weight_decay},
-            {"params": keep, "weight_decay": 0.0}]
-
-
-def adamw(groups: list[dict], optim: OptimConfig) -> torch.optim.AdamW:
-    """AdamW (Loshchilov and Hutter 2019) over `groups`; the rate is set every step."""
-    # foreach=False: one parameter at a time, the same arithmetic on every rank layout, so
-    # a sharded run's update equals one process's to the last bit in float64
-    return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2),
-                             eps=optim.eps, foreach=False)
 
 
 def learning_rate(step: int, optim: OptimConfig, steps: int) -> float:

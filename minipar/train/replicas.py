@@ -25,6 +25,7 @@ from ..decoder import Decoder
 from ..runtime import world_size
 from ..sharded import FlatShard, FullyShardedDataParallel, ZeroDataParallel
 from .config import TrainConfig
+from .optim import set_learning_rate
 from .precision import autocast
 
 
@@ -102,8 +103,7 @@ class ReplicatedModel:
         with torch.no_grad():
             for p, mask in zip(params, self.masks, strict=True):
                 p.mul_(1 - lr * self.weight_decay * mask)  # AdamW's first line, masked
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        set_learning_rate(self.optimizer, lr)
         if self.zero:
             self.wrapper.update()  # the step, then (ZeRO-1/2) the parameters gathered
         else:
