@@ -9,6 +9,7 @@ tested against it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -166,10 +167,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, explicit: bool = F
 
 def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
-                            explicit: bool = False) -> torch.Tensor:
+                            explicit: bool = False, attend: Callable = attend
+                            ) -> torch.Tensor:
     """The projections q [batch, seq, heads * d], k and v [batch, seq, kv_heads * d] ->
     attended heads [batch, seq, heads * d]: split into heads, RoPE, each kv head repeated
-    for its query heads, causal attention. Head counts come from the shapes, so a
+    for its query heads, causal attention by `attend(q, k, v, explicit)` (context
+    parallelism passes ring attention). Head counts come from the shapes, so a
     tensor-parallel rank passes its local heads through the same code."""
     b, s = q.shape[:2]
     # [b, s, n * d] -> [b, n, s, d]: head i is columns i*d..(i+1)*d of the projection

@@ -4,8 +4,9 @@ and tensor parallelism equal to one process."""
 import pytest
 
 import minipar
-from minipar.mesh import Mesh, MeshGPT
+from minipar.mesh import Mesh
 from minipar.mesh.gpt import check_against_twin
+from minipar.mesh.model import MeshModel
 from minipar.moe.on_mesh import check_moe_against_twin
 
 
@@ -79,12 +80,12 @@ def test_every_composition_on_8_ranks_trains_like_one_process():
 
 
 def _without_tied_sum(dims):
-    kept = MeshGPT._sum_tied_gradients
-    MeshGPT._sum_tied_gradients = lambda self: None  # in this rank's process, for this run
+    kept = MeshModel.sum_tied_gradients
+    MeshModel.sum_tied_gradients = lambda self: None  # in this rank's process, for this run
     try:
         return check_against_twin(dims, steps=1)
     finally:
-        MeshGPT._sum_tied_gradients = kept
+        MeshModel.sum_tied_gradients = kept
 
 
 def test_the_tied_embedding_needs_its_gradients_summed_across_pipeline_ends(cluster2):

@@ -10,10 +10,8 @@ Each technique is the one its own package teaches, given its mesh dimension's gr
   backward the gradients are averaged over `groups.dp` (or, with `zero=True`, ZeRO-1
   shards the optimizer state over `groups.dp`).
 
-One thing exists only because techniques meet: the head is tied to the token
-embedding, and with pp > 1 the first and last stages hold separate copies of that
-weight. As Megatron-LM does, their gradients are summed between the two stages (its
-"embedding group") so both copies take the same step.
+The pipeline, the stage cuts and the tied embedding's gradient are `model.MeshModel`'s,
+the composition the trainer's decoder shares.
 """
 
 from __future__ import annotations
@@ -27,11 +25,11 @@ from torch import nn
 from .. import collectives
 from ..data_parallel import average_gradients, shard
 from ..models import TinyGPT
-from ..pipeline import Pipeline, schedule, split_model
 from ..runtime import rank, world_size
 from ..sharded import ZeroDataParallel
 from ..tensor_parallel import ParallelTransformerBlock
 from .mesh import MeshGroups
+from .model import MeshModel
 
 
 class Embedding(nn.Module):
@@ -42,6 +40,10 @@ class Embedding(nn.Module):
     def __init__(self, twin: TinyGPT) -> None:
         super().__init__()
         self.tokens, self.positions = copy.deepcopy(twin.tokens), copy.deepcopy(twin.positions)
+
+    @property
+    def tied_weight(self) -> nn.Parameter:
+        return self.tokens.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         # the pipeline cuts micro-batches along dim 0, the blocks want [sequence, batch]
@@ -55,8 +57,13 @@ class Head(nn.Module):
     def __init__(self, twin: TinyGPT, tokens: nn.Embedding) -> None:
         super().__init__()
         # `tokens` itself, not a copy: with pp = 1 embedding and head share one Parameter, as the
-        # twin does; with pp > 1 the stages' copies are kept equal by _sum_tied_gradients
+        # twin does; with pp > 1 the stages' copies are kept equal by
+        # MeshModel.sum_tied_gradients
         self.norm, self.tokens = copy.deepcopy(twin.norm), tokens
+
+    @property
+    def tied_weight(self) -> nn.Parameter:
+        return self.tokens.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x) @ self.tokens.weight.t()
@@ -77,17 +84,6 @@ def gpt_layers(twin: TinyGPT, tp_group=None) -> list[tuple[str, nn.Module]]:
     return [("", embedding), *blocks, ("", Head(twin, embedding.tokens))]
 
 
-def stage_boundaries(layers: int, stages: int) -> list[int]:
-    """Where each stage after the first begins: the blocks shared out evenly, the embedding
-    joining the first stage and the head the last (layers counts all three kinds)."""
-    blocks = layers - 2
-    if not 1 <= stages <= blocks:
-        raise ValueError(f"pp must be between 1 and the number of blocks ({blocks}); "
-                         f"got {stages}")
-    # 1 +: layer 0 is the embedding; integer division spreads the blocks within one of even
-    return [1 + (blocks * s) // stages for s in range(1, stages)]
-
-
 class MeshGPT:
     """This rank's part of a TinyGPT trained on a mesh with dimensions dp, pp and tp (any of
     them may be 1). `train_step` runs one batch and the optimizer; `named_parameters`
@@ -96,35 +92,20 @@ class MeshGPT:
     def __init__(self, twin: TinyGPT, groups: MeshGroups, optimizer: Callable,
                  microbatches: int = 2, schedule_name: str = "1f1b", zero: bool = False) -> None:
         self.groups, self.zero = groups, zero
-        self.pp_rank, self.pp = rank(groups.pp), world_size(groups.pp)
-        named = gpt_layers(twin, groups.tp)
-        cuts = [0, *stage_boundaries(len(named), self.pp), len(named)]
-        stages = split_model([m for _, m in named], self.pp, cuts[1:-1])
-        plan = schedule(schedule_name, self.pp, microbatches)
-        mine = [s for s in range(plan.stages) if plan.rank_of(s) == self.pp_rank]
-        self._prefixes = {s: [p for p, _ in named[cuts[s]:cuts[s + 1]]] for s in mine}
-        self._local = nn.ModuleList(stages[s] for s in mine)
-        # ZeRO makes the parameters views of its flat buffer: before the pipeline sees them
-        if zero:
-            self.trainer = ZeroDataParallel(self._local, optimizer, stage=1, group=groups.dp)
-            self.optimizer = self.trainer.optimizer
-        else:
-            self.optimizer = optimizer(list(self._local.parameters()))
-        self.pipe = Pipeline(stages, plan, group=groups.pp)
-        # the weight the embedding and the head share, on ranks holding either end
-        ends = [stages[0][0]] if 0 in mine else []
-        ends += [stages[-1][-1]] if plan.stages - 1 in mine else []
-        self.tied = ends[0].tokens.weight if ends else None
+
+        def shard(local: nn.ModuleList) -> ZeroDataParallel | None:
+            # ZeRO makes the parameters views of its flat buffer: before the pipeline sees them
+            return ZeroDataParallel(local, optimizer, stage=1, group=groups.dp) if zero else None
+
+        self.model = MeshModel(gpt_layers(twin, groups.tp), groups, microbatches,
+                               schedule_name, shard=shard)
+        self.trainer = self.model.sharded
+        self.optimizer = (self.trainer.optimizer if zero
+                          else optimizer(list(self.model.local.parameters())))
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under the twin's names (the tied weight once)."""
-        seen = set()
-        for s, stage in self.pipe.modules.items():
-            for prefix, layer in zip(self._prefixes[s], stage, strict=True):
-                for name, p in layer.named_parameters():
-                    if id(p) not in seen:
-                        seen.add(id(p))
-                        yield prefix + name, p
+        return self.model.named_parameters()
 
     def forward_backward(self, ids: torch.Tensor, targets: torch.Tensor) -> float | None:
         """Gradients of the whole batch's mean loss on this rank's parameters (averaged over
@@ -132,30 +113,14 @@ class MeshGPT:
         dp = self.groups.dp
         local_ids = shard(ids, rank(dp), world_size(dp))
         local_targets = shard(targets, rank(dp), world_size(dp))
-        loss = self.pipe.train_step(local_ids, local_targets, gpt_loss)
-        # before any averaging or step: both copies of the tied weight then step alike
-        self._sum_tied_gradients()
+        loss = self.model.forward_backward(local_ids, local_targets, gpt_loss)
         if not self.zero:
-            average_gradients(list(self._local.parameters()), dp)
+            average_gradients(list(self.model.local.parameters()), dp)
         if loss is None:
             return None
         # each dp replica's loss is the mean over its own rows: their mean is the batch's
         return collectives.all_reduce(torch.tensor([loss], dtype=torch.float64), op="avg",
                                       group=dp).item()
-
-    def _sum_tied_gradients(self) -> None:
-        """The embedding and the head share a weight; with pp > 1 the first and last stage
-        each hold a copy, whose gradients add up to the twin's."""
-        if self.pp == 1 or self.tied is None:
-            return
-        # Megatron-LM's embedding group: the first and the last pipeline rank
-        partner = self.pp - 1 if self.pp_rank == 0 else 0
-        grad = self.tied.grad if self.tied.grad is not None else torch.zeros_like(self.tied)
-        # isend, then recv: both ends send first, so neither blocks the other
-        pending = collectives.isend(grad.contiguous(), partner, self.groups.pp)
-        theirs = collectives.recv(torch.empty_like(grad), partner, self.groups.pp)
-        pending.wait()
-        self.tied.grad = grad + theirs
 
     def step(self) -> None:
         """The optimizer step (ZeRO-1: reduce-scatter, update this rank's slice, gather)."""

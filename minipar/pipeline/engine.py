@@ -162,6 +162,22 @@ class Pipeline:
         the batch (dim 0) into micro-batches of those lengths instead of tensor_split's
         even ones. Returns the batch's mean loss on the rank holding the last stage, else
         None."""
+        return self._step(batch, target, loss_fn, sizes, self.plan.actions[self.rank])
+
+    @torch.no_grad()
+    def evaluate(self, batch: torch.Tensor, target: torch.Tensor,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float | None:
+        """The batch's mean loss with no backward and no gradients (a validation loss), on
+        the rank holding the last stage, else None: the schedule's forward actions alone,
+        in the schedule's order. Dropping the backward actions only removes waits, and the
+        forward messages between any two ranks keep their order, so it cannot deadlock."""
+        forward = (ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F)
+        return self._step(batch, target, loss_fn, None,
+                          [a for a in self.plan.actions[self.rank] if a.kind in forward])
+
+    def _step(self, batch: torch.Tensor, target: torch.Tensor,
+              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+              sizes: Sequence[int] | None, actions: Sequence[Action]) -> float | None:
         m = self.plan.microbatches
         if batch.shape[0] < m:
             raise ValueError(f"a batch of {batch.shape[0]} samples cannot make {m} micro-batches")
@@ -172,9 +188,9 @@ class Pipeline:
         inputs = torch.split(batch, list(sizes)) if sizes else torch.tensor_split(batch, m)
         targets = torch.split(target, list(sizes)) if sizes else torch.tensor_split(target, m)
         state = StepState(inputs, targets, [len(x) / len(batch) for x in inputs])
-        key = (tuple(batch.shape), batch.dtype, tuple(sizes) if sizes else None)
+        # the message shapes learnt depend on the batch and on which actions run
+        key = (tuple(batch.shape), batch.dtype, tuple(sizes) if sizes else None, len(actions))
         messages = Messages(self.plan, self.group, self.dtype, self._shapes.get(key))
-        actions = self.plan.actions[self.rank]
         for index, action in enumerate(actions):
             if self.post_ahead:
                 messages.post_ahead(actions, index)

@@ -44,7 +44,10 @@ def _check_heads(heads: int, kv_heads: int, size: int) -> None:
 class ParallelAttention(nn.Module):
     """Grouped-query attention with its heads split over ranks: rank r holds kv heads
     [r*kv/tp, (r+1)*kv/tp) and exactly the query heads they serve, attends locally with
-    the twin's code, and the row-parallel o_proj sums the heads' contributions (g)."""
+    the twin's code, and the row-parallel o_proj sums the heads' contributions (g). `core`
+    is the twin's extension point, kept: recomputation or ring attention replace it."""
+
+    core = staticmethod(grouped_query_attention)
 
     def __init__(self, twin: Attention, group=None, sequence_parallel: bool = False) -> None:
         super().__init__()
@@ -74,9 +77,8 @@ class ParallelAttention(nn.Module):
         cover the whole sequence: they are per position and head_dim, the same on every
         rank, so RoPE applies to the local heads unchanged."""
         x = _enter_parallel_region(x, self.group, self.sequence_parallel)
-        out = grouped_query_attention(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin,
-                                      self.head_dim, self.explicit if explicit is None
-                                      else explicit)
+        out = self.core(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin,
+                        self.head_dim, self.explicit if explicit is None else explicit)
         return self.o_proj(out)
 
 

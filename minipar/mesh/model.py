@@ -1,0 +1,106 @@
+"""A model cut into layers, run on a mesh: the layers shared out as pipeline stages over
+`pp` (each layer already tensor parallel over `tp`, or context parallel over `cp`, as
+its builder made it), one step through the schedule, and the one gradient that exists
+only because techniques meet.
+
+`MeshModel` is the composition every model on a mesh shares: the tiny GPT of lesson 07
+(`gpt.MeshGPT`) and the trainer's decoder (`decoder.decoder_layers`, `minipar train`).
+What runs over `dp` (averaging, ZeRO) is its owner's choice: the owner wraps the local
+stages (`shard`) before the pipeline sees their parameters.
+
+The head is tied to the token embedding, and with pp > 1 the first and last stages hold
+separate copies of that weight. As Megatron-LM does, their gradients are summed between
+the two stages (its "embedding group") so both copies take the same step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from .. import collectives
+from ..pipeline import Pipeline, Stage, schedule, split_model
+from ..runtime import rank, world_size
+from .mesh import MeshGroups
+
+NamedLayers = list[tuple[str, nn.Module]]  # (the twin's name prefix, layer)
+
+
+def stage_boundaries(layers: int, stages: int) -> list[int]:
+    """Where each stage after the first begins: the blocks shared out evenly, the embedding
+    joining the first stage and the head the last (layers counts all three kinds)."""
+    blocks = layers - 2
+    if not 1 <= stages <= blocks:
+        raise ValueError(f"pp must be between 1 and the number of blocks ({blocks}); "
+                         f"got {stages}")
+    # 1 +: layer 0 is the embedding; integer division spreads the blocks within one of even
+    return [1 + (blocks * s) // stages for s in range(1, stages)]
+
+
+class MeshModel:
+    """This rank's stages of [embedding, blocks..., head] on a mesh with a `pp` dimension
+    (of size 1 when there is no pipeline). The first and last layers name the weight they
+    share as `tied_weight` (None when untied). `shard(local_stages)` runs before the
+    pipeline is built (ZeRO makes parameters views of its flat buffer); `make_stage` is the
+    engine's extension point (e.g. a stage that computes in another precision)."""
+
+    def __init__(self, named: NamedLayers, groups: MeshGroups, microbatches: int = 1,
+                 schedule_name: str = "1f1b", virtual: int = 1,
+                 shard: Callable[[nn.ModuleList], object] | None = None,
+                 make_stage: Callable[[nn.Module, int], Stage] | None = None) -> None:
+        self.groups = groups
+        self.pp_rank, self.pp = rank(groups.pp), world_size(groups.pp)
+        plan = schedule(schedule_name, self.pp, microbatches, virtual)
+        cuts = [0, *stage_boundaries(len(named), plan.stages), len(named)]
+        stages = split_model([m for _, m in named], plan.stages, cuts[1:-1])
+        mine = [s for s in range(plan.stages) if plan.rank_of(s) == self.pp_rank]
+        self._prefixes = {s: [p for p, _ in named[cuts[s]:cuts[s + 1]]] for s in mine}
+        self.local = nn.ModuleList(stages[s] for s in mine)
+        self.first_stage, self.last_stage = 0 in mine, plan.stages - 1 in mine
+        self.sharded = shard(self.local) if shard is not None else None
+        self.pipe = Pipeline(stages, plan, group=groups.pp, make_stage=make_stage)
+        # the weight the embedding and the head share, on ranks holding either end
+        ends = [stages[0][0]] if self.first_stage else []
+        ends += [stages[-1][-1]] if self.last_stage else []
+        self.tied = ends[0].tied_weight if ends else None
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the twin's names (the tied weight once)."""
+        seen = set()
+        for s, stage in self.pipe.modules.items():
+            for prefix, layer in zip(self._prefixes[s], stage, strict=True):
+                for name, p in layer.named_parameters():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        yield prefix + name, p
+
+    def forward_backward(self, ids: torch.Tensor, targets: torch.Tensor,
+                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+                         ) -> float | None:
+        """One pipeline step: gradients of the batch's mean `loss_fn` in .grad (the tied
+        copies' summed); the loss on ranks holding the last stage, else None."""
+        loss = self.pipe.train_step(ids, targets, loss_fn)
+        # before any averaging or step: both copies of the tied weight then step alike
+        self.sum_tied_gradients()
+        return loss
+
+    def sum_tied_gradients(self) -> None:
+        """The embedding and the head share a weight; with pp > 1 the first and last stage
+        each hold a copy, whose gradients add up to the twin's."""
+        if self.pp == 1 or self.tied is None:
+            return
+        # Megatron-LM's embedding group: the first and the last pipeline rank
+        partner = self.pp - 1 if self.pp_rank == 0 else 0
+        grad = self.tied.grad if self.tied.grad is not None else torch.zeros_like(self.tied)
+        # isend, then recv: both ends send first, so neither blocks the other
+        pending = collectives.isend(grad.contiguous(), partner, self.groups.pp)
+        theirs = collectives.recv(torch.empty_like(grad), partner, self.groups.pp)
+        pending.wait()
+        self.tied.grad = grad + theirs
+
+    def holds_tied_copy(self, p: nn.Parameter) -> bool:
+        """Whether `p` is the last stage's copy of the tied weight (pp > 1): the same entries
+        as the first stage's, so a norm counts it there only."""
+        return self.pp > 1 and self.tied is not None and p is self.tied and not self.first_stage
