@@ -114,6 +114,7 @@ class MeshGPT:
         local_ids = shard(ids, rank(dp), world_size(dp))
         local_targets = shard(targets, rank(dp), world_size(dp))
         loss = self.model.forward_backward(local_ids, local_targets, gpt_loss)
+        self.model.sum_tied_gradients()
         if not self.zero:
             average_gradients(list(self.model.local.parameters()), dp)
         if loss is None:

@@ -79,16 +79,16 @@ class MeshModel:
     def forward_backward(self, ids: torch.Tensor, targets: torch.Tensor,
                          loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                          ) -> float | None:
-        """One pipeline step: gradients of the batch's mean `loss_fn` in .grad (the tied
-        copies' summed); the loss on ranks holding the last stage, else None."""
-        loss = self.pipe.train_step(ids, targets, loss_fn)
-        # before any averaging or step: both copies of the tied weight then step alike
-        self.sum_tied_gradients()
-        return loss
+        """One pipeline step: gradients of the batch's mean `loss_fn` added into .grad; the
+        loss on ranks holding the last stage, else None. Call `sum_tied_gradients` once
+        after the last step of an optimizer step (not per step: accumulated gradients
+        would be summed again)."""
+        return self.pipe.train_step(ids, targets, loss_fn)
 
     def sum_tied_gradients(self) -> None:
         """The embedding and the head share a weight; with pp > 1 the first and last stage
-        each hold a copy, whose gradients add up to the twin's."""
+        each hold a copy, whose gradients add up to the twin's. Call it before any
+        averaging or step, so both copies then step alike."""
         if self.pp == 1 or self.tied is None:
             return
         # Megatron-LM's embedding group: the first and the last pipeline rank

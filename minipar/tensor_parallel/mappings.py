@@ -22,18 +22,10 @@ def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return rank(group), world_size(group)
 
 
-def _last_dim_gather(x: torch.Tensor, group) -> torch.Tensor:
-    # all_gather joins along dim 0: bring the last dim to the front, gather, move it back;
-    # contiguous: movedim only relabels strides, and the copies give dense buffers
-    moved = x.movedim(-1, 0).contiguous()
-    gathered = collectives.all_gather(moved, group=group)
-    return gathered.movedim(0, -1).contiguous()
-
-
-def _last_dim_slice(x: torch.Tensor, group) -> torch.Tensor:
+def _slice_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     me, size = _tp(group)
     # a column slice of a row-major tensor is strided: copy it into memory of its own
-    return x.chunk(size, dim=-1)[me].contiguous()
+    return x.chunk(size, dim=dim)[me].contiguous()
 
 
 class _CopyToParallel(torch.autograd.Function):
@@ -67,29 +59,29 @@ class _ReduceFromParallel(torch.autograd.Function):
 
 
 class _ScatterToParallel(torch.autograd.Function):
-    """Keep this rank's slice of the last dimension; backward all-gathers it."""
+    """Keep this rank's slice of dimension `dim`; backward all-gathers it."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _last_dim_slice(x, group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _slice_along(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _last_dim_gather(grad, ctx.group), None
+        return _gather_along(grad, ctx.dim, ctx.group), None, None
 
 
 class _GatherFromParallel(torch.autograd.Function):
-    """All-gather the last dimension; backward keeps this rank's slice."""
+    """All-gather dimension `dim`; backward keeps this rank's slice."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _last_dim_gather(x, group)
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather_along(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _last_dim_slice(grad, ctx.group), None
+        return _slice_along(grad, ctx.dim, ctx.group), None, None
 
 
 def _gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
@@ -148,14 +140,18 @@ def reduce_from_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
     return _ReduceFromParallel.apply(x, group)
 
 
-def scatter_to_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    """This rank's slice of the last dimension (backward: all-gather)."""
-    return _ScatterToParallel.apply(x, group)
+def scatter_to_parallel_region(x: torch.Tensor, group=None, dim: int = -1) -> torch.Tensor:
+    """This rank's slice of dimension `dim`, the last by default (backward: all-gather). On
+    the sequence, it enters sequence parallelism from a tensor every rank holds whole and
+    gets the same gradient for (a replicated embedding's output)."""
+    return _ScatterToParallel.apply(x, group, dim)
 
 
-def gather_from_parallel_region(x: torch.Tensor, group=None) -> torch.Tensor:
-    """All ranks' slices joined along the last dimension (backward: keep the slice)."""
-    return _GatherFromParallel.apply(x, group)
+def gather_from_parallel_region(x: torch.Tensor, group=None, dim: int = -1) -> torch.Tensor:
+    """All ranks' slices joined along dimension `dim`, the last by default (backward: keep
+    the slice). On the sequence, it leaves sequence parallelism for a layer that every
+    rank computes whole (a replicated head): each keeps its own slice's gradient."""
+    return _GatherFromParallel.apply(x, group, dim)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group=None, dim: int = 0

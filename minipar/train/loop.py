@@ -25,11 +25,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import collectives, trace
-from ..data_parallel import shard_weight
+from .. import trace
 from ..decoder import decoder
+from ..pipeline import SCHEDULES
 from ..runtime import rank, world_size
 from ..trace import record
+from .composed import MeshReplica
 from .config import TrainConfig, check, describe, to_toml
 from .curves import save_run_pictures
 from .data import BatchSampler, load_tokens
@@ -37,7 +38,7 @@ from .metrics import MetricsLog, cores_in_use, measured_peak, mfu
 from .optim import clip_, global_norm, learning_rate
 from .precision import COMPUTE_DTYPES, PARAM_DTYPES, LossScaler
 from .recompute import apply_recompute
-from .replicas import ReplicatedModel
+from .replicas import Replica, ReplicatedModel
 
 TRACED_STEP = 3  # the step saved as step.trace.json: past the first steps' warm-up
 
@@ -59,17 +60,22 @@ class Run:
 
 
 def refuse_unbuilt(config: TrainConfig) -> None:
-    """One line for a combination the trainer does not compose yet (the config itself is
+    """One line for a combination the trainer does not compose (the config itself is
     valid: `check` passed)."""
     par = config.parallel
-    for name in ("pp", "tp", "cp"):
-        if getattr(par, name) > 1:
-            raise ValueError(f"parallel.{name}={getattr(par, name)}: the trainer composes data "
-                             f"parallelism (dp, zero 0-3) so far; use {name}=1 (its lesson's "
-                             "package runs it on its own)")
-    if par.sequence_parallel:
-        raise ValueError("parallel.sequence_parallel needs tensor parallelism, which the "
-                         "trainer does not compose yet; leave it off")
+    if par.schedule in ("pipedream", "terapipe"):
+        why = ("updates the weights after every micro-batch (no flush), so it is not the "
+               "one-process optimizer" if par.schedule == "pipedream" else
+               "cuts one sequence into token slices, which the decoder's stages do not carry")
+        raise ValueError(f"parallel.schedule={par.schedule!r} {why}; the trainer runs the "
+                         f"synchronous schedules: {', '.join(SYNCHRONOUS)}")
+    if par.zero == 3 and max(par.pp, par.tp, par.cp) > 1:
+        raise ValueError("parallel.zero=3 shards whole blocks of the one-process model, which "
+                         "the pipeline and tensor-parallel layers cut differently; with pp, "
+                         "tp or cp > 1 use zero 0, 1 or 2")
+
+
+SYNCHRONOUS = tuple(name for name in SCHEDULES if name not in ("pipedream", "terapipe"))
 
 
 def _shared_peak(dtype: torch.dtype) -> float:
@@ -81,12 +87,6 @@ def _shared_peak(dtype: torch.dtype) -> float:
     return box[0]
 
 
-def _average(value: float) -> float:
-    """The mean of a float over the ranks (each rank's share already weighted)."""
-    total = torch.tensor([value], dtype=torch.float64)
-    return collectives.all_reduce(total, op="avg").item() if world_size() > 1 else value
-
-
 def _gathered(events: list) -> list:
     """Every rank's events of the traced step, on rank 0 (others get [])."""
     if world_size() == 1:
@@ -96,20 +96,18 @@ def _gathered(events: list) -> list:
     return [e for mine in everyone for e in mine] if rank() == 0 else []
 
 
-def evaluate(replica: ReplicatedModel, sampler: BatchSampler, batches: int) -> float:
+def evaluate(replica: Replica, sampler: BatchSampler, batches: int) -> float:
     """The validation loss: the mean over `batches` fixed global batches (steps 0.. of a
     sampler of the held-out documents, so every evaluation sees the same tokens)."""
     sampler.load_state_dict({"step": 0})
     total = 0.0
-    with replica.evaluating():
-        for _ in range(batches):
-            ids, targets = sampler.next()
-            weight = shard_weight(len(ids), sampler.batch_size, world_size())
-            total += replica.loss(ids, targets).item() * weight
-    return _average(total) / batches
+    for _ in range(batches):
+        share = replica.eval_loss(*sampler.next(), sampler.batch_size)
+        total += share or 0.0  # None: a rank without the last stage has no loss
+    return replica.mean_over_ranks(total) / batches
 
 
-def train_step(replica: ReplicatedModel, scaler: LossScaler, ids: torch.Tensor,
+def train_step(replica: Replica, scaler: LossScaler, ids: torch.Tensor,
                targets: torch.Tensor, config: TrainConfig, lr: float
                ) -> tuple[float, float | None, bool]:
     """One optimizer step on this rank's rows (steps 2-5 of the module docstring): the
@@ -120,11 +118,9 @@ def train_step(replica: ReplicatedModel, scaler: LossScaler, ids: torch.Tensor,
                       torch.tensor_split(targets, accumulation), strict=True))
     loss_share = 0.0
     for i, (x, y) in enumerate(chunks):
-        with replica.accumulating(last=i == len(chunks) - 1):
-            with record("compute", "forward+backward", microbatch=i):
-                loss = replica.loss(x, y) * shard_weight(len(x), batch, world_size())
-                scaler.scaled(loss).backward()
-        loss_share += loss.item()
+        with record("compute", "forward+backward", microbatch=i):
+            share = replica.forward_backward(x, y, batch, scaler, last=i == len(chunks) - 1)
+        loss_share += share or 0.0  # None: a rank without the last stage has no loss
     replica.reduce_gradients()
     owned = replica.owned_gradients()
     # every rank of the run agrees: one rank's overflow skips the step everywhere
@@ -133,12 +129,22 @@ def train_step(replica: ReplicatedModel, scaler: LossScaler, ids: torch.Tensor,
         norm = None  # no norm of gradients that overflowed (and JSON has no inf)
         replica.skip()
     else:
-        norm = global_norm(owned, replica.norm_groups())
+        norm = global_norm(replica.norm_gradients(), replica.norm_groups())
         clip_(owned, norm, config.optim.grad_clip)
         with record("compute", "optimizer"):
             replica.update(lr)
     scaler.update(overflow)
-    return _average(loss_share), norm, overflow  # the weighted shares: the batch's mean
+    return replica.mean_over_ranks(loss_share), norm, overflow
+
+
+def build_replica(config: TrainConfig) -> Replica:
+    """The decoder from its seed, on this rank's part of the run's layout."""
+    model = decoder(config.model, config.train.seed, PARAM_DTYPES[config.train.precision])
+    par = config.parallel
+    if max(par.pp, par.tp, par.cp) > 1:
+        return MeshReplica(model, config)
+    apply_recompute(model, config.train.recompute)  # before the wrappers: the same modules
+    return ReplicatedModel(model, config)
 
 
 def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool = False
@@ -151,12 +157,12 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
     loop, optim, k = config.train, config.optim, world_size()
     tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
     seq_len, batch = config.model.seq_len, loop.batch_size
-    # the same seed and step -> the same global batch for any dp; each rank takes its rows
-    sampler = BatchSampler(tokens.train, seq_len, batch, config.data.seed, rank(), k)
-    held_out = BatchSampler(tokens.val, seq_len, batch, config.data.seed + 1, rank(), k)
-    model = decoder(config.model, loop.seed, PARAM_DTYPES[loop.precision])
-    apply_recompute(model, loop.recompute)  # before the wrappers: they see the same modules
-    replica = ReplicatedModel(model, config)
+    replica = build_replica(config)
+    # the same seed and step -> the same global batch for any dp; each replica takes its rows
+    sampler = BatchSampler(tokens.train, seq_len, batch, config.data.seed, replica.dp_rank,
+                           replica.dp)
+    held_out = BatchSampler(tokens.val, seq_len, batch, config.data.seed + 1, replica.dp_rank,
+                            replica.dp)
     scaler = LossScaler(enabled=loop.precision == "fp16")
     # MFU against the peak of the dtype the matmuls run in (bf16 on a CPU: AMX if it has it)
     flops, peak = config.model.flops_per_token(), _shared_peak(COMPUTE_DTYPES[loop.precision])

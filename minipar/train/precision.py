@@ -17,8 +17,10 @@ from collections.abc import Iterable
 from contextlib import nullcontext
 
 import torch
+from torch import nn
 
 from .. import collectives
+from ..pipeline import Stage
 from ..runtime import device, world_size
 
 # what the model's parameters are built in; bf16 and fp16 keep float32 masters
@@ -79,3 +81,16 @@ class LossScaler:
         if self.good_steps % self.interval == 0:
             self.scale *= 2
 
+
+
+class AutocastStage(Stage):
+    """A pipeline stage whose forward runs in the run's precision (the engine's extension
+    point): autocast around the module's call, backward as autograd recorded it."""
+
+    def __init__(self, module: nn.Module, index: int, precision: str) -> None:
+        super().__init__(module, index)
+        self.precision = precision
+
+    def forward(self, x: torch.Tensor, microbatch: int) -> torch.Tensor:
+        with autocast(self.precision):
+            return self.module(x)

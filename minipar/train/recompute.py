@@ -15,9 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from torch import nn
 from torch.utils.checkpoint import checkpoint
-
-from ..decoder import Decoder, grouped_query_attention, run_block
 
 POLICIES = ("none", "selective", "full")
 
@@ -29,12 +28,14 @@ def recomputed(fn: Callable) -> Callable:
     return lambda *args: checkpoint(fn, *args, use_reentrant=False)
 
 
-def apply_recompute(model: Decoder, policy: str) -> None:
-    """Set `model` to recompute by `policy` (one of POLICIES)."""
+def apply_recompute(model: nn.Module, policy: str) -> None:
+    """Set every block in `model` (a Decoder, or a mesh's layers) to recompute by `policy`
+    (one of POLICIES): full wraps each `run_block`, selective each attention `core` (the
+    fused one, tensor-parallel heads' or ring attention's alike)."""
     if policy not in POLICIES:
         raise ValueError(f"recompute must be one of {', '.join(POLICIES)}; got {policy!r}")
-    if policy == "full":
-        model.run_block = recomputed(run_block)
-    elif policy == "selective":
-        for block in model.blocks:
-            block.attn.core = recomputed(grouped_query_attention)
+    for module in model.modules():
+        if policy == "full" and hasattr(module, "run_block"):
+            module.run_block = recomputed(module.run_block)
+        elif policy == "selective" and hasattr(module, "core"):
+            module.core = recomputed(module.core)

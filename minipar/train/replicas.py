@@ -1,10 +1,12 @@
-"""The trainer's model over data-parallel ranks: the Decoder twin wrapped by the technique
-its config names, behind one small interface the loop drives.
+"""The trainer's model on its ranks, behind one small interface the loop drives
+(`Replica`): a step's forward and backward on this rank's rows, the gradients reduced,
+the ones this rank owns, AdamW's update. Two layouts implement it:
 
-- zero = 0: `DataParallel` (lesson 02's DDP: buckets all-reduced during backward,
-  `no_sync` while accumulating); every rank holds every gradient, averaged.
-- zero = 1, 2: `ZeroDataParallel` (lesson 06); zero = 3: `FullyShardedDataParallel`, each
-  block a unit. Each rank's optimizer sees only its slices of the parameters.
+- `ReplicatedModel` (here): data parallelism alone, over every rank. zero = 0: lesson
+  02's `DataParallel` (buckets all-reduced during backward, `no_sync` while
+  accumulating); zero = 1, 2: `ZeroDataParallel`; zero = 3: `FullyShardedDataParallel`,
+  each block a unit (lesson 06).
+- `MeshReplica` (composed.py): the decoder cut over a mesh, dp x pp x cp x tp.
 
 Weight decay is AdamW's, decoupled, applied by hand before an Adam step with none
 (`p *= 1 - lr * wd`, exactly what torch's AdamW does first): a ZeRO slice mixes matrices
@@ -14,19 +16,20 @@ run takes the same arithmetic path.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 
 import torch
 from torch import nn
 
-from ..data_parallel import DataParallel
+from .. import collectives
+from ..data_parallel import DataParallel, shard_weight
 from ..decoder import Decoder
-from ..runtime import world_size
+from ..runtime import rank, world_size
 from ..sharded import FlatShard, FullyShardedDataParallel, ZeroDataParallel
 from .config import TrainConfig
 from .optim import set_learning_rate
-from .precision import autocast
+from .precision import LossScaler, autocast
 
 
 def decays(name: str, p: nn.Parameter) -> bool:
@@ -35,67 +38,53 @@ def decays(name: str, p: nn.Parameter) -> bool:
     return p.dim() >= 2 and "embed" not in name
 
 
-def _shard_mask(shard: FlatShard, decayed: set[int]) -> torch.Tensor:
-    """1 where this rank's slice of `shard` holds a decayed parameter's entry, else 0."""
-    flat = shard.flatten([torch.full(p.shape, float(id(p) in decayed)) for p in shard.params])
+def shard_mask(shard: FlatShard, chosen: set[int]) -> torch.Tensor:
+    """1 where this rank's slice of `shard` holds an entry of a parameter in `chosen` (ids),
+    else 0: which entries of a ZeRO slice decay, or count towards the norm."""
+    flat = shard.flatten([torch.full(p.shape, float(id(p) in chosen)) for p in shard.params])
     return flat[shard.rank * shard.slice:(shard.rank + 1) * shard.slice].to(shard.master.dtype)
 
 
-class ReplicatedModel:
-    """The Decoder on every rank of the run, data parallel in the config's flavour (the
-    lesson 02 and 06 wrappers all-reduce over the whole world)."""
+def adam_factory(config: TrainConfig) -> Callable[[list], torch.optim.Adam]:
+    """Adam without decay (applied by hand, see the module docstring); foreach=False: one
+    tensor at a time, the same arithmetic whatever the layout."""
+    o = config.optim
+    return lambda params: torch.optim.Adam(params, lr=o.lr, betas=(o.beta1, o.beta2),
+                                           eps=o.eps, foreach=False)
 
-    def __init__(self, model: Decoder, config: TrainConfig) -> None:
-        optim, zero = config.optim, config.parallel.zero
-        self.model, self.zero = model, zero
-        named = list(model.named_parameters())  # a tied weight once
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every token; 16-bit logits widened first (the log-softmax
+    over the vocabulary is a sum)."""
+    wide = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+    return nn.functional.cross_entropy(wide.flatten(0, 1), targets.flatten())
+
+
+class Replica:
+    """What every layout shares: AdamW's masked decay and step over the parameters (or
+    ZeRO slices) its optimizer holds. A layout sets optimizer, masks and sharded (the
+    ZeRO wrapper or None), and writes the methods that differ."""
+
+    optimizer: torch.optim.Optimizer
+    masks: list[torch.Tensor]  # per optimizer tensor: 1 where weight decay applies
+    sharded: ZeroDataParallel | FullyShardedDataParallel | None
+    dp_rank: int  # this rank's index among the data-parallel replicas, and their number
+    dp: int
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.weight_decay, self.precision = config.optim.weight_decay, config.train.precision
+
+    def decay_masks(self, named: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
+        """Per optimizer tensor, 1 where AdamW decays: by parameter, or by entry of a slice."""
         decayed = {id(p) for name, p in named if decays(name, p)}
-        # Adam without decay (applied by hand, see the module docstring); foreach=False: one
-        # tensor at a time, the same arithmetic whatever the layout
-        adam = lambda params: torch.optim.Adam(  # noqa: E731
-            params, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-            foreach=False)
-        if zero == 0:
-            self.wrapper = DataParallel(model)
-            self.optimizer = adam([p for _, p in named])
-            # in the parameter's dtype: a float32 mask would round 1 - lr * wd in float32
-            self.masks = [torch.tensor(float(id(p) in decayed), dtype=p.dtype) for _, p in named]
-        else:
-            if zero == 3:  # each block a unit; embedding, final norm and head in the root
-                self.wrapper = FullyShardedDataParallel(model, adam, units=list(model.blocks))
-            else:
-                self.wrapper = ZeroDataParallel(model, adam, stage=zero)
-            self.optimizer = self.wrapper.optimizer
-            self.masks = [_shard_mask(s, decayed) for s in self.wrapper.shards]
-        self.weight_decay, self.precision = optim.weight_decay, config.train.precision
-
-    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """This rank's mean loss on its rows (the wrapper gathers what it must), the forward
-        in the run's precision."""
-        with autocast(self.precision):
-            logits = self.wrapper(ids)
-        wide = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
-        return nn.functional.cross_entropy(wide.flatten(0, 1), targets.flatten())
-
-    def accumulating(self, last: bool):
-        """The context for one accumulation chunk's backward: DDP holds its all-reduce
-        until the last chunk (ZeRO-2/3 reduce-scatter each chunk as it comes)."""
-        return self.wrapper.no_sync() if self.zero == 0 and not last else nullcontext()
-
-    def reduce_gradients(self) -> None:
-        """Every gradient this rank owns averaged over dp (DDP did it during backward)."""
-        if self.zero:
-            self.wrapper.reduce_gradients()
+        if self.sharded is not None:
+            return [shard_mask(s, decayed) for s in self.sharded.shards]
+        # in the parameter's dtype: a float32 mask would round 1 - lr * wd in float32
+        return [torch.tensor(float(id(p) in decayed), dtype=p.dtype) for _, p in named]
 
     def owned_gradients(self) -> list[torch.Tensor | None]:
-        """The gradient entries this rank owns: all of them (DDP, replicated over dp) or
-        its slices (ZeRO: distinct on every dp rank)."""
+        """The gradients this rank's optimizer steps with: whole parameters' or ZeRO slices'."""
         return [p.grad for group in self.optimizer.param_groups for p in group["params"]]
-
-    def norm_groups(self) -> list:
-        """The groups whose ranks own distinct entries (a replicated gradient is counted
-        once, not dp times)."""
-        return [None] if self.zero and world_size() > 1 else []
 
     def update(self, lr: float) -> None:
         """Decoupled weight decay, the Adam step at rate `lr`, gradients dropped."""
@@ -104,8 +93,8 @@ class ReplicatedModel:
             for p, mask in zip(params, self.masks, strict=True):
                 p.mul_(1 - lr * self.weight_decay * mask)  # AdamW's first line, masked
         set_learning_rate(self.optimizer, lr)
-        if self.zero:
-            self.wrapper.update()  # the step, then (ZeRO-1/2) the parameters gathered
+        if self.sharded is not None:
+            self.sharded.update()  # the step, then (ZeRO-1/2) the parameters gathered
         else:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -113,17 +102,81 @@ class ReplicatedModel:
     def skip(self) -> None:
         """Drop this step's gradients without updating (an fp16 overflow)."""
         self.optimizer.zero_grad(set_to_none=True)
-        if self.zero == 0:
-            self.model.zero_grad(set_to_none=True)
+        for p in self.parameters():
+            p.grad = None
+
+    def parameters(self) -> list[nn.Parameter]:
+        raise NotImplementedError
+
+
+class ReplicatedModel(Replica):
+    """The Decoder on every rank of the run, data parallel in the config's flavour (the
+    lesson 02 and 06 wrappers all-reduce over the whole world)."""
+
+    def __init__(self, model: Decoder, config: TrainConfig) -> None:
+        super().__init__(config)
+        zero, adam = config.parallel.zero, adam_factory(config)
+        self.model, self.zero = model, zero
+        self.dp_rank, self.dp = rank(), world_size()  # every rank is a replica
+        named = list(model.named_parameters())  # a tied weight once
+        if zero == 0:
+            self.wrapper, self.sharded = DataParallel(model), None
+            self.optimizer = adam([p for _, p in named])
+        else:
+            if zero == 3:  # each block a unit; embedding, final norm and head in the root
+                self.wrapper = FullyShardedDataParallel(model, adam, units=list(model.blocks))
+            else:
+                self.wrapper = ZeroDataParallel(model, adam, stage=zero)
+            self.sharded, self.optimizer = self.wrapper, self.wrapper.optimizer
+        self.masks = self.decay_masks(named)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self.model.parameters())
+
+    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """This rank's mean loss on its rows (the wrapper gathers what it must), the forward
+        in the run's precision."""
+        with autocast(self.precision):
+            logits = self.wrapper(ids)
+        return cross_entropy(logits, targets)
+
+    def forward_backward(self, ids: torch.Tensor, targets: torch.Tensor, batch: int,
+                         scaler: LossScaler, last: bool) -> float:
+        """Backward of this chunk's loss weighted by its share of the `batch` rows (the
+        loss-scaling convention); DDP holds its all-reduce until the `last` chunk (ZeRO-2/3
+        reduce-scatter each chunk as it comes). Returns the weighted loss."""
+        hold = self.wrapper.no_sync() if self.zero == 0 and not last else nullcontext()
+        with hold:
+            loss = self.loss(ids, targets) * shard_weight(len(ids), batch, self.dp)
+            scaler.scaled(loss).backward()
+        return loss.item()
+
+    @torch.no_grad()
+    def eval_loss(self, ids: torch.Tensor, targets: torch.Tensor, batch: int) -> float:
+        """This rank's weighted share of the batch's mean loss, no gradients."""
+        return self.loss(ids, targets).item() * shard_weight(len(ids), batch, self.dp)
+
+    def mean_over_ranks(self, share: float | None) -> float:
+        """The batch's mean from every rank's weighted share: their average."""
+        total = torch.tensor([share], dtype=torch.float64)
+        return collectives.all_reduce(total, op="avg").item() if world_size() > 1 else share
+
+    def reduce_gradients(self) -> None:
+        """Every gradient this rank owns averaged over dp (DDP did it during backward)."""
+        if self.zero:
+            self.wrapper.reduce_gradients()
+
+    def norm_gradients(self) -> list[torch.Tensor | None]:
+        """The entries this rank counts in the global norm: all it owns."""
+        return self.owned_gradients()
+
+    def norm_groups(self) -> list:
+        """The groups whose ranks own distinct entries (a replicated gradient is counted
+        once, not dp times)."""
+        return [None] if self.zero and world_size() > 1 else []
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter, whole, under the twin's names (a collective under ZeRO-3)."""
         if self.zero == 3:
             self.wrapper.gather_parameters()
         yield from ((n, p.detach()) for n, p in self.model.named_parameters())
-
-    @contextmanager
-    def evaluating(self) -> Iterator[None]:
-        """No gradients and (DDP) no all-reduce for the validation loss."""
-        with torch.no_grad():
-            yield

@@ -1,0 +1,145 @@
+"""The trainer's decoder (`minipar.decoder`) as `MeshModel`'s layers: the token embedding,
+one layer per block and the head, each holding this rank's part of the twin's weights.
+
+- **tp**: blocks are `ParallelDecoderBlock`s (query and kv heads split together, SwiGLU
+  split by its width); the embedding, the final norm and the head are replicated, as
+  MeshGPT's are.
+- **sequence parallelism**: the embedding's output is cut along the sequence (each tp
+  rank keeps its slice; backward gathers the slices), the blocks run on slices, and the
+  head gathers the sequence back (backward keeps each rank's slice). The blocks' norms
+  then see only their slice: `sync_sequence_parallel_grads` sums their gradients.
+- **cp**: each rank holds the tokens of the balanced (zig-zag) layout of every sequence;
+  attention runs ring attention (`context_parallel.ring_core`) and RoPE rotates by the
+  tokens' global positions.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from ..context_parallel import positions as cp_positions
+from ..context_parallel.decoder import ring_core
+from ..decoder import Decoder, rope_tables, run_block
+from ..runtime import rank, world_size
+from ..tensor_parallel import (
+    gather_from_parallel_region,
+    scatter_to_parallel_region,
+    sync_sequence_parallel_grads,
+)
+from ..tensor_parallel.decoder import SEQUENCE_DIM, ParallelDecoderBlock
+from .mesh import MeshGroups
+from .model import NamedLayers
+
+
+class DecoderEmbedding(nn.Module):
+    """ids [batch, tokens this rank holds] -> activations [batch, tokens, hidden] (under
+    sequence parallelism: this tp rank's slice of those tokens)."""
+
+    def __init__(self, twin: Decoder, tp_group=None, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.embed, self.tied = copy.deepcopy(twin.embed), twin.config.tied
+        self.group, self.sequence_parallel = tp_group, sequence_parallel
+
+    @property
+    def tied_weight(self) -> nn.Parameter | None:
+        return self.embed.weight if self.tied else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        if self.sequence_parallel:
+            # every tp rank computed the whole lookup: keep a slice, and gather the gradient
+            # back in backward so the replicated embedding sees every token's
+            return scatter_to_parallel_region(x, self.group, SEQUENCE_DIM)
+        return x
+
+
+class DecoderLayer(nn.Module):
+    """One block, with the rotary tables of the positions this rank's tokens hold. Its
+    parameters are named as the twin's block's. `run_block` is the twin's extension
+    point (full recomputation wraps it)."""
+
+    run_block = staticmethod(run_block)
+
+    def __init__(self, block: nn.Module, positions: torch.Tensor, head_dim: int,
+                 rope_base: float) -> None:
+        super().__init__()
+        self.block, self.positions = block, positions
+        self.head_dim, self.rope_base = head_dim, rope_base
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The block's parameters under the block's own names (the twin's, after its
+        `blocks.i.`), without this wrapper's `block.`."""
+        return self.block.named_parameters(prefix, recurse, remove_duplicate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # built per call (a few hundred numbers): they follow x's dtype, as the twin's do
+        cos, sin = rope_tables(self.head_dim, self.positions, self.rope_base, x.dtype)
+        return self.run_block(self.block, x, cos, sin, None)
+
+
+class DecoderHead(nn.Module):
+    """The final norm and the output projection: logits [batch, tokens, vocab]. Tied, it
+    holds the embedding module itself (one Parameter when pp = 1; with pp > 1 the copies'
+    gradients are summed by MeshModel)."""
+
+    def __init__(self, twin: Decoder, embedding: DecoderEmbedding, tp_group=None,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.norm, self.tied = copy.deepcopy(twin.norm), twin.config.tied
+        if self.tied:
+            self.embed = embedding.embed
+        else:
+            self.head = copy.deepcopy(twin.head)
+        self.group, self.sequence_parallel = tp_group, sequence_parallel
+
+    @property
+    def tied_weight(self) -> nn.Parameter | None:
+        return self.embed.weight if self.tied else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            # the replicated head needs every token; backward keeps this rank's slice
+            x = gather_from_parallel_region(x, self.group, SEQUENCE_DIM)
+        x = self.norm(x)
+        # F.linear, as the twin's nn.Linear head: the same arithmetic, tied or not
+        return nn.functional.linear(x, self.embed.weight if self.tied else self.head.weight)
+
+
+def held_positions(groups: MeshGroups, seq_len: int) -> torch.Tensor:
+    """The global positions of the tokens this rank holds of each sequence: all of them,
+    or its cp rank's chunks of the balanced layout."""
+    cp = world_size(groups.cp)
+    if cp == 1:
+        return torch.arange(seq_len)
+    return cp_positions(rank(groups.cp), cp, seq_len, balanced=True)
+
+
+def decoder_layers(twin: Decoder, groups: MeshGroups, sequence_parallel: bool = False
+                   ) -> NamedLayers:
+    """The decoder as (twin name prefix, layer): embedding, blocks, head, cut for this
+    rank's tp and cp coordinates (groups needs dimensions pp, tp and cp)."""
+    c, tp = twin.config, world_size(groups.tp)
+    positions = held_positions(groups, c.seq_len)
+    embedding = DecoderEmbedding(twin, groups.tp, sequence_parallel)
+    blocks = []
+    for i, twin_block in enumerate(twin.blocks):
+        block = (ParallelDecoderBlock(twin_block, groups.tp, sequence_parallel) if tp > 1
+                 else copy.deepcopy(twin_block))
+        if world_size(groups.cp) > 1:
+            block.attn.core = ring_core(groups.cp)  # keys and values travel the cp ring
+        blocks.append((f"blocks.{i}.", DecoderLayer(block, positions, c.head_dim, c.rope_base)))
+    head = DecoderHead(twin, embedding, groups.tp, sequence_parallel)
+    return [("", embedding), *blocks, ("", head)]
+
+
+def sync_block_norms(layers: nn.Module, tp_group) -> None:
+    """Sequence parallelism: sum over tp the gradients of the blocks' norms, which each
+    saw only this rank's slice (not the head's norm: it ran on the gathered sequence)."""
+    for layer in layers.modules():
+        if isinstance(layer, DecoderLayer):
+            sync_sequence_parallel_grads(layer.block, tp_group)
