@@ -138,13 +138,14 @@ def test_the_learning_rate_warms_up_then_decays_to_its_floor():
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(parallel=ParallelConfig(tp=2)), "parallel.tp=2"),
-    (dict(parallel=ParallelConfig(pp=2)), "parallel.pp=2"),
-    (dict(parallel=ParallelConfig(cp=2)), "parallel.cp=2"),
+    (dict(schedule="pipedream", pp=2), "every micro-batch"),
+    (dict(schedule="terapipe", pp=2), "token slices"),
+    (dict(zero=3, pp=2), "zero 0, 1 or 2"),
+    (dict(zero=3, tp=2), "zero 0, 1 or 2"),
 ])
-def test_what_the_trainer_does_not_compose_yet_is_one_line(change, words):
+def test_what_the_trainer_does_not_compose_is_one_line(change, words):
     with pytest.raises(ValueError, match=words) as err:
-        refuse_unbuilt(replace(TrainConfig(), **change))
+        refuse_unbuilt(replace(TrainConfig(), parallel=ParallelConfig(**change)))
     assert "\n" not in str(err.value)
 
 

@@ -1,0 +1,101 @@
+"""The trainer composed over a mesh (dp x pp x cp x tp, sequence parallelism, ZeRO-1/2,
+recomputation, every synchronous schedule) trains exactly as one process: every step's
+loss, global gradient norm and validation loss, and every weight (each rank's slice of
+it), in float64, for 20 steps with accumulation and clipping active."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
+
+import minipar
+from minipar.mesh import twin_slice
+from minipar.train.composed import trainer_mesh
+from minipar.train.loop import build_replica, train
+
+# (parallel degrees and techniques, train.recompute)
+FOUR_RANKS = [
+    (dict(dp=2, tp=2), "none"),
+    (dict(cp=2, tp=2, sequence_parallel=True), "selective"),
+    (dict(pp=2, dp=2, zero=1, microbatches=2), "none"),
+    (dict(pp=2, tp=2, zero=2, schedule="gpipe", microbatches=2), "full"),
+    (dict(pp=2, cp=2, schedule="zb_h1", microbatches=2), "none"),
+    (dict(dp=2, cp=2, zero=1), "full"),
+]
+
+
+def _deep(config):
+    """Four untied layers (so pp=2 can hold two virtual stages each)."""
+    return replace(config, model=replace(config.model, layers=4, tied=False))
+
+
+@pytest.fixture(scope="module")
+def one_process(corpus):  # noqa: F811
+    return minipar.launch(train, 1, tiny(corpus), None, True)[0]
+
+
+def _assert_same_run(runs, ref, config) -> None:
+    for run in runs:
+        assert len(run.records) == len(ref.records) == 20
+        for mine, theirs in zip(run.records, ref.records, strict=True):
+            for key in ("loss", "grad_norm", "lr", "val_loss"):
+                if key in theirs:
+                    assert math.isclose(mine[key], theirs[key], rel_tol=1e-10, abs_tol=1e-12), \
+                        (config.parallel, mine["step"], key, mine[key], theirs[key])
+    mesh, checked = trainer_mesh(config), set()
+    for r, run in enumerate(runs):
+        tp_rank = mesh.coords(r)["tp"]
+        for name, weight in run.weights.items():
+            full = ref.weights[name]
+            assert torch.allclose(weight, twin_slice(full, weight, tp_rank, mesh["tp"]),
+                                  rtol=1e-9, atol=1e-12), (config.parallel, r, name)
+            checked.add(name)
+    assert checked == set(ref.weights)  # every parameter lives on some rank
+    assert ref.records[0]["grad_norm"] > 0.5  # the clip really acted
+
+
+@pytest.mark.parametrize("parallel, recompute", FOUR_RANKS,
+                         ids=[" ".join(f"{k}={v}" for k, v in p.items()) + f" {r}"
+                              for p, r in FOUR_RANKS])
+def test_a_composition_on_4_ranks_trains_as_one_process(cluster4, corpus, one_process,  # noqa: F811
+                                                        parallel, recompute):
+    config = tiny(corpus, **parallel)
+    config = replace(config, train=replace(config.train, recompute=recompute))
+    _assert_same_run(cluster4.run(train, config, None, True), one_process, config)
+
+
+def test_dp_pp_tp_interleaved_with_zero_and_sequence_parallel_on_8_ranks(corpus):  # noqa: F811
+    """Everything at once: dp2 x pp2 x tp2, interleaved 1F1B with two stages per rank,
+    ZeRO-1, sequence parallelism, an untied head."""
+    ref = minipar.launch(train, 1, _deep(tiny(corpus)), None, True)[0]
+    config = _deep(tiny(corpus, dp=2, pp=2, tp=2, zero=1, sequence_parallel=True,
+                        schedule="interleaved_1f1b", virtual=2, microbatches=2))
+    _assert_same_run(minipar.launch(train, 8, config, None, True, timeout=60), ref, config)
+
+
+def _saved_activation_peak(config) -> int:
+    """Bytes autograd kept for backward at the peak of two steps, on this rank."""
+    from minipar.train.data import BatchSampler, load_tokens
+    from minipar.train.precision import LossScaler
+
+    replica = build_replica(config)
+    tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
+    sampler = BatchSampler(tokens.train, config.model.seq_len, config.train.batch_size, 0,
+                           replica.dp_rank, replica.dp)
+    for _ in range(2):
+        replica.forward_backward(*sampler.next(), config.train.batch_size,
+                                 LossScaler(False), last=True)
+    return replica.model.pipe.activations.peak
+
+
+def test_recomputation_inside_the_pipeline_keeps_less(cluster2, corpus):  # noqa: F811
+    """Full recomputation through the engine keeps each block's input only: the measured
+    saved activations fall several times; selective keeps less than none."""
+    base = _deep(tiny(corpus, pp=2, microbatches=2))
+    peaks = {policy: max(cluster2.run(_saved_activation_peak, replace(
+        base, train=replace(base.train, recompute=policy))))
+        for policy in ("none", "selective", "full")}
+    assert peaks["full"] * 3 < peaks["none"], peaks
+    assert peaks["selective"] < peaks["none"], peaks
