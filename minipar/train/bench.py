@@ -1,34 +1,70 @@
-"""`minipar bench train`: the trainer's tokens per second and MFU on this machine, one
-process against dp=2, fp32 against bf16, the `small` preset.
+"""`minipar bench train`: the trainer's tokens per second and MFU on this machine, the
+`small` preset, one process against every composition of 2 and 4 ranks, fp32 against
+bf16, each composition beside the planner's predicted step time.
 
 Every rank computes on one thread, and so does the one-process baseline, so "dp=2 on 2
 cores" compares like with like; a one-process row on every core is shown too, so that
-nobody is misled about what one process can do. The variants take turns for `rounds`
-rounds; a row keeps the median round and the per-round ratios, whose spread is the
-noise. MFU divides by the peak measured for the dtype on one thread (metrics.py).
+nobody is misled about what one process can do. Four ranks on this machine's 2 cores
+time-share them: their rows show what composing costs in messages and waiting, not a
+speed-up. The variants take turns for `rounds` rounds; a row keeps the median round and
+the per-round ratios, whose spread is the noise. MFU divides by the peak measured for
+the dtype on one thread (metrics.py), times the cores in use.
+
+The planner (`mesh.planner.estimate`) predicts each fp32 composition's step from
+constants measured here: the compute rate of the one-process fp32 row (in the planner's
+own FLOP count, so its counting convention cancels), alpha and beta from a ping-pong,
+the optimizer's memory rate from timed Adam steps. It has no context parallelism, so cp
+rows have no prediction. The report gives the rank correlation (Spearman) of predicted
+against measured steps.
 """
 
 from __future__ import annotations
 
 import os
 import statistics
+import time
 from pathlib import Path
 
 import torch
 
+from .. import cost
+from ..collectives import fit_machine
+from ..decoder import DecoderConfig, decoder
+from ..mesh.bench import spearman, this_machine
+from ..mesh.planner import OPTIMIZER_BYTES_PER_PARAM, Layout, estimate
 from ..report import format_table, progress, ratio_cell, save_results
 from ..runtime import Cluster
-from .config import load_config
+from .config import TrainConfig, load_config
 from .loop import train
 
-# name: (ranks, precision, threads per rank)
-VARIANTS = {"1 process, fp32": (1, "fp32", 1), "1 process, bf16": (1, "bf16", 1),
-            "dp=2, fp32": (2, "fp32", 1), "dp=2, bf16": (2, "bf16", 1),
-            "1 process, fp32, every core": (1, "fp32", os.cpu_count() or 1)}
+ONE_THREAD, EVERY_CORE = 1, os.cpu_count() or 1
+# name: (parallel degrees and techniques, precision, threads per rank)
+VARIANTS = {
+    "1 process, fp32": ({}, "fp32", ONE_THREAD),
+    "1 process, bf16": ({}, "bf16", ONE_THREAD),
+    "1 process, fp32, every core": ({}, "fp32", EVERY_CORE),
+    "dp=2, fp32": (dict(dp=2), "fp32", ONE_THREAD),
+    "dp=2, bf16": (dict(dp=2), "bf16", ONE_THREAD),
+    "dp=2 zero=1, fp32": (dict(dp=2, zero=1), "fp32", ONE_THREAD),
+    "tp=2, fp32": (dict(tp=2), "fp32", ONE_THREAD),
+    "tp=2 sp, fp32": (dict(tp=2, sequence_parallel=True), "fp32", ONE_THREAD),
+    "pp=2 1f1b m=4, fp32": (dict(pp=2, microbatches=4), "fp32", ONE_THREAD),
+    "cp=2, fp32": (dict(cp=2), "fp32", ONE_THREAD),
+    "dp=2 tp=2, fp32": (dict(dp=2, tp=2), "fp32", ONE_THREAD),
+    "dp=2 pp=2 m=4, fp32": (dict(dp=2, pp=2, microbatches=4), "fp32", ONE_THREAD),
+    "pp=2 tp=2 m=4, fp32": (dict(pp=2, tp=2, microbatches=4), "fp32", ONE_THREAD),
+    "dp=2 cp=2, fp32": (dict(dp=2, cp=2), "fp32", ONE_THREAD),
+}
+BASELINE = "1 process, fp32"
 WARMUP = 2  # steps left out of the median: the first ones pay for allocation
 
 
-def _timed_run(config, threads: int) -> dict:
+def _ranks(parallel: dict) -> int:
+    return (parallel.get("dp", 1) * parallel.get("pp", 1) * parallel.get("tp", 1)
+            * parallel.get("cp", 1))
+
+
+def _timed_run(config: TrainConfig, threads: int) -> dict:
     """Median tokens/s and MFU of a short run on this rank, on `threads` threads."""
     torch.set_num_threads(threads)
     records = train(config).records[WARMUP:]
@@ -36,43 +72,119 @@ def _timed_run(config, threads: int) -> dict:
             "mfu": statistics.median(r["mfu"] for r in records)}
 
 
+def planner_model(c: DecoderConfig) -> cost.TransformerConfig:
+    """The decoder in the planner's terms: SwiGLU's three matrices of width f counted as a
+    two-matrix MLP of width 1.5 f (the same FLOPs); grouped-query attention's smaller K
+    and V are counted as full ones (a few percent more on this shape; the compute rate is
+    measured in the same count, so it cancels)."""
+    return cost.TransformerConfig(c.layers, c.hidden, c.heads, c.seq_len, c.vocab_size,
+                                  ffn=3 * c.ffn // 2)
+
+
+def _adam_bytes_per_s(config: TrainConfig, steps: int = 3) -> float:
+    """Bytes/s the Adam step streams on one thread, counted as the planner counts them."""
+    torch.set_num_threads(ONE_THREAD)
+    model = decoder(config.model)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    adam = torch.optim.Adam(params, foreach=False)
+    times = []
+    for _ in range(steps + 1):
+        start = time.perf_counter()
+        adam.step()
+        times.append(time.perf_counter() - start)
+    return sum(p.numel() for p in params) * OPTIMIZER_BYTES_PER_PARAM / min(times[1:])
+
+
+def predicted_step(config: TrainConfig, flops: float, bandwidth: float, alpha: float,
+                   beta: float) -> float | None:
+    """The planner's step time for the config's (dp, pp, tp) on this machine's constants;
+    None with cp > 1 (the planner does not model it)."""
+    p, t = config.parallel, config.train
+    if p.cp > 1:
+        return None
+    ranks = p.dp * p.pp * p.tp
+    layout = Layout(p.dp, p.pp, p.tp, micro_batch=t.batch_size // (p.dp * p.microbatches),
+                    zero=p.zero, recompute=t.recompute)
+    machine = this_machine(ranks, flops, bandwidth, alpha, beta)
+    return estimate(planner_model(config.model), machine, t.batch_size, layout,
+                    bytes_per_value=4).step
+
+
+def _config(preset: str, parallel: dict, precision: str, steps: int) -> TrainConfig:
+    return load_config(preset, {
+        **{f"parallel.{k}": v for k, v in parallel.items()}, "train.precision": precision,
+        "train.steps": steps, "optim.warmup_steps": 1, "train.eval_every": 0,
+        "train.eval_batches": 1})
+
+
 def measure(steps: int = 12, rounds: int = 3, preset: str = "small") -> list[dict]:
-    """Each variant's median tokens/s and MFU, the variants in turns for `rounds` rounds."""
+    """Each variant's median tokens/s and MFU, the variants in turns for `rounds` rounds,
+    and the planner's prediction for each fp32 composition."""
     runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
-    clusters = {k: Cluster(k, backend="gloo") for k in {v[0] for v in VARIANTS.values()}}
+    sizes = sorted({_ranks(v[0]) for v in VARIANTS.values()} | {2})
+    clusters = {k: Cluster(k, backend="gloo", timeout=120) for k in sizes}
     try:
+        progress("fitting alpha and beta (ping-pong) and the optimizer's memory rate")
+        fitted = fit_machine(clusters[2], save=False)
+        bandwidth = clusters[1].run(_adam_bytes_per_s, _config(preset, {}, "fp32", 1))[0]
         for round_index in range(rounds):
-            for name, (ranks, precision, threads) in VARIANTS.items():
+            for name, (parallel, precision, threads) in VARIANTS.items():
                 progress(f"{name}, round {round_index + 1}/{rounds}")
-                config = load_config(preset, {
-                    "parallel.dp": ranks, "train.precision": precision, "train.steps": steps,
-                    "optim.warmup_steps": 1, "train.eval_every": 0, "train.eval_batches": 1})
-                result = clusters[ranks].run(_timed_run, config, threads)
+                config = _config(preset, parallel, precision, steps)
+                result = clusters[_ranks(parallel)].run(_timed_run, config, threads)
                 runs[name].append(min(result, key=lambda r: r["tokens_per_s"]))
     finally:
         for cluster in clusters.values():
             cluster.close()
-    base = runs["1 process, fp32"]
+    base = runs[BASELINE]
+    tokens = _config(preset, {}, "fp32", 1)
+    tokens_per_step = tokens.train.batch_size * tokens.model.seq_len
+    # the compute rate in the planner's FLOP count, from the one-process fp32 row
+    flops = (sum(cost.transformer_flops(planner_model(tokens.model)).values())
+             * statistics.median(r["tokens_per_s"] for r in base))
     rows = []
-    for name, (ranks, precision, threads) in VARIANTS.items():
+    for name, (parallel, precision, threads) in VARIANTS.items():
         speeds = [r["tokens_per_s"] for r in runs[name]]
-        rows.append({"variant": name, "ranks": ranks, "precision": precision,
+        config = _config(preset, parallel, precision, steps)
+        predicted = (predicted_step(config, flops, bandwidth, fitted.alpha, fitted.beta)
+                     if precision == "fp32" and threads == ONE_THREAD else None)
+        rows.append({"variant": name, "ranks": _ranks(parallel), "precision": precision,
                      "threads": threads, "tokens_per_s": statistics.median(speeds),
                      "tokens_per_s_range": [min(speeds), max(speeds)],
                      "mfu": statistics.median(r["mfu"] for r in runs[name]),
+                     "step_s": tokens_per_step / statistics.median(speeds),
+                     "predicted_step_s": predicted,
                      "vs_one_process": [mine["tokens_per_s"] / one["tokens_per_s"]
                                         for one, mine in zip(base, runs[name], strict=True)]})
     return rows
 
 
+def correlations(rows: list[dict]) -> dict[int, float]:
+    """Per number of ranks (with at least 3 predicted rows): Spearman's rho of predicted
+    against measured step times."""
+    out = {}
+    for k in sorted({r["ranks"] for r in rows}):
+        same = [r for r in rows if r["ranks"] == k and r["predicted_step_s"] is not None]
+        if len(same) >= 3:
+            out[k] = spearman([r["predicted_step_s"] for r in same], [r["step_s"] for r in same])
+    return out
+
+
 def report(rows: list[dict], out_dir: Path) -> str:
-    """Tokens/s, MFU and the per-round ratio to one fp32 process; JSON and a bar plot."""
+    """Tokens/s, MFU, the per-round ratio to one fp32 process and the planner's step beside
+    the measured one; JSON and a bar plot."""
     from matplotlib.figure import Figure
 
     shown = [{"variant": r["variant"], "tokens/s": f"{r['tokens_per_s']:,.0f}",
-              "mfu": f"{r['mfu']:.0%}", "ratio": ratio_cell(r["vs_one_process"])}
+              "mfu": f"{r['mfu']:.0%}", "ratio": ratio_cell(r["vs_one_process"]),
+              "step": f"{r['step_s'] * 1e3:.0f} ms",
+              "predicted": ("-" if r["predicted_step_s"] is None else
+                            f"{r['predicted_step_s'] * 1e3:.0f} ms "
+                            f"({r['predicted_step_s'] / r['step_s'] - 1:+.0%})")}
              for r in rows]
-    fig = Figure(figsize=(7, 3), layout="constrained")
+    fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.add_subplot()
     ax.barh([r["variant"] for r in rows][::-1], [r["tokens_per_s"] for r in rows][::-1],
             xerr=[[r["tokens_per_s"] - r["tokens_per_s_range"][0] for r in rows][::-1],
@@ -80,8 +192,14 @@ def report(rows: list[dict], out_dir: Path) -> str:
             color="#4C72B0", capsize=2)
     ax.set_xlabel("tokens per second (median of rounds, min-max)")
     save_results(rows, fig, out_dir, "train",
-                 title="the trainer on this machine: tokens/s by ranks and precision")
-    return ("the variants take turns; each rank (and the baseline) on one thread unless "
-            "said; ratios per round, median (min-max)\n"
-            + format_table(shown, [("variant", "variant"), ("tokens/s", "tokens/s"),
-                                   ("mfu", "MFU"), ("ratio", "vs 1 process, fp32")]))
+                 title="the trainer on this machine: tokens/s by composition and precision")
+    rho = [f"{k} ranks: Spearman rank correlation, predicted vs measured step = {v:+.2f}"
+           for k, v in correlations(rows).items()]
+    return "\n".join([
+        "the variants take turns; each rank (and the baseline) on one thread unless said; "
+        "ratios per round, median (min-max); predicted: the planner's step on this "
+        "machine's fitted constants (its error in brackets; no model of cp)",
+        format_table(shown, [("variant", "variant"), ("tokens/s", "tokens/s"), ("mfu", "MFU"),
+                             ("ratio", "vs 1 process, fp32"), ("step", "step"),
+                             ("predicted", "predicted step")]),
+        *rho])
