@@ -62,6 +62,20 @@ def test_right_compositions_match_one_process_and_leave_json_and_png(config_file
     assert (tmp_path / "compare.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_bf16s_tolerance_is_measured_from_two_summation_orders(config_file, tmp_path,
+                                                                capsys):
+    """In bf16 the bound is a multiple of the gap between one process with accumulation 1
+    and 2 (a nonzero number, stated), and dp=2 stays within it."""
+    code = train_main(["compare", "--config", config_file, "--out", str(tmp_path),
+                       "--precision", "bf16", "dp=2"])
+    printed = capsys.readouterr().out
+    saved = json.loads((tmp_path / "compare.json").read_text())
+    assert code == 0, printed
+    assert "accumulation 1 and with 2" in saved["tolerance_why"] in printed
+    assert saved["precision"] == "bf16" and saved["tolerance"] >= 1e-4
+    assert 0 < saved["rows"][1]["largest_gap"] <= saved["tolerance"]  # bf16 is not exact
+
+
 @pytest.mark.parametrize("wrong", ["optim.lr=0.004", "train.seed=3"])
 def test_a_configuration_that_is_another_run_is_caught(config_file, tmp_path, capsys, wrong):
     """Another learning rate or other initial weights, even on one rank, is not the same

@@ -178,7 +178,7 @@ def tolerance(reference: TrainConfig, losses: Sequence[float],
     bound = max(MEASURED_FACTOR * spread, FIXED_TOLERANCES["fp32"])
     return Tolerance(bound, f"{MEASURED_FACTOR} x {spread:.1e}, the largest gap between one "
                             f"process with accumulation {reference.train.accumulation} and "
-                            f"{other.train.accumulation} (the same sums in another order)")
+                            f"with {other.train.accumulation}: the same sums in another order")
 
 
 def run_config(config: TrainConfig, backend: str = "auto", timeout: float = DEFAULT_TIMEOUT
@@ -208,7 +208,7 @@ def compare(base: TrainConfig, variants: Sequence[tuple[str, TrainConfig]],
     rows = [{"config": REFERENCE, "ranks": 1, "final_loss": ref.losses[-1],
              "records": ref.records}]
     for label, config in variants:
-        progress(f"{label} ({ranks_of(config)} ranks)")
+        progress(f"{label} ({ranks_of(config)} rank(s))")
         mine = run(config)
         gap = compare_losses(mine.losses, ref.losses)
         rows.append({"config": label, "ranks": ranks_of(config), "final_loss": mine.losses[-1],
