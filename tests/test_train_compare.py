@@ -97,7 +97,6 @@ def test_a_configuration_that_is_another_run_is_caught(config_file, tmp_path, ca
     ("train.nope=1", "unknown key train.nope"),
     ("", "is empty"),
     ("dp=3", "train.batch_size=8 must split into dp x microbatches x accumulation"),
-    ("tp=2", "parallel.tp=2: the trainer composes data parallelism"),
 ])
 def test_bad_configurations_are_one_line(config_file, tmp_path, capsys, argument, words):
     """Each mistake (and what the trainer does not compose yet) is one line naming the
@@ -109,6 +108,25 @@ def test_bad_configurations_are_one_line(config_file, tmp_path, capsys, argument
     assert "\n" not in err and words in err, err
     assert err.startswith("python -m minipar.train compare: configuration")
     assert not (tmp_path / "compare.json").exists()
+
+
+def test_what_the_trainer_refuses_is_its_one_line_before_any_run(config_file, tmp_path,
+                                                                  capsys, monkeypatch):
+    """A configuration the trainer does not compose yet (its refusal stood in for here, as
+    the trainer grows) is that refusal's line, naming the configuration, exit 2."""
+    import minipar.train.compare as compare
+
+    def refuse(config):
+        if config.parallel.zero == 2:
+            raise ValueError("parallel.zero=2: not composed yet")
+
+    monkeypatch.setattr(compare, "refuse_unbuilt", refuse)
+    code = train_main(["compare", "--config", config_file, "--out", str(tmp_path), "dp=2",
+                       "dp=2 zero=2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and not (tmp_path / "compare.json").exists()
+    assert err == ("python -m minipar.train compare: configuration 'dp=2 zero=2': "
+                   "parallel.zero=2: not composed yet")
 
 
 def test_no_configuration_is_one_line(capsys):

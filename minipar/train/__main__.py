@@ -24,7 +24,7 @@ from ..runtime import BACKENDS, DEFAULT_TIMEOUT, launch, under_torchrun, world_s
 from .compare import against_one_process, first_with_losses, run_config
 from .config import check, load_config, same_run
 from .flags import add_flags, overrides_from_args
-from .loop import train
+from .loop import refuse_unbuilt, train
 
 
 def parser(prog: str = "python -m minipar.train") -> OneLineParser:
@@ -61,6 +61,7 @@ def _config(args):
         config = replace(config, parallel=replace(par, dp=ranks // others))
     ranks = config.parallel.dp * others
     check(config, ranks)
+    refuse_unbuilt(config)  # one line here, not a traceback from every rank
     return config, ranks
 
 
