@@ -22,6 +22,7 @@ from pathlib import Path
 from ..cli import OneLineParser, output_folder, positive_int, run_command
 from ..runtime import BACKENDS, DEFAULT_TIMEOUT, launch, under_torchrun, world_size
 from .compare import against_one_process, first_with_losses, run_config
+from .compare import main as compare_main
 from .config import check, load_config, same_run
 from .flags import add_flags, overrides_from_args
 from .loop import refuse_unbuilt, train
@@ -78,8 +79,6 @@ def _refuse_other_run(config, out: Path, force: bool) -> None:
 def main(argv: list[str] | None = None, prog: str = "python -m minipar.train") -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["compare"]:  # the one subcommand; everything else is the trainer's flags
-        from .compare import main as compare_main
-
         return compare_main(argv[1:], prog=f"{prog} compare")
     args = parser(prog).parse_args(argv)
 
