@@ -56,8 +56,10 @@ def _parser() -> OneLineParser:
                          help="overwrite notebooks already in DIR (your work in them is lost)")
     commands.add_parser(
         "train", add_help=False,
-        help="train a decoder on real text, every technique composed (minipar train --help)",
-        description="Train the trainer's decoder: see `minipar train --help`.")
+        help="train a decoder on real text, every technique composed (minipar train --help); "
+             "minipar train compare: configurations' loss curves vs one process",
+        description="Train the trainer's decoder: see `minipar train --help` and `minipar "
+                    "train compare --help`.")
     commands.add_parser(
         "doctor", help="what this machine gives minipar: torch build, backends, cores",
         description="Print, on one screen, the torch build (CPU or CUDA), the backends, GPUs "

@@ -56,6 +56,7 @@ def test_every_command_has_a_full_help_text(module, monkeypatch, capsys):
     # a module another test imported would be run a second time beside its imported copy
     # (runpy warns "found in sys.modules"): run it as python -m would, fresh
     monkeypatch.delitem(sys.modules, module, raising=False)
+    monkeypatch.delitem(sys.modules, f"{module}.__main__", raising=False)  # a package's
     with pytest.raises(SystemExit) as done:
         runpy.run_module(module, run_name="__main__", alter_sys=False)
     assert done.value.code == 0

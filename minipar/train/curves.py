@@ -10,16 +10,23 @@ from matplotlib.figure import Figure
 from ..plots import to_png
 from ..trace import Event, Timeline
 
+STYLES = ("-", "--", ":", "-.")  # overlaid curves stay visible when they coincide
 
-def render_curves(runs: dict[str, list[dict]], title: str = "") -> Figure:
+
+def render_curves(runs: dict[str, list[dict]], title: str = "", overlay: bool = False
+                  ) -> Figure:
     """Loss against step for each named run's records (metrics.jsonl's objects): the
-    training loss as a line, the validation loss as dots."""
+    training loss as a line, the validation loss as dots. With `overlay` (curves meant
+    to coincide, as in `minipar train compare`) the first is drawn thick and the others
+    thinner and dashed on top of it, so equal curves still show every run."""
     fig = Figure(figsize=(7, 3.5), layout="constrained")
     ax = fig.add_subplot()
     for i, (name, records) in enumerate(runs.items()):
         color = f"C{i}"
+        style = dict(linestyle=STYLES[i % len(STYLES)], linewidth=3 if i == 0 else 1.2,
+                     alpha=0.5 if i == 0 else 1.0) if overlay else dict(linewidth=1)
         ax.plot([r["step"] for r in records], [r["loss"] for r in records], color=color,
-                linewidth=1, label=f"{name}: training")
+                label=f"{name}: training", **style)
         evaluated = [r for r in records if "val_loss" in r]
         ax.plot([r["step"] for r in evaluated], [r["val_loss"] for r in evaluated], "o",
                 color=color, markersize=4, label=f"{name}: validation")

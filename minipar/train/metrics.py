@@ -1,5 +1,6 @@
 """What a run shows: tokens per second, model FLOPs utilization (MFU) against a peak
-measured on this machine, and one JSON line per step in `metrics.jsonl`.
+measured on this machine, and one JSON line per step in `metrics.jsonl` (and, when the
+`tensorboard` package is installed, the same scalars as event files in `tb/`).
 
 MFU = (model FLOPs per token x tokens per second) / peak FLOP/s of the cores in use
 (PaLM, Chowdhery et al. 2022, appendix B). Model FLOPs per token are
@@ -16,7 +17,9 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -72,21 +75,50 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_per_core: float, cores
     return flops_per_token * tokens_per_s / (peak_per_core * cores)
 
 
+# the per-step numbers TensorBoard draws, under the names metrics.jsonl gives them
+SCALARS = ("loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "loss_scale")
+
+
+def tensorboard_writer(folder: Path) -> Any | None:
+    """A `torch.utils.tensorboard.SummaryWriter` into `folder`, or None when the
+    `tensorboard` package is not installed (`pip install minipar[tensorboard]`)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(log_dir=str(folder))
+
+
 class MetricsLog:
     """One JSON object per line in `metrics.jsonl` (written as it goes, so a killed run
-    keeps what it logged)."""
+    keeps what it logged) and, when TensorBoard is installed, the same numbers as event
+    files in `tb/` beside it (`tensorboard --logdir runs`).
 
-    def __init__(self, path: Path) -> None:
+    Without TensorBoard nothing is said, at the start or per step: metrics.jsonl and
+    loss.png already hold every number, and a hint repeated on every run of a learner
+    who chose not to install an optional viewer is noise (the README names the extra).
+    `writer` makes the event writer (tests pass a fake one)."""
+
+    def __init__(self, path: Path,
+                 writer: Callable[[Path], Any | None] = tensorboard_writer) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.file = path.open("w")
+        self.board = writer(path.parent / "tb")
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        if self.board is not None:
+            for name in SCALARS:
+                if record.get(name) is not None:  # grad_norm is None after an fp16 overflow
+                    self.board.add_scalar(name, record[name], record["step"])
+            self.board.flush()
 
     def close(self) -> None:
         self.file.close()
+        if self.board is not None:
+            self.board.close()
 
 
 def read_metrics(path: Path) -> list[dict]:
