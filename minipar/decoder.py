@@ -42,6 +42,11 @@ class DecoderConfig:
     """Base of the rotary embedding's frequencies (Su et al. 2021)."""
     norm_eps: float = 1e-5
     """RMSNorm's epsilon."""
+    experts: int = 0
+    """0: every block's feed-forward is one SwiGLU; E > 0: a mixture of E experts (each a
+    GELU MLP of width ffn), dropless top-k routing (`minipar.moe.decoder.MoEDecoder`)."""
+    top_k: int = 2
+    """Experts each token visits when experts > 0."""
 
     @property
     def head_dim(self) -> int:
@@ -70,13 +75,16 @@ class DecoderConfig:
                              f"kv_heads={self.kv_heads}")
         if self.ffn_hidden < 0:
             raise ValueError(f"ffn_hidden must be >= 0 (0: 8/3 x hidden); got {self.ffn_hidden}")
+        if self.experts < 0 or (self.experts and not 1 <= self.top_k <= self.experts):
+            raise ValueError(f"experts must be >= 0 and top_k between 1 and experts; got "
+                             f"experts={self.experts}, top_k={self.top_k}")
 
     def parameters(self) -> int:
         """Exact parameter count of `Decoder(self)`; a tied head shares the embedding's
         weight, so that weight counts once."""
         h, kv = self.hidden, self.kv_heads * self.head_dim
         attention = 2 * h * h + 2 * h * kv  # q_proj and o_proj, k_proj and v_proj
-        block = attention + 3 * h * self.ffn + 2 * h  # gate, up, down; two RMSNorm weights
+        block = attention + self._feed_forward_parameters() + 2 * h  # two RMSNorm weights
         head = 0 if self.tied else self.vocab_size * h
         return self.vocab_size * h + self.layers * block + h + head  # + the final norm
 
@@ -97,9 +105,20 @@ class DecoderConfig:
         kv_heads x head_dim."""
         t = self.seq_len if seq_len is None else seq_len
         h, kv = self.hidden, self.kv_heads * self.head_dim
-        per_layer = 2 * h * h + 2 * h * kv + 3 * h * self.ffn
+        # a mixture of experts counts what a token multiplies: the router and its k experts
+        active = (h * self.experts + self.top_k * 2 * h * self.ffn if self.experts
+                  else 3 * h * self.ffn)
+        per_layer = 2 * h * h + 2 * h * kv + active
         matmul_params = self.layers * per_layer + self.vocab_size * h  # the head, tied or not
         return 6 * matmul_params + 12 * self.layers * t * h
+
+
+    def _feed_forward_parameters(self) -> int:
+        h, f = self.hidden, self.ffn
+        if not self.experts:
+            return 3 * h * f  # SwiGLU: gate, up, down
+        # the router (h x E) and E experts of up (h x f + f) and down (f x h + h)
+        return h * self.experts + self.experts * (2 * h * f + f + h)
 
 
 class RMSNorm(nn.Module):
@@ -227,7 +246,8 @@ class SwiGLU(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x))."""
+    """Pre-norm block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x)). `make_mlp` builds
+    the feed-forward: an extension point (the mixture of experts, moe/decoder.py)."""
 
     def __init__(self, config: DecoderConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -235,7 +255,14 @@ class DecoderBlock(nn.Module):
         self.attn_norm = RMSNorm(c.hidden, c.norm_eps, dtype)
         self.attn = Attention(c.hidden, c.heads, c.kv_heads, dtype=dtype)
         self.mlp_norm = RMSNorm(c.hidden, c.norm_eps, dtype)
-        self.mlp = SwiGLU(c.hidden, c.ffn, dtype)
+        self.mlp = self.make_mlp(c, dtype)
+
+    def make_mlp(self, config: DecoderConfig, dtype: torch.dtype) -> nn.Module:
+        if config.experts:
+            raise ValueError(f"model.experts={config.experts} is a mixture-of-experts decoder: "
+                             "build it with minipar.moe.decoder.moe_decoder (minipar train "
+                             "does), or set experts = 0")
+        return SwiGLU(config.hidden, config.ffn, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 explicit: bool | None = None) -> torch.Tensor:
@@ -252,9 +279,11 @@ def run_block(block: DecoderBlock, x: torch.Tensor, cos: torch.Tensor, sin: torc
 class Decoder(nn.Module):
     """Token embedding, `config.layers` blocks, a final RMSNorm and the output head: ids
     [batch, seq] -> logits [batch, seq, vocab]. Weights drawn from `seed` (see `init`).
-    `run_block` is how each block runs: an extension point (full recomputation wraps it)."""
+    `run_block` is how each block runs: an extension point (full recomputation wraps it);
+    `make_block` is the block's class (the mixture of experts' in moe/decoder.py)."""
 
     run_block = staticmethod(run_block)
+    make_block = DecoderBlock
 
     def __init__(self, config: DecoderConfig, seed: int = 0,
                  dtype: torch.dtype = torch.float32) -> None:
@@ -265,7 +294,7 @@ class Decoder(nn.Module):
         # real storage on the CPU and filled by init(seed)
         with torch.device("meta"):
             self.embed = nn.Embedding(config.vocab_size, config.hidden, dtype=dtype)
-            self.blocks = nn.ModuleList(DecoderBlock(config, dtype)
+            self.blocks = nn.ModuleList(self.make_block(config, dtype)
                                         for _ in range(config.layers))
             self.norm = RMSNorm(config.hidden, config.norm_eps, dtype)
             self.head = nn.Linear(config.hidden, config.vocab_size, bias=False, dtype=dtype)
@@ -286,6 +315,9 @@ class Decoder(nn.Module):
         for name, param in self.named_parameters():  # a tied weight is listed once
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
+                continue
+            if name.endswith("bias"):  # the experts' MLPs have biases: they start at zero
+                param.zero_()
                 continue
             std = residual_std if name.endswith(("o_proj.weight", "down.weight")) else 0.02
             param.copy_(torch.randn(param.shape, generator=generator) * std)

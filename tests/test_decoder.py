@@ -6,6 +6,7 @@ reproducible, and the model learns. Exactness is asserted in float64."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -207,3 +208,22 @@ def test_generate_shape_and_determinism():
     assert out.shape == (2, 25) and torch.equal(out[:, :5], prompt)  # 25 > seq_len: cropped
     assert torch.equal(out, sample(0))
     assert not torch.equal(out, sample(1))
+
+
+def test_the_mixture_of_experts_decoder_counts_its_parameters_and_refuses_the_plain_builder():
+    from minipar.moe.decoder import MoEDecoder, moe_decoder
+
+    config = DecoderConfig(layers=2, hidden=32, heads=4, kv_heads=2, seq_len=16, experts=4,
+                           top_k=2)
+    model = moe_decoder(config, seed=1)
+    assert isinstance(model, MoEDecoder)
+    assert sum(p.numel() for p in model.parameters()) == config.parameters()
+    assert all(not p.any() for n, p in model.named_parameters() if n.endswith("bias"))
+    dense = replace(config, experts=0)
+    # a token multiplies the router and 2 of the 4 experts' two matrices, not SwiGLU's three
+    h, f = config.hidden, config.ffn
+    assert config.flops_per_token() - dense.flops_per_token() == \
+        6 * config.layers * (h * 4 + 2 * 2 * h * f - 3 * h * f)
+    with pytest.raises(ValueError, match="moe_decoder") as err:
+        decoder(config)
+    assert "\n" not in str(err.value)

@@ -142,10 +142,13 @@ def test_the_learning_rate_warms_up_then_decays_to_its_floor():
     (dict(schedule="terapipe", pp=2), "token slices"),
     (dict(zero=3, pp=2), "zero 0, 1 or 2"),
     (dict(zero=3, tp=2), "zero 0, 1 or 2"),
+    (dict(tp=2, experts=4), "use tp = cp = 1"),
+    (dict(cp=2, experts=4), "use tp = cp = 1"),
 ])
 def test_what_the_trainer_does_not_compose_is_one_line(change, words):
+    model = DecoderConfig(experts=change.pop("experts", 0))
     with pytest.raises(ValueError, match=words) as err:
-        refuse_unbuilt(replace(TrainConfig(), parallel=ParallelConfig(**change)))
+        refuse_unbuilt(replace(TrainConfig(), model=model, parallel=ParallelConfig(**change)))
     assert "\n" not in str(err.value)
 
 

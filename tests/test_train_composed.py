@@ -75,6 +75,29 @@ def test_dp_pp_tp_interleaved_with_zero_and_sequence_parallel_on_8_ranks(corpus)
     _assert_same_run(minipar.launch(train, 8, config, None, True, timeout=60), ref, config)
 
 
+def _moe(config):
+    """Every block's feed-forward a dropless mixture of 4 experts (top-2)."""
+    return replace(config, model=replace(config.model, experts=4))
+
+
+@pytest.fixture(scope="module")
+def one_process_moe(corpus):  # noqa: F811
+    return minipar.launch(train, 1, _moe(tiny(corpus)), None, True)[0]
+
+
+@pytest.mark.parametrize("ranks, parallel", [
+    (2, dict(dp=2, ep=2)),
+    (4, dict(pp=2, dp=2, ep=2, zero=1, microbatches=2)),
+])
+def test_experts_over_ep_inside_dp_train_as_one_process(cluster2, cluster4, corpus,  # noqa: F811
+                                                        one_process_moe, ranks, parallel):
+    """The mixture-of-experts decoder with its experts split over ep (all-to-all), the
+    dense weights averaged over dp and ep, beside pp and ZeRO-1."""
+    config = _moe(tiny(corpus, **parallel))
+    cluster = cluster2 if ranks == 2 else cluster4
+    _assert_same_run(cluster.run(train, config, None, True), one_process_moe, config)
+
+
 def _saved_activation_peak(config) -> int:
     """Bytes autograd kept for backward at the peak of two steps, on this rank."""
     from minipar.train.data import BatchSampler, load_tokens

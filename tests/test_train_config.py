@@ -144,6 +144,12 @@ IMPOSSIBLE = [  # (changes to tiny, world size, words the one line must hold)
     ({"train": {"steps": 0}}, None, ["train.steps", ">= 1"]),
     ({"data": {"val_fraction": 1.0}}, None, ["data.val_fraction"]),
     ({"model": {"kv_heads": 3}}, None, ["model.kv_heads", "heads (4)"]),
+    ({"parallel": {"dp": 2, "ep": 2}}, None, ["parallel.ep=2", "model.experts = 0"]),
+    ({"parallel": {"dp": 2, "ep": 2}, "model": {"experts": 3}}, None,
+     ["parallel.ep=2", "model.experts=3", "ep in [1]"]),
+    ({"parallel": {"dp": 3, "ep": 2}, "model": {"experts": 4}}, None,
+     ["parallel.ep=2", "parallel.dp=3", "ep in [1]"]),
+    ({"model": {"experts": 4, "top_k": 5}}, None, ["model.experts", "top_k"]),
 ]
 
 
@@ -163,6 +169,7 @@ def test_an_impossible_combination_is_one_line_naming_it(changes, world_size, wo
     ({"parallel": {"pp": 2, "virtual": 2, "schedule": "interleaved_1f1b", "microbatches": 4},
       "model": {"layers": 4}}, 2),
     ({"parallel": {"zero": 3}, "train": {"precision": "fp16", "accumulation": 4}}, 1),
+    ({"parallel": {"dp": 4, "ep": 2, "pp": 2, "microbatches": 2}, "model": {"experts": 4}}, 8),
 ])
 def test_possible_combinations_pass(changes, world_size):
     check(_with(load_config("tiny"), **changes), world_size)

@@ -16,7 +16,7 @@ one layer per block and the head, each holding this rank's part of the twin's we
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -119,17 +119,28 @@ def held_positions(groups: MeshGroups, seq_len: int) -> torch.Tensor:
     return cp_positions(rank(groups.cp), cp, seq_len, balanced=True)
 
 
-def decoder_layers(twin: Decoder, groups: MeshGroups, sequence_parallel: bool = False
+def tensor_parallel_block(twin_block: nn.Module, groups: MeshGroups,
+                          sequence_parallel: bool = False) -> nn.Module:
+    """The default cut of a block: split over tp (a copy when tp = 1)."""
+    if world_size(groups.tp) == 1:
+        return copy.deepcopy(twin_block)
+    return ParallelDecoderBlock(twin_block, groups.tp, sequence_parallel)
+
+
+def decoder_layers(twin: Decoder, groups: MeshGroups, sequence_parallel: bool = False,
+                   cut_block: Callable[[nn.Module, MeshGroups], nn.Module] | None = None
                    ) -> NamedLayers:
     """The decoder as (twin name prefix, layer): embedding, blocks, head, cut for this
-    rank's tp and cp coordinates (groups needs dimensions pp, tp and cp)."""
-    c, tp = twin.config, world_size(groups.tp)
+    rank's tp and cp coordinates (groups needs dimensions pp, tp and cp). `cut_block`
+    cuts each twin block for this rank (the extension point: the mixture of experts'
+    blocks are cut over ep, moe/decoder.py); by default `tensor_parallel_block`."""
+    c = twin.config
     positions = held_positions(groups, c.seq_len)
     embedding = DecoderEmbedding(twin, groups.tp, sequence_parallel)
     blocks = []
     for i, twin_block in enumerate(twin.blocks):
-        block = (ParallelDecoderBlock(twin_block, groups.tp, sequence_parallel) if tp > 1
-                 else copy.deepcopy(twin_block))
+        block = (cut_block(twin_block, groups) if cut_block is not None
+                 else tensor_parallel_block(twin_block, groups, sequence_parallel))
         if world_size(groups.cp) > 1:
             block.attn.core = ring_core(groups.cp)  # keys and values travel the cp ring
         blocks.append((f"blocks.{i}.", DecoderLayer(block, positions, c.head_dim, c.rope_base)))

@@ -1,7 +1,8 @@
-"""The trainer's decoder cut over a mesh, dp x pp x cp x tp: `MeshReplica`, the `Replica`
-the loop drives when any of pp, tp, cp is above 1.
+"""The trainer's decoder cut over a mesh, dp x pp x cp x tp (and ep inside dp for a
+mixture of experts): `MeshReplica`, the `Replica` the loop drives when any of pp, tp, cp,
+ep is above 1.
 
-The mesh is `Mesh(pp, dp, cp, tp)`: tp fastest, then cp, dp, and pp outermost, the order
+The mesh is `Mesh(pp, dp, ep, cp, tp)`: tp fastest, then cp, ep, dp, pp outermost, the order
 Megatron-LM numbers its ranks in, so a tensor-parallel group is neighbouring ranks. The
 model is `mesh.MeshModel` over `mesh.decoder_layers`, the composition lesson 07's GPT
 shares; every step goes through the pipeline engine (one stage when pp = 1), each stage
@@ -12,7 +13,9 @@ After the schedule's backward, gradients meet in this order:
    per optimizer step, after every accumulation chunk;
 2. under sequence parallelism, the blocks' norm gradients summed over tp;
 3. every gradient averaged over cp (each cp rank's loss is the mean over its tokens);
-4. averaged over dp (zero = 0), or reduce-scattered over dp into ZeRO-1/2 slices. The
+4. with experts over ep (inside dp): the dense weights averaged over ep, the experts'
+   gradients divided by ep (moe/decoder.py says why);
+5. averaged over dp (zero = 0), or reduce-scattered over dp into ZeRO-1/2 slices. The
    engine computes gradients with autograd.grad, which fires no accumulation hooks, so
    ZeRO-2 reduce-scatters after backward, as ZeRO-1 does.
 
@@ -34,6 +37,7 @@ from ..decoder import Decoder
 from ..mesh import Mesh
 from ..mesh.decoder import decoder_layers, held_positions, sync_block_norms
 from ..mesh.model import MeshModel
+from ..moe.decoder import ExpertParallelBlock, cut_expert_parallel
 from ..runtime import rank, world_size
 from ..sharded import ZeroDataParallel
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -44,9 +48,9 @@ from .replicas import Replica, adam_factory, cross_entropy, shard_mask
 
 
 def trainer_mesh(config: TrainConfig) -> Mesh:
-    """The run's mesh, in Megatron-LM's order (pp outermost, tp fastest)."""
+    """The run's mesh, in Megatron-LM's order (pp outermost, tp fastest; ep inside dp)."""
     p = config.parallel
-    return Mesh(pp=p.pp, dp=p.dp, cp=p.cp, tp=p.tp)
+    return Mesh(pp=p.pp, dp=p.dp // p.ep, ep=p.ep, cp=p.cp, tp=p.tp)
 
 
 class MeshReplica(Replica):
@@ -57,7 +61,9 @@ class MeshReplica(Replica):
         par = config.parallel
         self.groups = trainer_mesh(config).connect()
         g = self.groups
-        self.dp_rank, self.dp = rank(g.dp), world_size(g.dp)
+        # the data-parallel replicas are dp x ep ranks: ep ranks hold different rows too
+        self.dp_rank, self.dp = rank(g.dp) * par.ep + rank(g.ep), par.dp
+        self.ep = par.ep
         self.tp_rank, self.zero = rank(g.tp), par.zero
         self.sequence_parallel = par.sequence_parallel
         self.positions = held_positions(g, config.model.seq_len)
@@ -69,10 +75,14 @@ class MeshReplica(Replica):
                 else None
 
         precision = config.train.precision
-        self.model = MeshModel(decoder_layers(twin, g, par.sequence_parallel), g,
+        cut = cut_expert_parallel if config.model.experts else None
+        self.model = MeshModel(decoder_layers(twin, g, par.sequence_parallel, cut), g,
                                par.microbatches, par.schedule, par.virtual, shard=shard,
                                make_stage=lambda module, i: AutocastStage(module, i, precision))
         apply_recompute(self.model.local, config.train.recompute)
+        # experts live on one ep rank each: averaged over dp only (module docstring, step 4)
+        self.experts = {id(p) for m in self.model.local.modules()
+                        if isinstance(m, ExpertParallelBlock) for p in m.experts()}
         self.sharded = self.model.sharded
         named = list(self.model.named_parameters())
         self.optimizer = self.sharded.optimizer if self.sharded else adam([p for _, p in named])
@@ -83,8 +93,10 @@ class MeshReplica(Replica):
         """Per optimizer tensor, 1 where this rank counts the entry in the global norm."""
         split = {id(m.weight) for m in self.model.local.modules()
                  if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+        ep_rank = rank(self.groups.ep)
         counted = {id(p) for _, p in named
                    if (id(p) in split or self.tp_rank == 0)  # replicated over tp: once
+                   and (id(p) in self.experts or ep_rank == 0)  # replicated over ep: once
                    and not self.model.holds_tied_copy(p)}  # the tied weight: once
         if self.sharded is not None:
             return [shard_mask(s, counted) for s in self.sharded.shards]
@@ -113,20 +125,27 @@ class MeshReplica(Replica):
 
     def mean_over_ranks(self, share: float | None) -> float:
         """The batch's mean: the last stage's shares summed over the run, each tp rank's
-        copy and each cp rank's mean over its tokens counted 1/(tp cp), each dp replica
-        1/dp."""
+        copy and each cp rank's mean over its tokens counted 1/(tp cp), each of the dp
+        replicas (ep ranks included) 1/dp."""
         g = self.groups
         copies = self.dp * world_size(g.cp) * world_size(g.tp)
         total = torch.tensor([0.0 if share is None else share / copies], dtype=torch.float64)
         return collectives.all_reduce(total).item()
 
     def reduce_gradients(self) -> None:
-        """Steps 1-4 of the module docstring, once per optimizer step."""
+        """Steps 1-5 of the module docstring, once per optimizer step."""
         g, local = self.groups, self.parameters()
         self.model.sum_tied_gradients()
         if self.sequence_parallel:
             sync_block_norms(self.model.local, g.tp)
         average_gradients(local, g.cp)
+        if self.ep > 1:
+            average_gradients([p for p in local if id(p) not in self.experts], g.ep)
+            for p in local:
+                if id(p) in self.experts and p.grad is not None:
+                    # its gradient summed what every ep rank's tokens asked of it, each
+                    # rank's loss a mean over its own rows: /ep makes it their mean
+                    p.grad /= self.ep
         if self.sharded is not None:
             self.sharded.reduce_gradients()
         else:
@@ -138,9 +157,9 @@ class MeshReplica(Replica):
                 for g, m in zip(self.owned_gradients(), self.count, strict=True)]
 
     def norm_groups(self) -> list:
-        """Where ranks hold distinct entries: tp, pp, and dp under ZeRO."""
+        """Where ranks hold distinct entries: tp, pp, ep (experts), and dp under ZeRO."""
         g = self.groups
-        return [g.tp, g.pp] + ([g.dp] if self.sharded is not None else [])
+        return [g.tp, g.pp, g.ep] + ([g.dp] if self.sharded is not None else [])
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's parameters under the twin's names: tp ranks hold slices (see

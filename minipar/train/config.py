@@ -53,6 +53,9 @@ class ParallelConfig:
     """Tensor-parallel degree: ranks each layer's matrices are split over."""
     cp: int = 1
     """Context-parallel degree: ranks each sequence is split over (ring attention)."""
+    ep: int = 1
+    """Expert-parallel degree, inside dp: each block's experts are split over ep of the dp
+    ranks (model.experts > 0); ep divides dp and the experts."""
     zero: int = 0
     """ZeRO stage over dp: 0 plain DDP buckets, 1 optimizer, 2 + gradients, 3 + weights."""
     schedule: str = "1f1b"
@@ -263,8 +266,15 @@ def check(config: TrainConfig, world_size: int | None = None) -> None:
         m.check()
     except ValueError as err:  # DecoderConfig's lines start with the field's name
         raise ValueError(f"model.{err}") from None
-    for name in ("dp", "pp", "tp", "cp", "microbatches", "virtual"):
+    for name in ("dp", "pp", "tp", "cp", "ep", "microbatches", "virtual"):
         _at_least(f"parallel.{name}", getattr(p, name), 1)
+    if p.ep > 1 and not m.experts:
+        raise ValueError(f"parallel.ep={p.ep} splits experts, but model.experts = 0; set "
+                         "model.experts (e.g. 4) or ep = 1")
+    if p.dp % p.ep or m.experts % p.ep:
+        raise ValueError(f"parallel.ep={p.ep} must divide parallel.dp={p.dp} (ep lives inside "
+                         f"data parallelism) and model.experts={m.experts}; ep in "
+                         f"{_divisors(math.gcd(p.dp, m.experts))} would work")
     if p.zero not in (0, 1, 2, 3):
         raise ValueError(f"parallel.zero must be 0 (plain DDP), 1, 2 or 3; got {p.zero}")
     if p.schedule not in SCHEDULES:
@@ -352,9 +362,12 @@ def describe(config: TrainConfig) -> str:
         mesh += f", schedule {p.schedule} with {p.microbatches} micro-batches"
         mesh += f" and {p.virtual} stages per rank" if p.virtual > 1 else ""
     mesh += ", sequence parallel" if p.sequence_parallel else ""
+    mesh += f", experts over ep={p.ep} inside dp" if p.ep > 1 else ""
     return "\n".join([
         f"model      {m.layers} layers, hidden {m.hidden}, {m.heads} heads ({m.kv_heads} "
-        f"key/value), SwiGLU {m.ffn}, vocab {m.vocab_size}, "
+        f"key/value), "
+        f"{f'{m.experts} experts of width {m.ffn} (top-{m.top_k})' if m.experts else 'SwiGLU'}"
+        f"{'' if m.experts else f' {m.ffn}'}, vocab {m.vocab_size}, "
         f"{'tied' if m.tied else 'untied'} head",
         f"mesh       {mesh}",
         f"numerics   {t.precision}, recompute {t.recompute}",

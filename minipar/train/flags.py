@@ -38,6 +38,7 @@ FLAGS: dict[str, tuple[str, dict]] = {
     "--pp": ("parallel.pp", {"type": positive_int}),
     "--tp": ("parallel.tp", {"type": positive_int}),
     "--cp": ("parallel.cp", {"type": positive_int}),
+    "--ep": ("parallel.ep", {"type": positive_int}),
     "--zero": ("parallel.zero", {"type": int, "choices": (0, 1, 2, 3)}),
     "--schedule": ("parallel.schedule", {"choices": tuple(SCHEDULES)}),
     "--microbatches": ("parallel.microbatches", {"type": positive_int}),
@@ -58,6 +59,8 @@ FLAGS: dict[str, tuple[str, dict]] = {
     "--heads": ("model.heads", {"type": positive_int}),
     "--kv-heads": ("model.kv_heads", {"type": positive_int}),
     "--seq-len": ("model.seq_len", {"type": positive_int}),
+    "--experts": ("model.experts", {"type": nonnegative_int}),
+    "--top-k": ("model.top_k", {"type": positive_int}),
 }
 
 

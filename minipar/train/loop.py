@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import trace
-from ..decoder import decoder
+from ..moe.decoder import moe_decoder
 from ..pipeline import SCHEDULES
 from ..runtime import rank, world_size
 from ..trace import record
@@ -69,10 +69,15 @@ def refuse_unbuilt(config: TrainConfig) -> None:
                "cuts one sequence into token slices, which the decoder's stages do not carry")
         raise ValueError(f"parallel.schedule={par.schedule!r} {why}; the trainer runs the "
                          f"synchronous schedules: {', '.join(SYNCHRONOUS)}")
-    if par.zero == 3 and max(par.pp, par.tp, par.cp) > 1:
+    if config.model.experts and (par.tp > 1 or par.cp > 1):
+        raise ValueError(f"model.experts={config.model.experts} with tp={par.tp}, cp={par.cp}: "
+                         "the trainer splits experts over ep inside dp, beside pp; tensor and "
+                         "context parallelism of the expert blocks are not built: use tp = "
+                         "cp = 1")
+    if par.zero == 3 and max(par.pp, par.tp, par.cp, par.ep) > 1:
         raise ValueError("parallel.zero=3 shards whole blocks of the one-process model, which "
-                         "the pipeline and tensor-parallel layers cut differently; with pp, "
-                         "tp or cp > 1 use zero 0, 1 or 2")
+                         "the pipeline, tensor-parallel and expert-parallel layers cut "
+                         "differently; with pp, tp, cp or ep > 1 use zero 0, 1 or 2")
 
 
 SYNCHRONOUS = tuple(name for name in SCHEDULES if name not in ("pipedream", "terapipe"))
@@ -139,9 +144,9 @@ def train_step(replica: Replica, scaler: LossScaler, ids: torch.Tensor,
 
 def build_replica(config: TrainConfig) -> Replica:
     """The decoder from its seed, on this rank's part of the run's layout."""
-    model = decoder(config.model, config.train.seed, PARAM_DTYPES[config.train.precision])
+    model = moe_decoder(config.model, config.train.seed, PARAM_DTYPES[config.train.precision])
     par = config.parallel
-    if max(par.pp, par.tp, par.cp) > 1:
+    if max(par.pp, par.tp, par.cp, par.ep) > 1:
         return MeshReplica(model, config)
     apply_recompute(model, config.train.recompute)  # before the wrappers: the same modules
     return ReplicatedModel(model, config)
