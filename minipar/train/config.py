@@ -357,7 +357,9 @@ def describe(config: TrainConfig) -> str:
     ranks = p.dp * p.pp * p.tp * p.cp
     per_micro = t.batch_size // max(1, p.dp * p.microbatches * t.accumulation)
     mesh = f"dp {p.dp} x pp {p.pp} x tp {p.tp} x cp {p.cp} = {ranks} rank(s)"
-    mesh += f", ZeRO-{p.zero}" if p.zero else ", DDP buckets" if p.dp > 1 else ""
+    composed = max(p.pp, p.tp, p.cp, p.ep) > 1  # the pipeline engine: gradients after backward
+    mesh += (f", ZeRO-{p.zero}" if p.zero else "" if p.dp == 1 else
+             ", gradients averaged over dp after backward" if composed else ", DDP buckets")
     if p.pp > 1:
         mesh += f", schedule {p.schedule} with {p.microbatches} micro-batches"
         mesh += f" and {p.virtual} stages per rank" if p.virtual > 1 else ""
