@@ -26,16 +26,21 @@ WORDS = ("def return import class self lambda yield while for in if else elif tr
          "with as pass break continue raise assert global nonlocal from print len range")
 
 
+def write_corpus(folder, documents: int = 6, words_per_document: int = 600,
+                 words: str = WORDS) -> str:
+    """`documents` files of seeded random Python-ish words in `folder`; its path."""
+    gen = torch.Generator().manual_seed(0)
+    vocabulary = words.split()
+    for d in range(documents):
+        picks = torch.randint(0, len(vocabulary), (words_per_document,), generator=gen).tolist()
+        (folder / f"doc{d}.py").write_text(" ".join(vocabulary[i] for i in picks))
+    return str(folder)
+
+
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
     """A small text folder (a few "documents" of Python-ish words), seeded."""
-    folder = tmp_path_factory.mktemp("corpus")
-    gen = torch.Generator().manual_seed(0)
-    words = WORDS.split()
-    for d in range(6):
-        picks = torch.randint(0, len(words), (600,), generator=gen).tolist()
-        (folder / f"doc{d}.py").write_text(" ".join(words[i] for i in picks))
-    return str(folder)
+    return write_corpus(tmp_path_factory.mktemp("corpus"))
 
 
 def tiny(corpus: str, **parallel) -> TrainConfig:

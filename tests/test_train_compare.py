@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-import torch
+from test_train import write_corpus
 
 from minipar.__main__ import main as minipar_main
 from minipar.decoder import DecoderConfig
@@ -23,11 +23,7 @@ def config_file(tmp_path_factory) -> str:
     """A .toml of a tiny float64 run (2 layers, 6 steps, batch 8) on a small seeded
     corpus: the shared config every configuration overrides."""
     folder = tmp_path_factory.mktemp("compare")
-    gen = torch.Generator().manual_seed(0)
-    words = WORDS.split()
-    for d in range(4):
-        picks = torch.randint(0, len(words), (500,), generator=gen).tolist()
-        (folder / f"doc{d}.py").write_text(" ".join(words[i] for i in picks))
+    write_corpus(folder, documents=4, words_per_document=500, words=WORDS)
     config = TrainConfig(
         model=DecoderConfig(layers=2, hidden=32, heads=4, kv_heads=2, seq_len=16),
         data=DataConfig(path=str(folder), val_fraction=0.25, seed=1),

@@ -20,11 +20,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..cli import OneLineParser, output_folder, positive_int, run_command
-from ..runtime import BACKENDS, DEFAULT_TIMEOUT, launch, under_torchrun, world_size
+from ..runtime import launch, under_torchrun, world_size
 from .compare import against_one_process, first_with_losses, run_config
 from .compare import main as compare_main
 from .config import check, load_config, same_run
-from .flags import add_flags, overrides_from_args
+from .flags import add_flags, add_launch_flags, overrides_from_args
 from .loop import refuse_unbuilt, train
 
 
@@ -42,10 +42,7 @@ def parser(prog: str = "python -m minipar.train") -> OneLineParser:
                    help="reuse an --out folder that holds a run of another config")
     p.add_argument("--check", action="store_true",
                    help="also train on one process and compare the loss curves")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="auto: NCCL with a GPU per rank if there are enough, else gloo")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                   help=f"seconds a rank may wait in one operation (default {DEFAULT_TIMEOUT})")
+    add_launch_flags(p)
     return p
 
 

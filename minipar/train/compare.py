@@ -37,10 +37,10 @@ from pathlib import Path
 from ..cli import OneLineParser, output_folder, run_command
 from ..plots import to_png
 from ..report import format_table, progress
-from ..runtime import BACKENDS, DEFAULT_TIMEOUT, launch
+from ..runtime import DEFAULT_TIMEOUT, launch
 from .config import ParallelConfig, TrainConfig, check, load_config
 from .curves import render_curves
-from .flags import add_flags, overrides_from_args
+from .flags import add_flags, add_launch_flags, overrides_from_args
 from .loop import Run, refuse_unbuilt, train
 
 if sys.version_info >= (3, 11):
@@ -259,10 +259,7 @@ def parser(prog: str) -> OneLineParser:
     add_flags(p)
     p.add_argument("--out", type=output_folder, default="runs/compare",
                    help="folder for compare.json and compare.png (default: runs/compare)")
-    p.add_argument("--backend", choices=BACKENDS, default="auto",
-                   help="auto: NCCL with a GPU per rank if there are enough, else gloo")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                   help=f"seconds a rank may wait in one operation (default {DEFAULT_TIMEOUT})")
+    add_launch_flags(p)
     return p
 
 

@@ -18,6 +18,7 @@ from functools import cache
 from ..cli import nonnegative_int, positive_int
 from ..cost import RECOMPUTE
 from ..pipeline import SCHEDULES
+from ..runtime import BACKENDS, DEFAULT_TIMEOUT
 from .config import PRECISIONS, SECTIONS
 
 
@@ -98,3 +99,12 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
     given = {dotted: getattr(args, dotted.replace(".", "__"), None)
              for dotted, _ in FLAGS.values()}
     return {dotted: value for dotted, value in given.items() if value is not None}
+
+
+def add_launch_flags(parser: argparse.ArgumentParser) -> None:
+    """--backend and --timeout: how the spawned ranks talk and how long they may wait."""
+    parser.add_argument("--backend", choices=BACKENDS, default="auto",
+                        help="auto: NCCL with a GPU per rank if there are enough, else gloo")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                        help=f"seconds a rank may wait in one operation (default "
+                             f"{DEFAULT_TIMEOUT})")
