@@ -112,7 +112,6 @@ class DecoderConfig:
         matmul_params = self.layers * per_layer + self.vocab_size * h  # the head, tied or not
         return 6 * matmul_params + 12 * self.layers * t * h
 
-
     def _feed_forward_parameters(self) -> int:
         h, f = self.hidden, self.ffn
         if not self.experts:

@@ -288,3 +288,46 @@ def test_a_stage_subclass_wraps_forward_and_hooks_come_off_when_the_loss_raises(
                                           timeout=60)[0]
     assert calls[:2] == [(0, 0), (0, 1)]
     assert no_hooks_left
+
+
+def _evaluate_then_train(cases):
+    """Per case: the forward-only loss (before any step at this shape), the step's loss,
+    and whether the evaluation left any gradient behind."""
+    out = {}
+    k = minipar.world_size()
+    for name, m, v in cases:
+        stages = split_model(_layers(k * v), k * v, boundaries=list(range(2, 2 * k * v, 2)))
+        pipe = Pipeline(stages, schedule(name, k, m, v))
+        x, y = _data()
+        evaluated = pipe.evaluate(x, y, mse)
+        clean = all(p.grad is None for p in pipe.parameters())
+        out[(name, m, v)] = (evaluated, pipe.train_step(x, y, mse), clean)
+    return out
+
+
+def test_evaluate_runs_the_forward_actions_alone_for_every_synchronous_schedule(cluster2):
+    """A validation loss through the pipeline: the training step's loss, no gradients,
+    no deadlock, and the training step after it still finds its message shapes."""
+    for rank_results in cluster2.run(_evaluate_then_train, SYNC):
+        for case, (evaluated, trained, clean) in rank_results.items():
+            assert clean, case
+            if trained is not None:
+                assert evaluated == pytest.approx(trained, rel=1e-12), case
+            else:
+                assert evaluated is None, case
+
+
+def _evaluate_pipedream():
+    k = minipar.world_size()
+    pipe = Pipeline(split_model(_layers(k), k, boundaries=list(range(2, 2 * k, 2))),
+                    schedule("pipedream", k, 4), lr=0.1)
+    try:
+        pipe.evaluate(*_data(), mse)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_evaluate_refuses_stages_that_keep_state_from_forward(cluster2):
+    assert all("change state in forward" in (msg or "")
+               for msg in cluster2.run(_evaluate_pipedream))

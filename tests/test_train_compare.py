@@ -93,6 +93,7 @@ def test_a_configuration_that_is_another_run_is_caught(config_file, tmp_path, ca
     ("train.nope=1", "unknown key train.nope"),
     ("", "is empty"),
     ("dp=3", "train.batch_size=8 must split into dp x microbatches x accumulation"),
+    ("dp=2 model.experts=4", "model.experts changes the model"),
 ])
 def test_bad_configurations_are_one_line(config_file, tmp_path, capsys, argument, words):
     """Each mistake (and what the trainer does not compose yet) is one line naming the
@@ -151,3 +152,20 @@ def test_losses_come_from_the_first_rank_that_has_them():
     assert first_with_losses([empty, full]) is full
     with pytest.raises(RuntimeError, match="none of the 2 ranks"):
         first_with_losses([empty, empty])
+
+
+def test_the_reference_of_experts_over_ep_is_one_process_with_every_expert():
+    """One process keeps the model (its experts) and drops every degree, ep included, so
+    `--check` of an expert-parallel run has a reference that can run."""
+    from dataclasses import replace
+
+    from minipar.train.compare import one_process
+    from minipar.train.config import ParallelConfig, check
+
+    config = TrainConfig(model=DecoderConfig(experts=4),
+                         parallel=ParallelConfig(dp=2, ep=2, pp=2, zero=1, microbatches=2))
+    check(config, 4)
+    reference = one_process(config)
+    check(reference, 1)
+    assert reference.model == config.model
+    assert reference.parallel == replace(ParallelConfig(), microbatches=2)

@@ -70,11 +70,11 @@ class DecoderLayer(nn.Module):
         self.block, self.positions = block, positions
         self.head_dim, self.rope_base = head_dim, rope_base
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """The block's parameters under the block's own names (the twin's, after its
-        `blocks.i.`), without this wrapper's `block.`."""
-        return self.block.named_parameters(prefix, recurse, remove_duplicate)
+    def twin_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The block's parameters under the twin's names after its `blocks.i.` (MeshModel
+        adds that): without this wrapper's `block.`."""
+        named = getattr(self.block, "twin_named_parameters", self.block.named_parameters)
+        return named()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # built per call (a few hundred numbers): they follow x's dtype, as the twin's do

@@ -33,8 +33,8 @@ def stage_boundaries(layers: int, stages: int) -> list[int]:
     joining the first stage and the head the last (layers counts all three kinds)."""
     blocks = layers - 2
     if not 1 <= stages <= blocks:
-        raise ValueError(f"pp must be between 1 and the number of blocks ({blocks}); "
-                         f"got {stages}")
+        raise ValueError(f"the pipeline's stages (pp x virtual) must be between 1 and the "
+                         f"number of blocks ({blocks}); got {stages}")
     # 1 +: layer 0 is the embedding; integer division spreads the blocks within one of even
     return [1 + (blocks * s) // stages for s in range(1, stages)]
 
@@ -67,11 +67,14 @@ class MeshModel:
         self.tied = ends[0].tied_weight if ends else None
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """This rank's parameters under the twin's names (the tied weight once)."""
+        """This rank's parameters under the twin's names (the tied weight once). A layer
+        that wraps the twin's module names its parameters itself (`twin_named_parameters`,
+        e.g. without its wrapper's prefix); any other layer by its own names."""
         seen = set()
         for s, stage in self.pipe.modules.items():
             for prefix, layer in zip(self._prefixes[s], stage, strict=True):
-                for name, p in layer.named_parameters():
+                named = getattr(layer, "twin_named_parameters", layer.named_parameters)
+                for name, p in named():
                     if id(p) not in seen:
                         seen.add(id(p))
                         yield prefix + name, p
@@ -84,6 +87,11 @@ class MeshModel:
         after the last step of an optimizer step (not per step: accumulated gradients
         would be summed again)."""
         return self.pipe.train_step(ids, targets, loss_fn)
+
+    def evaluate(self, ids: torch.Tensor, targets: torch.Tensor,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float | None:
+        """The batch's mean `loss_fn` with no gradients, on ranks holding the last stage."""
+        return self.pipe.evaluate(ids, targets, loss_fn)
 
     def sum_tied_gradients(self) -> None:
         """The embedding and the head share a weight; with pp > 1 the first and last stage

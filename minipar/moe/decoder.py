@@ -22,7 +22,6 @@ from torch import nn
 
 from ..decoder import Decoder, DecoderBlock, DecoderConfig
 from ..mesh import MeshGroups
-from ..runtime import rank
 from .dropless import DroplessMoE
 from .expert_parallel import ExpertParallelMoE
 
@@ -74,36 +73,31 @@ class ExpertParallelBlock(nn.Module):
 
     def __init__(self, twin: MoEDecoderBlock, ep_group) -> None:
         super().__init__()
-        self.block = copy.deepcopy(twin)
+        # the block without its feed-forward: the memo hands deepcopy a placeholder for the
+        # twin's mlp, so all E experts are not copied only to be replaced
+        self.block = copy.deepcopy(twin, memo={id(twin.mlp): nn.Identity()})
         self.block.mlp = ExpertParallelFeedForward(twin.mlp, ep_group)
-        self.first = rank(ep_group) * self.block.mlp.per_rank
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 explicit: bool | None = None) -> torch.Tensor:
         return self.block(x, cos, sin, explicit)
 
-    @property
-    def attn(self) -> nn.Module:  # where context parallelism and recomputation look
-        return self.block.attn
-
     def experts(self) -> list[nn.Parameter]:
         """The parameters of this rank's experts (averaged over dp only)."""
         return list(self.block.mlp.experts.parameters())
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """The twin's names: the block's own, the experts renumbered to the twin's."""
-        mark = "mlp.experts."
-        for name, p in self.block.named_parameters(prefix, recurse, remove_duplicate):
-            if mark in name:
-                head, tail = name.split(mark, 1)
-                index, rest = tail.split(".", 1)
-                name = f"{head}{mark}{self.first + int(index)}.{rest}"
+    def twin_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The twin's names: the block's own, the experts renumbered as the twin's."""
+        mark, first = "mlp.experts.", self.block.mlp.first
+        for name, p in self.block.named_parameters():
+            if name.startswith(mark):
+                index, rest = name[len(mark):].split(".", 1)
+                name = f"{mark}{first + int(index)}.{rest}"
             yield name, p
 
 
 def cut_expert_parallel(block: nn.Module, groups: MeshGroups) -> nn.Module:
     """`mesh.decoder_layers`' block cut for a mixture-of-experts decoder: experts over ep
-    (tensor and context parallelism are not composed with experts here: the config check
-    refuses them)."""
+    (tensor and context parallelism are not composed with experts here: the trainer's
+    `refuse_unbuilt` says so in one line)."""
     return ExpertParallelBlock(block, groups.ep)

@@ -54,7 +54,8 @@ class ExpertParallelMoE(nn.Module):
         self.group = group
         self.exchange = FlatAllToAll() if exchange is None else exchange
         self.rule = twin.rule  # the twin's own rule object: its choices, by construction
-        first = rank(group) * self.per_rank
+        # this rank's expert i is the twin's expert first + i
+        self.first = first = rank(group) * self.per_rank
         self.num_experts = num_experts
         self.gate = copy.deepcopy(twin.gate)
         self.experts = nn.ModuleList(copy.deepcopy(twin.experts[first + i])

@@ -162,22 +162,25 @@ class Pipeline:
         the batch (dim 0) into micro-batches of those lengths instead of tensor_split's
         even ones. Returns the batch's mean loss on the rank holding the last stage, else
         None."""
-        return self._step(batch, target, loss_fn, sizes, self.plan.actions[self.rank])
+        return self._step(batch, target, loss_fn, sizes, forward_only=False)
 
     @torch.no_grad()
     def evaluate(self, batch: torch.Tensor, target: torch.Tensor,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float | None:
         """The batch's mean loss with no backward and no gradients (a validation loss), on
         the rank holding the last stage, else None: the schedule's forward actions alone,
-        in the schedule's order. Dropping the backward actions only removes waits, and the
-        forward messages between any two ranks keep their order, so it cannot deadlock."""
-        forward = (ActionKind.F, ActionKind.SEND_F, ActionKind.RECV_F)
-        return self._step(batch, target, loss_fn, None,
-                          [a for a in self.plan.actions[self.rank] if a.kind in forward])
+        in the schedule's order, for synchronous schedules (a stage that updates or stashes
+        weights in forward, as PipeDream's, is refused). Dropping the backward actions only
+        removes waits, and the forward messages between any two ranks keep their order, so
+        it cannot deadlock. Extra work (PipeFisher's) does not run."""
+        if not all(stage.pure_forward for stage in self.stages.values()):
+            raise ValueError(f"{self.plan.name!r} stages change state in forward; evaluate "
+                             "runs synchronous schedules' plain stages only")
+        return self._step(batch, target, loss_fn, None, forward_only=True)
 
     def _step(self, batch: torch.Tensor, target: torch.Tensor,
               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-              sizes: Sequence[int] | None, actions: Sequence[Action]) -> float | None:
+              sizes: Sequence[int] | None, forward_only: bool) -> float | None:
         m = self.plan.microbatches
         if batch.shape[0] < m:
             raise ValueError(f"a batch of {batch.shape[0]} samples cannot make {m} micro-batches")
@@ -188,13 +191,17 @@ class Pipeline:
         inputs = torch.split(batch, list(sizes)) if sizes else torch.tensor_split(batch, m)
         targets = torch.split(target, list(sizes)) if sizes else torch.tensor_split(target, m)
         state = StepState(inputs, targets, [len(x) / len(batch) for x in inputs])
+        actions = self.plan.actions[self.rank]
+        if forward_only:
+            actions = [a for a in actions if a.kind in (ActionKind.F, ActionKind.SEND_F,
+                                                        ActionKind.RECV_F)]
         # the message shapes learnt depend on the batch and on which actions run
-        key = (tuple(batch.shape), batch.dtype, tuple(sizes) if sizes else None, len(actions))
+        key = (tuple(batch.shape), batch.dtype, tuple(sizes) if sizes else None, forward_only)
         messages = Messages(self.plan, self.group, self.dtype, self._shapes.get(key))
         for index, action in enumerate(actions):
             if self.post_ahead:
                 messages.post_ahead(actions, index)
-            if self.extra_work is not None:
+            if self.extra_work is not None and not forward_only:
                 self.extra_work.before(index, action)
             self._run(action, state, messages, loss_fn)
         self._shapes[key] = messages.finish()

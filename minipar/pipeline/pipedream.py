@@ -32,6 +32,8 @@ class StashingStage(Stage):
     version its forward ran on, live version when its backward ran): the gap is
     PipeDream's staleness, which the stash hides from the gradient."""
 
+    pure_forward = False  # forward stashes a copy of the weights that backward consumes
+
     def __init__(self, module: nn.Module, index: int, lr: float) -> None:
         super().__init__(module, index)
         self.lr, self.version = lr, 0

@@ -25,6 +25,10 @@ class Stage:
     """Stage `index` of the model, running `module`. Every method gets the micro-batch it
     works on, so a variant can keep per-micro-batch state."""
 
+    # whether forward leaves no state behind for backward to consume beyond autograd's own
+    # (weight stashing and carried state do): only then can a forward run without backward
+    pure_forward = True
+
     def __init__(self, module: nn.Module, index: int) -> None:
         self.module, self.index = module, index
 

@@ -48,6 +48,8 @@ class CarriedStateStage(Stage):
     earlier slices' cached keys and values): the module is a `CarriesState`. A module
     without `carried_state` runs as a plain Stage."""
 
+    pure_forward = False  # a slice's forward caches keys and values for the later slices
+
     def backward(self, microbatch: int, root: torch.Tensor, grad_out: torch.Tensor | None,
                  x: torch.Tensor | None) -> torch.Tensor | None:
         carried = getattr(self.module, "carried_state", None)

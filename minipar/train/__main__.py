@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..cli import OneLineParser, output_folder, positive_int, run_command
 from ..runtime import launch, under_torchrun, world_size
-from .compare import against_one_process, first_with_losses, run_config
+from .compare import against_one_process, first_with_losses, one_process, run_config
 from .compare import main as compare_main
 from .config import check, load_config, same_run
 from .flags import add_flags, add_launch_flags, overrides_from_args
@@ -60,6 +60,8 @@ def _config(args):
     ranks = config.parallel.dp * others
     check(config, ranks)
     refuse_unbuilt(config)  # one line here, not a traceback from every rank
+    if args.check:  # the reference too, before the run rather than after it
+        check(one_process(config), 1)
     return config, ranks
 
 

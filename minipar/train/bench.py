@@ -105,8 +105,10 @@ def predicted_step(config: TrainConfig, flops: float, bandwidth: float, alpha: f
     if p.cp > 1:
         return None
     ranks = p.dp * p.pp * p.tp
-    layout = Layout(p.dp, p.pp, p.tp, micro_batch=t.batch_size // (p.dp * p.microbatches),
-                    zero=p.zero, recompute=t.recompute)
+    # accumulation chunks are more micro-batches to the planner: the same compute and bubble
+    per_micro = t.batch_size // (p.dp * p.microbatches * t.accumulation)
+    layout = Layout(p.dp, p.pp, p.tp, micro_batch=per_micro, zero=p.zero,
+                    recompute=t.recompute)
     machine = this_machine(ranks, flops, bandwidth, alpha, beta)
     return estimate(planner_model(config.model), machine, t.batch_size, layout,
                     bytes_per_value=4).step

@@ -71,9 +71,10 @@ class Tolerance:
 
 
 def one_process(config: TrainConfig) -> TrainConfig:
-    """The same run on one process: every degree 1, ZeRO off, the same global batch."""
-    return replace(config, parallel=replace(config.parallel, dp=1, pp=1, tp=1, cp=1, zero=0,
-                                            sequence_parallel=False))
+    """The same run on one process: every degree 1, ZeRO off, the same global batch (and
+    the same model: a mixture of experts keeps its experts, all on the one rank)."""
+    return replace(config, parallel=replace(config.parallel, dp=1, pp=1, tp=1, cp=1, ep=1,
+                                            zero=0, sequence_parallel=False))
 
 
 def ranks_of(config: TrainConfig) -> int:
@@ -83,8 +84,8 @@ def ranks_of(config: TrainConfig) -> int:
 
 
 def first_with_losses(runs: Sequence[Run]) -> Run:
-    """The first rank's Run that holds losses (with a pipeline only the last stage may
-    know the loss)."""
+    """The first rank's Run that holds losses (today every rank's Run holds the batch's
+    loss, all-reduced; this keeps the comparison right if a rank ever reports none)."""
     for run in runs:
         if run.losses:
             return run
@@ -120,6 +121,13 @@ def parse_overrides(text: str) -> dict[str, object]:
                              f"({', '.join(PARALLEL_KEYS)}) nor a dotted name such as "
                              "train.recompute")
         dotted = key if "." in key else f"parallel.{key}"
+        if dotted.startswith("model."):
+            # every configuration is held to the one-process run of the shared config: a
+            # configuration with another model would differ by construction
+            raise ValueError(f"configuration {text!r}: {dotted} changes the model, but every "
+                             "configuration is compared with one process running the shared "
+                             f"config; give it as a shared flag (e.g. --{key[6:].replace('_', '-')}"
+                             " 4) or in the --config file")
         if dotted in overrides:
             raise ValueError(f"configuration {text!r} sets {dotted} twice")
         try:

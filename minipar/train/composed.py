@@ -10,7 +10,7 @@ computing in the run's precision (`AutocastStage`, the engine's extension point)
 
 After the schedule's backward, gradients meet in this order:
 1. the tied embedding's two copies summed across the pipeline's ends (MeshModel), once
-   per optimizer step, after every accumulation chunk;
+   per optimizer step, after the last accumulation chunk;
 2. under sequence parallelism, the blocks' norm gradients summed over tp;
 3. every gradient averaged over cp (each cp rank's loss is the mean over its tokens);
 4. with experts over ep (inside dp): the dense weights averaged over ep, the experts'
@@ -64,7 +64,7 @@ class MeshReplica(Replica):
         # the data-parallel replicas are dp x ep ranks: ep ranks hold different rows too
         self.dp_rank, self.dp = rank(g.dp) * par.ep + rank(g.ep), par.dp
         self.ep = par.ep
-        self.tp_rank, self.zero = rank(g.tp), par.zero
+        self.tp_rank = rank(g.tp)
         self.sequence_parallel = par.sequence_parallel
         self.positions = held_positions(g, config.model.seq_len)
         adam = adam_factory(config)
@@ -91,8 +91,12 @@ class MeshReplica(Replica):
 
     def _norm_masks(self, named: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
         """Per optimizer tensor, 1 where this rank counts the entry in the global norm."""
-        split = {id(m.weight) for m in self.model.local.modules()
-                 if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+        # a column-parallel layer splits its weight and bias by rows; a row-parallel one its
+        # weight only (its bias is added once, after the sum): the decoder has no biases
+        split = {id(p) for m in self.model.local.modules()
+                 for p in ([m.weight, m.bias] if isinstance(m, ColumnParallelLinear) else
+                           [m.weight] if isinstance(m, RowParallelLinear) else [])
+                 if p is not None}
         ep_rank = rank(self.groups.ep)
         counted = {id(p) for _, p in named
                    if (id(p) in split or self.tp_rank == 0)  # replicated over tp: once
@@ -111,7 +115,8 @@ class MeshReplica(Replica):
     def forward_backward(self, ids: torch.Tensor, targets: torch.Tensor, batch: int,
                          scaler: LossScaler, last: bool) -> float | None:
         """One pipeline step on this rank's rows and tokens, its loss weighted by the chunk's
-        share of the `batch` rows; the weighted loss on last-stage ranks, else None."""
+        share of the `batch` rows; the weighted loss on last-stage ranks, else None.
+        (`last` is DDP's cue to all-reduce; here gradients meet in reduce_gradients.)"""
         weight = shard_weight(len(ids), batch, self.dp) * scaler.scale
         loss = self.model.forward_backward(ids[:, self.positions], targets[:, self.positions],
                                            self._loss_fn(weight))
@@ -120,8 +125,8 @@ class MeshReplica(Replica):
     def eval_loss(self, ids: torch.Tensor, targets: torch.Tensor, batch: int) -> float | None:
         """This rank's weighted share of the batch's mean loss (last stage), no gradients."""
         weight = shard_weight(len(ids), batch, self.dp)
-        return self.model.pipe.evaluate(ids[:, self.positions], targets[:, self.positions],
-                                        self._loss_fn(weight))
+        return self.model.evaluate(ids[:, self.positions], targets[:, self.positions],
+                                   self._loss_fn(weight))
 
     def mean_over_ranks(self, share: float | None) -> float:
         """The batch's mean: the last stage's shares summed over the run, each tp rank's

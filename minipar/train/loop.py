@@ -7,7 +7,9 @@ One step, as every rank runs it:
    any dp), cut into `accumulation` chunks; each chunk's mean loss is weighted by
    dp x chunk / global rows (the package's loss-scaling convention, `shard_weight`), so
    after the average over dp every token counts once, as in one process;
-3. the gradients averaged over dp (DDP during backward; ZeRO in reduce_gradients);
+3. the gradients reduced as one process's: averaged over dp (DDP during backward; ZeRO
+   in reduce_gradients); on a mesh (composed.py) the pipeline's backward, then the tied
+   embedding, sequence-parallel norms, cp, ep and dp, in that order;
 4. the global gradient norm (each entry counted once) and clipping by it;
 5. AdamW's update; the batch's loss, tokens per second and MFU logged.
 In fp16 the loss is scaled before backward and the gradients unscaled after the

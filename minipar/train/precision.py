@@ -82,7 +82,6 @@ class LossScaler:
             self.scale *= 2
 
 
-
 class AutocastStage(Stage):
     """A pipeline stage whose forward runs in the run's precision (the engine's extension
     point): autocast around the module's call, backward as autograd recorded it."""

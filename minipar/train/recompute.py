@@ -7,8 +7,10 @@
 - full: each block keeps only its input and runs its forward again in backward (about
   one more forward pass: 4/3 of the step's matmul FLOPs).
 
-Both plug into the decoder's own extension points (`Attention.core`, `Decoder.run_block`)
-through torch.utils.checkpoint; the arithmetic is the same, so the loss curve is too.
+Both plug into the decoder's own extension points (every attention module's `core`, the
+fused one, tensor-parallel heads' or ring attention's; `Decoder.run_block` and the mesh
+layers' `run_block`) through torch.utils.checkpoint; the arithmetic is the same, so the
+loss curve is too. Apply a policy once: applying it again would nest the checkpoints.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ the ones this rank owns, AdamW's update. Two layouts implement it:
   02's `DataParallel` (buckets all-reduced during backward, `no_sync` while
   accumulating); zero = 1, 2: `ZeroDataParallel`; zero = 3: `FullyShardedDataParallel`,
   each block a unit (lesson 06).
-- `MeshReplica` (composed.py): the decoder cut over a mesh, dp x pp x cp x tp.
+- `MeshReplica` (composed.py): the decoder cut over a mesh, dp x pp x cp x tp (and ep
+  inside dp for a mixture of experts), every step through the pipeline engine.
 
 Weight decay is AdamW's, decoupled, applied by hand before an Adam step with none
 (`p *= 1 - lr * wd`, exactly what torch's AdamW does first): a ZeRO slice mixes matrices
@@ -105,7 +106,40 @@ class Replica:
         for p in self.parameters():
             p.grad = None
 
+    # what each layout writes (the loop calls exactly these)
+
     def parameters(self) -> list[nn.Parameter]:
+        """Every parameter this rank holds."""
+        raise NotImplementedError
+
+    def forward_backward(self, ids: torch.Tensor, targets: torch.Tensor, batch: int,
+                         scaler: LossScaler, last: bool) -> float | None:
+        """Backward of one accumulation chunk's loss, weighted by its share of the `batch`
+        rows; this rank's weighted loss (None where this rank computes no loss)."""
+        raise NotImplementedError
+
+    def eval_loss(self, ids: torch.Tensor, targets: torch.Tensor, batch: int) -> float | None:
+        """This rank's weighted share of a batch's mean loss, no gradients."""
+        raise NotImplementedError
+
+    def mean_over_ranks(self, share: float | None) -> float:
+        """The batch's mean loss from every rank's share."""
+        raise NotImplementedError
+
+    def reduce_gradients(self) -> None:
+        """Every gradient this rank's optimizer steps with, reduced as one process's."""
+        raise NotImplementedError
+
+    def norm_gradients(self) -> list[torch.Tensor | None]:
+        """The gradient entries this rank counts in the global norm."""
+        raise NotImplementedError
+
+    def norm_groups(self) -> list:
+        """The process groups over which ranks count distinct entries."""
+        raise NotImplementedError
+
+    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's parameters under the twin's names, after training."""
         raise NotImplementedError
 
 
