@@ -108,9 +108,9 @@ def memory_rows(replica: Replica, config: TrainConfig, ids: torch.Tensor,
 
 def memory_table(rows: list[dict]) -> str:
     """MiB per kind, measured / predicted, one line per rank."""
-    shown = []
+    shown, dims = [], [k for k in rows[0]["coords"] if any(r["coords"][k] for r in rows)]
     for row in rows:
-        where = " ".join(f"{k}{v}" for k, v in row["coords"].items() if v or k == "dp")
+        where = " ".join(f"{k}{row['coords'][k]}" for k in dims) or "the only rank"
         cells = {kind: f"{row['measured'][kind] / MIB:.3f} / {row['predicted'][kind] / MIB:.3f}"
                  for kind in KINDS}
         shown.append({"rank": f"{row['rank']} ({where})", **cells})
