@@ -68,6 +68,19 @@ def test_zero_1_halves_the_optimizer_state_on_2_ranks(cluster2, corpus):  # noqa
                 assert abs(measured / predicted - 1) < 1e-3, (kind, measured, predicted)
 
 
+def test_zero_2_and_3_shard_gradients_and_weights(cluster2, corpus):  # noqa: F811
+    """dp = 2: ZeRO-2 and 3 keep fewer gradient bytes at their peak than DDP (reduce-scattered
+    as buckets or units complete). ZeRO-3's parameters at their peak are this rank's
+    slices plus the units gathered at that moment: on this 2-block model with a large
+    tied embedding in the root unit, gathered for the whole step, that is more than half
+    the model, and here more than all of it (the gathering's price on a shallow model)."""
+    ddp, two, three = (cluster2.run(_memory, short(corpus, dp=2, zero=z))[0]["measured"]
+                       for z in (0, 2, 3))
+    assert two["gradients"] < ddp["gradients"] and three["gradients"] < ddp["gradients"]
+    assert ddp["parameters"] / 2 < three["parameters"] < ddp["parameters"] * 3 / 2, three
+    assert two["optimizer"] == three["optimizer"] < ddp["optimizer"]
+
+
 def test_pipeline_ranks_hold_their_stages(cluster2, corpus):  # noqa: F811
     """pp = 2: each rank holds less than one process, and together exactly the model plus
     the tied embedding's second copy (the last stage's head), which the planner's even
