@@ -106,6 +106,11 @@ class MeshReplica(Replica):
             return [shard_mask(s, counted) for s in self.sharded.shards]
         return [torch.tensor(float(id(p) in counted), dtype=p.dtype) for _, p in named]
 
+    @property
+    def module(self) -> nn.Module:
+        """The module whose parameters this rank holds: its stages, cut for its tp and cp."""
+        return self.model.local
+
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.local.parameters())
 

@@ -36,6 +36,7 @@ from .composed import MeshReplica
 from .config import TrainConfig, check, describe, to_toml
 from .curves import save_run_pictures
 from .data import BatchSampler, load_tokens
+from .memory import memory_rows, save_memory
 from .metrics import MetricsLog, cores_in_use, measured_peak, mfu
 from .optim import clip_, global_norm, learning_rate
 from .precision import COMPUTE_DTYPES, PARAM_DTYPES, LossScaler
@@ -51,6 +52,7 @@ class Run:
 
     records: list[dict] = field(default_factory=list)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # keep_weights=True
+    memory: dict = field(default_factory=dict)  # this rank's bytes by kind (memory.py)
 
     @property
     def losses(self) -> list[float]:
@@ -156,9 +158,10 @@ def build_replica(config: TrainConfig) -> Replica:
 
 def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool = False
           ) -> Run:
-    """Train `config` on this rank (every rank of the run calls it); write metrics.jsonl
-    and config.toml into `out` (rank 0) and return the step records (and, with
-    `keep_weights`, every parameter at the end, whole, under the twin's names)."""
+    """Train `config` on this rank (every rank of the run calls it); write metrics.jsonl,
+    config.toml and memory.json into `out` (rank 0) and return the step records, this
+    rank's memory by kind (and, with `keep_weights`, every parameter at the end, whole,
+    under the twin's names)."""
     check(config, world_size())
     refuse_unbuilt(config)
     loop, optim, k = config.train, config.optim, world_size()
@@ -207,9 +210,12 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
             log.write(record)
             if (step + 1) % loop.log_every == 0 or last or "val_loss" in record:
                 print(progress_line(record, loop.steps), flush=True)
+    # one untimed step after the last (Adam's state exists), no update: memory by kind
+    run.memory, rows = memory_rows(replica, config, *held_out.next())
     if log is not None:
         log.close()
         save_run_pictures(Path(out), run.records, events)
+        print(save_memory(Path(out), rows), flush=True)
     if keep_weights:
         run.weights = {name: p.clone() for name, p in replica.full_parameters()}
     return run

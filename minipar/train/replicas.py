@@ -164,6 +164,11 @@ class ReplicatedModel(Replica):
             self.sharded, self.optimizer = self.wrapper, self.wrapper.optimizer
         self.masks = self.decay_masks(named)
 
+    @property
+    def module(self) -> nn.Module:
+        """The module whose parameters this rank holds: the whole decoder."""
+        return self.model
+
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
 
