@@ -1,12 +1,14 @@
 """`minipar bench train`: the trainer's tokens per second and MFU on this machine, the
-`small` preset, one process against every composition of 2 and 4 ranks, fp32 against
-bf16, each composition beside the planner's predicted step time.
+`small` preset, one process against compositions of 2, 4 and 8 ranks, fp32 against
+bf16, each composition beside the planner's predicted step time, and each rank's memory
+(the fullest rank's, measured by kind in the run's untimed last step, memory.py) beside
+the prediction.
 
 Every rank computes on one thread, and so does the one-process baseline, so "dp=2 on 2
 cores" compares like with like; a one-process row on every core is shown too, so that
-nobody is misled about what one process can do. Four ranks on this machine's 2 cores
-time-share them: their rows show what composing costs in messages and waiting, not a
-speed-up. The variants take turns for `rounds` rounds; a row keeps the median round and
+nobody is misled about what one process can do. Four and eight ranks on this machine's
+2 cores time-share them: their rows show what composing costs in messages and waiting,
+not a speed-up. The variants take turns for `rounds` rounds; a row keeps the median round and
 the per-round ratios, whose spread is the noise. MFU divides by the peak measured for
 the dtype on one thread (metrics.py), times the cores in use.
 
@@ -54,6 +56,12 @@ VARIANTS = {
     "dp=2 pp=2 m=4, fp32": (dict(dp=2, pp=2, microbatches=4), "fp32", ONE_THREAD),
     "pp=2 tp=2 m=4, fp32": (dict(pp=2, tp=2, microbatches=4), "fp32", ONE_THREAD),
     "dp=2 cp=2, fp32": (dict(dp=2, cp=2), "fp32", ONE_THREAD),
+    "tp=2, bf16": (dict(tp=2), "bf16", ONE_THREAD),
+    "pp=2 1f1b m=4, bf16": (dict(pp=2, microbatches=4), "bf16", ONE_THREAD),
+    "cp=2, bf16": (dict(cp=2), "bf16", ONE_THREAD),
+    "dp=8, fp32": (dict(dp=8), "fp32", ONE_THREAD),
+    "dp=4 pp=2 m=4, fp32": (dict(dp=4, pp=2, microbatches=4), "fp32", ONE_THREAD),
+    "dp=2 pp=2 tp=2 m=4, fp32": (dict(dp=2, pp=2, tp=2, microbatches=4), "fp32", ONE_THREAD),
 }
 BASELINE = "1 process, fp32"
 WARMUP = 2  # steps left out of the median: the first ones pay for allocation
@@ -65,11 +73,15 @@ def _ranks(parallel: dict) -> int:
 
 
 def _timed_run(config: TrainConfig, threads: int) -> dict:
-    """Median tokens/s and MFU of a short run on this rank, on `threads` threads."""
+    """Median tokens/s and MFU of a short run on this rank, on `threads` threads, and this
+    rank's memory (bytes, all kinds together) measured and predicted."""
     torch.set_num_threads(threads)
-    records = train(config).records[WARMUP:]
+    run = train(config)
+    records = run.records[WARMUP:]
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
-            "mfu": statistics.median(r["mfu"] for r in records)}
+            "mfu": statistics.median(r["mfu"] for r in records),
+            "memory": sum(run.memory["measured"].values()),
+            "memory_predicted": sum(run.memory["predicted"].values())}
 
 
 def planner_model(c: DecoderConfig) -> cost.TransformerConfig:
@@ -136,7 +148,11 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small") -> list[dic
                 progress(f"{name}, round {round_index + 1}/{rounds}")
                 config = _config(preset, parallel, precision, steps)
                 result = clusters[_ranks(parallel)].run(_timed_run, config, threads)
-                runs[name].append(min(result, key=lambda r: r["tokens_per_s"]))
+                # the slowest rank sets the pace; the fullest rank sets the memory
+                runs[name].append({**min(result, key=lambda r: r["tokens_per_s"]),
+                                   "memory": max(r["memory"] for r in result),
+                                   "memory_predicted": max(r["memory_predicted"]
+                                                           for r in result)})
     finally:
         for cluster in clusters.values():
             cluster.close()
@@ -158,6 +174,8 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small") -> list[dic
                      "mfu": statistics.median(r["mfu"] for r in runs[name]),
                      "step_s": tokens_per_step / statistics.median(speeds),
                      "predicted_step_s": predicted,
+                     "memory": runs[name][-1]["memory"],
+                     "memory_predicted": runs[name][-1]["memory_predicted"],
                      "vs_one_process": [mine["tokens_per_s"] / one["tokens_per_s"]
                                         for one, mine in zip(base, runs[name], strict=True)]})
     return rows
@@ -184,7 +202,8 @@ def report(rows: list[dict], out_dir: Path) -> str:
               "step": f"{r['step_s'] * 1e3:.0f} ms",
               "predicted": ("-" if r["predicted_step_s"] is None else
                             f"{r['predicted_step_s'] * 1e3:.0f} ms "
-                            f"({r['predicted_step_s'] / r['step_s'] - 1:+.0%})")}
+                            f"({r['predicted_step_s'] / r['step_s'] - 1:+.0%})"),
+              "memory": f"{r['memory'] / 2**20:.1f} / {r['memory_predicted'] / 2**20:.1f}"}
              for r in rows]
     fig = Figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.add_subplot()
@@ -200,8 +219,11 @@ def report(rows: list[dict], out_dir: Path) -> str:
     return "\n".join([
         "the variants take turns; each rank (and the baseline) on one thread unless said; "
         "ratios per round, median (min-max); predicted: the planner's step on this "
-        "machine's fitted constants (its error in brackets; no model of cp)",
+        "machine's fitted constants (its error in brackets; no model of cp); memory: the "
+        "fullest rank, every kind together, measured in the run's last, untimed step / "
+        "the cost model's formulas (memory.py)",
         format_table(shown, [("variant", "variant"), ("tokens/s", "tokens/s"), ("mfu", "MFU"),
                              ("ratio", "vs 1 process, fp32"), ("step", "step"),
-                             ("predicted", "predicted step")]),
+                             ("predicted", "predicted step"),
+                             ("memory", "fullest rank MiB (measured / predicted)")]),
         *rho])
