@@ -23,13 +23,15 @@ def render_curves(runs: dict[str, list[dict]], title: str = "", overlay: bool = 
     ax = fig.add_subplot()
     for i, (name, records) in enumerate(runs.items()):
         color = f"C{i}"
+        # the noisy training loss drawn light, so the validation points on it stand out
         style = dict(linestyle=STYLES[i % len(STYLES)], linewidth=3 if i == 0 else 1.2,
-                     alpha=0.5 if i == 0 else 1.0) if overlay else dict(linewidth=1)
+                     alpha=0.5 if i == 0 else 1.0) if overlay else dict(linewidth=1, alpha=0.45)
         ax.plot([r["step"] for r in records], [r["loss"] for r in records], color=color,
                 label=f"{name}: training", **style)
         evaluated = [r for r in records if "val_loss" in r]
-        ax.plot([r["step"] for r in evaluated], [r["val_loss"] for r in evaluated], "o",
-                color=color, markersize=4, label=f"{name}: validation")
+        ax.plot([r["step"] for r in evaluated], [r["val_loss"] for r in evaluated], "o-",
+                color=color, markersize=5, linewidth=1.5, markeredgecolor="black",
+                markeredgewidth=0.6, zorder=3, label=f"{name}: validation")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per token)")
     ax.legend(fontsize=8)
