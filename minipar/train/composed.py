@@ -87,7 +87,7 @@ class MeshReplica(Replica):
         named = list(self.model.named_parameters())
         self.optimizer = self.sharded.optimizer if self.sharded else adam([p for _, p in named])
         self.masks = self.decay_masks(named)
-        self.count = self._norm_masks(named)
+        self.norm_masks = self._norm_masks(named)
 
     def _norm_masks(self, named: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
         """Per optimizer tensor, 1 where this rank counts the entry in the global norm."""
@@ -164,7 +164,7 @@ class MeshReplica(Replica):
     def norm_gradients(self) -> list[torch.Tensor | None]:
         """The owned gradients, each entry this rank does not count zeroed (a copy)."""
         return [None if g is None else g * m
-                for g, m in zip(self.owned_gradients(), self.count, strict=True)]
+                for g, m in zip(self.owned_gradients(), self.norm_masks, strict=True)]
 
     def norm_groups(self) -> list:
         """Where ranks hold distinct entries: tp, pp, ep (experts), and dp under ZeRO."""
