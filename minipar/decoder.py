@@ -164,14 +164,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         causal: bool = True) -> torch.Tensor:
     """softmax(q k^T / sqrt(d) + mask) v, written out, over [batch, heads, seq, d]: the
-    teaching reference that scaled_dot_product_attention must equal. Causal: query t sees
-    keys 0..t of the same call."""
+    teaching reference that scaled_dot_product_attention must equal. Causal: the queries
+    are the last of the keys' positions (all of them, or the newest tokens after a key/value
+    cache's past), and query t sees the keys up to its own position."""
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         # -inf above the diagonal (keys after the query): exp(-inf) = 0 after the softmax
-        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
+        scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2], q.device),
+                                    float("-inf"))
     return scores.softmax(dim=-1) @ v
+
+
+def causal_mask(queries: int, keys: int, device: torch.device | None = None) -> torch.Tensor:
+    """[queries, keys], True where a query may see a key: the queries are the last
+    `queries` of `keys` positions (a cache's past comes first), each seeing itself and
+    everything before it."""
+    past = keys - queries
+    return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(past)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, explicit: bool = False
@@ -180,22 +189,29 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, explicit: bool = F
     or `attention_reference` with explicit=True (same numbers, every step visible)."""
     if explicit:
         return attention_reference(q, k, v, causal=True)
+    if q.shape[-2] != k.shape[-2]:  # a cache's past: is_causal would align the corners wrong
+        return nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=causal_mask(q.shape[-2], k.shape[-2], q.device))
     return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             cos: torch.Tensor, sin: torch.Tensor, head_dim: int,
-                            explicit: bool = False, attend: Callable = attend
-                            ) -> torch.Tensor:
+                            explicit: bool = False, attend: Callable = attend,
+                            keep: Callable | None = None) -> torch.Tensor:
     """The projections q [batch, seq, heads * d], k and v [batch, seq, kv_heads * d] ->
     attended heads [batch, seq, heads * d]: split into heads, RoPE, each kv head repeated
     for its query heads, causal attention by `attend(q, k, v, explicit)` (context
-    parallelism passes ring attention). Head counts come from the shapes, so a
+    parallelism passes ring attention). `keep(k, v)`, given this call's rotated keys and
+    values per kv head, returns the ones to attend to: a key/value cache keeps them and
+    returns its past with them (generation.py). Head counts come from the shapes, so a
     tensor-parallel rank passes its local heads through the same code."""
     b, s = q.shape[:2]
     # [b, s, n * d] -> [b, n, s, d]: head i is columns i*d..(i+1)*d of the projection
     q, k, v = (t.view(b, s, -1, head_dim).transpose(1, 2) for t in (q, k, v))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if keep is not None:  # cached per kv head, before the repeat: GQA's smaller cache
+        k, v = keep(k, v)
     # kv head j serves the consecutive query heads j*g .. j*g + g-1 (g = heads/kv_heads),
     # so splitting heads and kv heads into the same number of contiguous chunks (tensor
     # parallelism) keeps every query head with its kv head
@@ -346,25 +362,3 @@ def decoder(config: DecoderConfig, seed: int = 0, dtype: torch.dtype = torch.flo
     """The trainer's twin, deterministic from `seed` on any machine (a shape that cannot be
     is one line from `config.check()`, before anything is built)."""
     return Decoder(config, seed, dtype)
-
-
-@torch.no_grad()
-def generate(model: Decoder, ids: torch.Tensor, new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, generator: torch.Generator | None = None
-             ) -> torch.Tensor:
-    """Append `new_tokens` sampled tokens to ids [batch, seq]. No key/value cache: each step
-    reruns the last `seq_len` tokens (short, and obviously right). temperature 0 is greedy."""
-    for _ in range(new_tokens):
-        window = ids[:, -model.config.seq_len:]
-        logits = model(window)[:, -1, :].float()
-        if temperature == 0:
-            chosen = logits.argmax(dim=-1, keepdim=True)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                # keep the k largest; the rest get -inf, so zero probability
-                kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            chosen = torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)
-        ids = torch.cat([ids, chosen.to(ids.dtype)], dim=1)
-    return ids

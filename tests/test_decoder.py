@@ -17,9 +17,9 @@ from minipar.decoder import (
     RMSNorm,
     apply_rope,
     decoder,
-    generate,
     rope_tables,
 )
+from minipar.generation import KVCache, caching, generate
 
 F64 = torch.float64
 SMALL = DecoderConfig(vocab_size=64, layers=2, hidden=32, heads=4, kv_heads=2, seq_len=16)
@@ -227,3 +227,41 @@ def test_the_mixture_of_experts_decoder_counts_its_parameters_and_refuses_the_pl
     with pytest.raises(ValueError, match="moe_decoder") as err:
         decoder(config)
     assert "\n" not in str(err.value)
+
+
+def _uncached(model, ids, new_tokens):
+    """Greedy decoding by rerunning the whole window every step: what the cache must equal."""
+    for _ in range(new_tokens):
+        logits = model(ids[:, -model.config.seq_len:])[:, -1, :]
+        ids = torch.cat([ids, logits.argmax(dim=-1, keepdim=True)], dim=1)
+    return ids
+
+
+def test_the_key_value_cache_gives_the_uncached_tokens_and_logits():
+    """Greedy tokens equal rerunning the window, past seq_len too (the window slides), in
+    float64; a step with the cache computes the logits of a full forward; the cache holds
+    kv_heads, not heads, and the attention cores are restored after."""
+    model = decoder(SMALL, seed=3, dtype=F64)
+    prompt = _ids((2, 5), 64)
+    assert torch.equal(generate(model, prompt, 30, temperature=0), _uncached(model, prompt, 30))
+    ids = _ids((2, 9), 64)
+    full = model(ids)
+    cache = KVCache(SMALL.layers)
+    with caching(model, cache):
+        first = model(ids[:, :6])  # the prompt, then three tokens one at a time
+        steps = [model(ids[:, t:t + 1], torch.tensor([t])) for t in range(6, 9)]
+    assert torch.allclose(torch.cat([first, *steps], dim=1), full, rtol=1e-12, atol=1e-12)
+    assert len(cache) == 9 and cache.keys[0].shape == (2, SMALL.kv_heads, 9, SMALL.head_dim)
+    assert all("core" not in vars(block.attn) for block in model.blocks)
+
+
+def test_a_causal_mask_with_a_past_lets_each_new_query_see_every_earlier_key():
+    from minipar.decoder import attend, attention_reference, causal_mask
+
+    assert causal_mask(2, 4).tolist() == [[True, True, True, False], [True, True, True, True]]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 4, generator=g, dtype=F64) for n in (2, 5, 5))
+    assert torch.allclose(attend(q, k, v), attention_reference(q, k, v), rtol=1e-12)
+    whole = attention_reference(torch.cat([torch.randn(1, 2, 3, 4, generator=g, dtype=F64), q],
+                                          dim=2), k, v)
+    assert torch.allclose(whole[:, :, 3:], attend(q, k, v), rtol=1e-12)
