@@ -33,22 +33,34 @@ from ..runtime import rank, world_size
 from ..trace import record
 
 
+def write_whole(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(partial)`, then rename the partial file to `path`: atomic, so the file is
+    whole or absent, never half-written."""
+    partial = path.with_name(path.name + ".partial")
+    write(partial)
+    partial.rename(path)
+
+
+def commit(directory: str | Path, steps_done: int) -> None:
+    """After every rank has written its files for `steps_done` (a barrier), rank 0 marks
+    them the latest: a checkpoint counts only once it is complete on every rank."""
+    if world_size() > 1:
+        dist.barrier()
+    if rank() == 0:
+        # a reader never sees a half-written "latest" either
+        write_whole(Path(directory) / "latest", lambda f: f.write_text(str(steps_done)))
+
+
 def save_checkpoint(directory: str | Path, steps_done: int, model: nn.Module,
                     optimizer: torch.optim.Optimizer) -> Path:
     """Every rank writes its state for `steps_done`; rank 0 then marks it the latest."""
     folder = Path(directory) / f"step-{steps_done}"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"rank-{rank()}.pt"
-    partial = path.with_suffix(".partial")
-    torch.save({"steps_done": steps_done, "world_size": world_size(),
-                "model": model.state_dict(), "optimizer": optimizer.state_dict()}, partial)
-    partial.rename(path)  # atomic: the file is whole or absent
-    dist.barrier()  # every rank has written: now the checkpoint counts
-    if rank() == 0:
-        # the same write-then-rename as the rank files: a reader never sees a half-written "latest"
-        marker = Path(directory) / "latest.partial"
-        marker.write_text(str(steps_done))
-        marker.rename(Path(directory) / "latest")
+    write_whole(path, lambda f: torch.save(
+        {"steps_done": steps_done, "world_size": world_size(), "model": model.state_dict(),
+         "optimizer": optimizer.state_dict()}, f))
+    commit(directory, steps_done)
     return path
 
 

@@ -114,6 +114,9 @@ class MeshReplica(Replica):
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.local.parameters())
 
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.model.named_parameters()
+
     def _loss_fn(self, weight: float):
         return lambda logits, targets: cross_entropy(logits, targets) * weight
 

@@ -106,6 +106,9 @@ class LoopConfig:
     """Batches each validation loss averages."""
     log_every: int = 20
     """Steps between progress lines."""
+    checkpoint_every: int = 0
+    """Steps between sharded checkpoints in the run folder's checkpoints/ (0: only the run's
+    end saves one)."""
     precision: str = "fp32"
     """Compute precision, one of fp32, fp64, bf16 or fp16 (the last two with fp32 masters)."""
     recompute: str = "none"
@@ -132,7 +135,8 @@ class TrainConfig:
 
 SECTIONS: dict[str, type] = typing.get_type_hints(TrainConfig)
 # Fields that change how often a run reports or how long it goes, not what it computes.
-CADENCE = ("train.steps", "train.eval_every", "train.eval_batches", "train.log_every")
+CADENCE = ("train.steps", "train.eval_every", "train.eval_batches", "train.log_every",
+           "train.checkpoint_every")
 
 
 def _valid_name(section: str, key: str | None, where: str) -> None:
@@ -320,6 +324,7 @@ def check(config: TrainConfig, world_size: int | None = None) -> None:
     for name in ("batch_size", "accumulation", "steps", "eval_batches", "log_every"):
         _at_least(f"train.{name}", getattr(t, name), 1)
     _at_least("train.eval_every", t.eval_every, 0)
+    _at_least("train.checkpoint_every", t.checkpoint_every, 0)
     split = p.dp * p.microbatches * t.accumulation
     if t.batch_size % split:
         raise ValueError(f"train.batch_size={t.batch_size} must split into dp x microbatches "

@@ -32,12 +32,13 @@ from ..moe.decoder import moe_decoder
 from ..pipeline import SCHEDULES
 from ..runtime import rank, world_size
 from ..trace import record
+from .checkpoint import load_checkpoint, save_checkpoint
 from .composed import MeshReplica
 from .config import TrainConfig, check, describe, to_toml
 from .curves import save_run_pictures
 from .data import BatchSampler, load_tokens
 from .memory import memory_rows, save_memory
-from .metrics import MetricsLog, cores_in_use, measured_peak, mfu
+from .metrics import MetricsLog, cores_in_use, measured_peak, mfu, read_metrics
 from .optim import clip_, global_norm, learning_rate
 from .precision import COMPUTE_DTYPES, PARAM_DTYPES, LossScaler
 from .recompute import apply_recompute
@@ -156,14 +157,19 @@ def build_replica(config: TrainConfig) -> Replica:
     return ReplicatedModel(model, config)
 
 
-def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool = False
-          ) -> Run:
+def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool = False,
+          resume: bool = False, stop_after: int | None = None) -> Run:
     """Train `config` on this rank (every rank of the run calls it); write metrics.jsonl,
-    config.toml and memory.json into `out` (rank 0) and return the step records, this
-    rank's memory by kind (and, with `keep_weights`, every parameter at the end, whole,
-    under the twin's names)."""
+    config.toml, memory.json and sharded checkpoints (every train.checkpoint_every steps
+    and at the end) into `out` and return the step records, this rank's memory by kind
+    (and, with `keep_weights`, this rank's parameters under the twin's names). `resume`
+    continues from the latest complete checkpoint in `out`, on any mesh; `stop_after`
+    ends the run after that step as if it were stopped there (its checkpoint saved)."""
     check(config, world_size())
     refuse_unbuilt(config)
+    if (resume or stop_after is not None) and out is None:
+        raise ValueError("resume and stop_after need the run folder (out) that holds the "
+                         "checkpoints")
     loop, optim, k = config.train, config.optim, world_size()
     tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
     seq_len, batch = config.model.seq_len, loop.batch_size
@@ -174,14 +180,21 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
     held_out = BatchSampler(tokens.val, seq_len, batch, config.data.seed + 1, replica.dp_rank,
                             replica.dp)
     scaler = LossScaler(enabled=loop.precision == "fp16")
+    first = load_checkpoint(replica, config, out, scaler) if resume else 0
+    sampler.load_state_dict({"step": first})  # the batches follow the step: nothing else
+    stop = loop.steps if stop_after is None else min(stop_after, loop.steps)
     # MFU against the peak of the dtype the matmuls run in (bf16 on a CPU: AMX if it has it)
     flops, peak = config.model.flops_per_token(), _shared_peak(COMPUTE_DTYPES[loop.precision])
-    log = MetricsLog(Path(out) / "metrics.jsonl") if out is not None and rank() == 0 else None
+    log = (MetricsLog(Path(out) / "metrics.jsonl", keep_until=first if resume else None)
+           if out is not None and rank() == 0 else None)
     if log is not None:
         (Path(out) / "config.toml").write_text(to_toml(config))
         print(describe(config), flush=True)
+        if resume:
+            print(f"resuming after step {first} of {loop.steps}" if first else
+                  "resume: no complete checkpoint yet, starting at step 0", flush=True)
     run, events = Run(), []
-    for step in range(loop.steps):
+    for step in range(first, stop):
         lr = learning_rate(step, optim, loop.steps)
         traced = out is not None and step + 1 == min(TRACED_STEP, loop.steps)
         if traced and k > 1:
@@ -210,11 +223,15 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
             log.write(record)
             if (step + 1) % loop.log_every == 0 or last or "val_loss" in record:
                 print(progress_line(record, loop.steps), flush=True)
+        every = loop.checkpoint_every
+        if out is not None and (step + 1 == stop or (every and (step + 1) % every == 0)):
+            save_checkpoint(replica, config, out, step + 1, scaler)  # the end always saves
     # one untimed step after the last (Adam's state exists), no update: memory by kind
     run.memory, rows = memory_rows(replica, config, *held_out.next())
     if log is not None:
         log.close()
-        save_run_pictures(Path(out), run.records, events)
+        # the whole run's curve, the steps before a resume included
+        save_run_pictures(Path(out), read_metrics(log.path), events)
         print(save_memory(Path(out), rows), flush=True)
     if keep_weights:
         run.weights = {name: p.clone() for name, p in replica.full_parameters()}

@@ -97,13 +97,20 @@ class MetricsLog:
     Without TensorBoard nothing is said, at the start or per step: metrics.jsonl and
     loss.png already hold every number, and a hint repeated on every run of a learner
     who chose not to install an optional viewer is noise (the README names the extra).
-    `writer` makes the event writer (tests pass a fake one)."""
+    `writer` makes the event writer (tests pass a fake one). A resumed run passes
+    `keep_until`, the step its checkpoint had done: the lines up to it stay, any later ones
+    (logged after that checkpoint by the run that stopped) go, and the run appends."""
 
     def __init__(self, path: Path,
-                 writer: Callable[[Path], Any | None] = tensorboard_writer) -> None:
+                 writer: Callable[[Path], Any | None] = tensorboard_writer,
+                 keep_until: int | None = None) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        kept = ([r for r in read_metrics(path) if r["step"] <= keep_until]
+                if keep_until is not None and path.exists() else [])
         self.file = path.open("w")
+        for record in kept:
+            self.file.write(json.dumps(record) + "\n")
         self.board = writer(path.parent / "tb")
 
     def write(self, record: dict) -> None:

@@ -71,6 +71,7 @@ class Replica:
     sharded: ZeroDataParallel | FullyShardedDataParallel | None
     dp_rank: int  # this rank's index among the data-parallel replicas, and their number
     dp: int
+    tp_rank: int = 0  # this rank's index in its tensor-parallel group
 
     def __init__(self, config: TrainConfig) -> None:
         self.weight_decay, self.precision = config.optim.weight_decay, config.train.precision
@@ -110,6 +111,10 @@ class Replica:
 
     def parameters(self) -> list[nn.Parameter]:
         """Every parameter this rank holds."""
+        raise NotImplementedError
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the twin's names (a tied weight once)."""
         raise NotImplementedError
 
     def forward_backward(self, ids: torch.Tensor, targets: torch.Tensor, batch: int,
@@ -171,6 +176,9 @@ class ReplicatedModel(Replica):
 
     def parameters(self) -> list[nn.Parameter]:
         return list(self.model.parameters())
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.model.named_parameters()
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """This rank's mean loss on its rows (the wrapper gathers what it must), the forward

@@ -1,0 +1,152 @@
+"""Sharded checkpoints of a training run: each rank writes only what it holds, one
+manifest says where every piece of every tensor lives, and a load onto any mesh reads
+the pieces each rank needs.
+
+`RUN/checkpoints/step-N/` holds `rank-R.pt` (the pieces rank R wrote: parameters and
+Adam's two moments, `pieces.Piece` keys) and `manifest.json`: the step, Adam's step
+count, the loss scale, the config, and for every tensor of the one-process twin its
+global shape, dtype and pieces (which rank, which block, which entries). A piece that
+several ranks hold alike (data-parallel replicas, tensor-parallel copies, the tied
+embedding at both pipeline ends) is written once, by the lowest of them. The protocol
+is lesson 10's (`slow_networks.checkpoint`): files written whole or not at all, then,
+after every rank has written, `latest` names the step. A checkpoint never completed is
+never loaded.
+
+Everything else a run needs to continue bit for bit is a number: the step (the
+learning rate's schedule and the sampler's position both follow from it), the loss
+scale and its count of clean steps. The trainer draws no random numbers after building
+its weights from a seed (no dropout; batches seeded by step), so there is no RNG state
+to carry.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..moe.decoder import moe_decoder
+from ..runtime import rank, world_size
+from ..sharded import ZeroDataParallel
+from ..slow_networks.checkpoint import commit, latest_step, write_whole
+from .config import TrainConfig, to_dict
+from .pieces import Holding, Piece, fill, holdings
+from .precision import LossScaler
+from .replicas import Replica
+
+MANIFEST = "manifest.json"
+
+
+def checkpoint_dir(out: str | Path) -> Path:
+    return Path(out) / "checkpoints"
+
+
+def _shapes(config: TrainConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the one-process twin, by name, with its global shape."""
+    return {name: tuple(p.shape) for name, p in moe_decoder(config.model).named_parameters()}
+
+
+def _held(replica: Replica, config: TrainConfig) -> list[Holding]:
+    shards = replica.sharded.shards if replica.sharded is not None else None
+    return holdings(list(replica.named_parameters()), _shapes(config), replica.optimizer,
+                    shards, replica.tp_rank)
+
+
+def _everyone(mine: object) -> list:
+    if world_size() == 1:
+        return [mine]
+    out = [None] * world_size()
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def _adam_step(optimizer: torch.optim.Optimizer) -> float:
+    """Adam's own count of updates (fp16's skipped steps are not in it)."""
+    steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
+    return steps[0] if steps else 0.0
+
+
+def save_checkpoint(replica: Replica, config: TrainConfig, out: str | Path, step: int,
+                    scaler: LossScaler) -> Path:
+    """Every rank writes its pieces of the state after `step` steps; rank 0 writes the
+    manifest and, once every rank has written, marks the checkpoint the latest."""
+    directory = checkpoint_dir(out)
+    folder = directory / f"step-{step}"
+    folder.mkdir(parents=True, exist_ok=True)
+    held = _held(replica, config)
+    everyone = _everyone([h.piece for h in held])
+    writer: dict[str, tuple[int, Piece]] = {}
+    for r, pieces in enumerate(everyone):  # the lowest rank holding a piece writes it
+        for piece in pieces:
+            writer.setdefault(piece.key, (r, piece))
+    mine = {h.piece.key: {k: v.detach().clone() for k, v in h.values.items()}
+            for h in held if writer[h.piece.key][0] == rank()}
+    write_whole(folder / f"rank-{rank()}.pt", lambda f: torch.save(mine, f))
+    if rank() == 0:
+        dtype = str(held[0].values["param"].dtype).removeprefix("torch.")
+        tensors: dict[str, dict] = {}
+        for r, piece in writer.values():
+            entry = tensors.setdefault(piece.name, {"shape": list(piece.shape), "dtype": dtype,
+                                                    "pieces": []})
+            entry["pieces"].append({"rank": r, "offsets": list(piece.offsets),
+                                    "lengths": list(piece.lengths), "start": piece.start,
+                                    "stop": piece.stop})
+        manifest = {"step": step, "adam_step": _adam_step(replica.optimizer),
+                    "loss_scale": scaler.scale, "good_steps": scaler.good_steps,
+                    "world_size": world_size(), "config": to_dict(config), "tensors": tensors}
+        write_whole(folder / MANIFEST, lambda f: f.write_text(json.dumps(manifest, indent=1)))
+    commit(directory, step)  # after every rank's file and the manifest
+    return folder
+
+
+def _sources(manifest: dict, piece: Piece) -> Iterable[tuple[int, Piece]]:
+    """The saved pieces of `piece`'s tensor whose entries overlap its (by index range)."""
+    wanted = piece.global_indices()
+    low, high = int(wanted[0]), int(wanted[-1])
+    for p in manifest["tensors"][piece.name]["pieces"]:
+        saved = Piece(piece.name, piece.shape, tuple(p["offsets"]), tuple(p["lengths"]),
+                      p["start"], p["stop"])
+        have = saved.global_indices()
+        if int(have[0]) <= high and int(have[-1]) >= low:
+            yield p["rank"], saved
+
+
+def load_checkpoint(replica: Replica, config: TrainConfig, out: str | Path,
+                    scaler: LossScaler) -> int:
+    """Load the latest complete checkpoint of the run in `out` into this rank's replica,
+    whatever mesh wrote it (reading only the ranks' files holding pieces this rank needs);
+    restore the loss scale; return the steps it had done (0: none)."""
+    directory = checkpoint_dir(out)
+    step = latest_step(directory)
+    if step == 0:
+        return 0
+    folder = directory / f"step-{step}"
+    manifest = json.loads((folder / MANIFEST).read_text())
+    model = to_dict(config)["model"]
+    if manifest["config"]["model"] != model:
+        differ = sorted(k for k in model if manifest["config"]["model"].get(k) != model[k])
+        raise ValueError(f"{folder / MANIFEST} is a checkpoint of another model "
+                         f"({', '.join('model.' + k for k in differ)} differ); resume with "
+                         "the config it was saved with")
+    files: dict[int, dict] = {}
+    for holding in _held(replica, config):
+        sources = []
+        for r, saved in _sources(manifest, holding.piece):
+            if r not in files:  # mmap: only the tensors this rank reads come off the disk
+                files[r] = torch.load(folder / f"rank-{r}.pt", mmap=True, weights_only=True)
+            sources.append((saved, files[r][saved.key]))
+        with torch.no_grad():
+            fill(holding, sources)
+    adam_step = torch.tensor(float(manifest["adam_step"]))
+    for state in replica.optimizer.state.values():
+        state["step"] = adam_step.clone()
+    if isinstance(replica.sharded, ZeroDataParallel):
+        with torch.no_grad():  # ZeRO-1/2 keep whole parameters: gather the loaded slices
+            for shard in replica.sharded.shards:
+                shard.flat.copy_(shard.gather())
+    scaler.scale, scaler.good_steps = manifest["loss_scale"], manifest["good_steps"]
+    return step
+
