@@ -2,7 +2,9 @@
 default (no download), or any file or folder (--data). A preset (--config tiny, about a
 minute on 2 cores; small, about ten) with flags on top; every impossible combination is
 one line. Writes config.toml and metrics.jsonl (loss, lr, grad_norm, tokens_per_s, mfu,
-val_loss) into --out. --check trains the same config again on one process and compares
+val_loss) into --out, and sharded checkpoints (--checkpoint-every N, and at the end);
+--resume continues from the latest on any mesh, --stop-after N stops as if interrupted.
+--check trains the same config again on one process and compares
 the loss curves with compare.py's comparison (to 1e-10 in fp64, 1e-4 in fp32, a measured
 bound in bf16 and fp16). Runs on the CPU processes it spawns (dp x pp x tp x cp of them,
 or --ranks), or under torchrun. Examples: --config tiny --steps 200; --dp 2 --zero 1
@@ -15,12 +17,14 @@ compare.json and compare.png, and exits 1 if any configuration does not match.""
 
 from __future__ import annotations
 
+import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 from ..cli import OneLineParser, output_folder, positive_int, run_command
 from ..runtime import launch, under_torchrun, world_size
+from .checkpoint import verify_checkpoint
 from .compare import against_one_process, first_with_losses, one_process, run_config
 from .compare import main as compare_main
 from .config import check, load_config, same_run
@@ -40,6 +44,12 @@ def parser(prog: str = "python -m minipar.train") -> OneLineParser:
                    help="run folder for config.toml and metrics.jsonl (default: runs/latest)")
     p.add_argument("--force", action="store_true",
                    help="reuse an --out folder that holds a run of another config")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its latest complete checkpoint, on "
+                        "this mesh (the checkpoint reshards onto it)")
+    p.add_argument("--stop-after", type=positive_int, default=None, metavar="STEP",
+                   help="stop after this step as if interrupted (its checkpoint is saved); "
+                        "--resume continues")
     p.add_argument("--check", action="store_true",
                    help="also train on one process and compare the loss curves")
     add_launch_flags(p)
@@ -65,14 +75,24 @@ def _config(args):
     return config, ranks
 
 
-def _refuse_other_run(config, out: Path, force: bool) -> None:
+def _refuse_other_run(config, out: Path, force: bool, resume: bool) -> None:
+    """--out holding another run is refused, unless --force; --resume may change the mesh
+    (the checkpoint reshards onto it) and nothing else."""
     saved = out / "config.toml"
+    if force and resume:
+        raise ValueError("--force starts the run in --out again and --resume continues it; "
+                         "pass one of them")
     if not saved.exists() or force:
         return
     differ = same_run(load_config(str(saved)), config)
+    if resume:
+        differ = [name for name in differ if not name.startswith("parallel.")]
     if differ:
+        how = ("--resume continues it with the same config on any mesh (only [parallel] may "
+               "change)" if resume else "pick another --out, --resume it, or pass --force to "
+               "overwrite it")
         raise ValueError(f"--out {out} holds a run of another config ({', '.join(differ[:4])} "
-                         "differ); pick another --out or pass --force to overwrite it")
+                         f"differ); {how}")
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m minipar.train") -> int:
@@ -84,8 +104,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m minipar.train") -
     def body() -> int:
         config, ranks = _config(args)
         out = Path(args.out)
-        _refuse_other_run(config, out, args.force)
-        runs = launch(train, ranks, config, out, backend=args.backend, timeout=args.timeout)
+        _refuse_other_run(config, out, args.force, args.resume)
+        if args.resume:
+            verify_checkpoint(out, config)  # a damaged checkpoint: one line, before any rank
+        if args.force and (out / "checkpoints").exists():
+            shutil.rmtree(out / "checkpoints")  # a new run: the old one's checkpoints go
+        runs = launch(train, ranks, config, out, False, args.resume, args.stop_after,
+                      backend=args.backend, timeout=args.timeout)
         if not args.check:
             return 0
         one, bound, gap = against_one_process(

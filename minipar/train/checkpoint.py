@@ -114,6 +114,73 @@ def _sources(manifest: dict, piece: Piece) -> Iterable[tuple[int, Piece]]:
             yield p["rank"], saved
 
 
+def _damaged(path: Path, what: str) -> ValueError:
+    return ValueError(f"{path}: {what}; the checkpoint is damaged: resume from an earlier "
+                      f"step by writing its number into {path.parent.parent / 'latest'}, or "
+                      "start again with --force")
+
+
+def _read_manifest(path: Path) -> dict:
+    """The manifest, or one line naming the file and what is wrong with it."""
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise _damaged(path, "missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise _damaged(path, f"not a readable manifest ({err})") from None
+    if not isinstance(manifest, dict) or not {"step", "tensors", "config"} <= set(manifest):
+        raise _damaged(path, "not a minipar checkpoint manifest")
+    return manifest
+
+
+def _read_pieces(path: Path) -> dict:
+    """A rank's file of pieces (memory-mapped: only the tensors read come off the disk),
+    or one line naming the file and what is wrong with it."""
+    try:
+        return torch.load(path, mmap=True, weights_only=True)
+    except FileNotFoundError:
+        raise _damaged(path, "missing (a rank's pieces)") from None
+    except Exception:  # noqa: BLE001  torch raises RuntimeError, EOFError, zip errors...
+        # ...whose words (about mmap and zipfile serialization) would not say what happened
+        raise _damaged(path, "unreadable (truncated, or not written by torch.save)") from None
+
+
+def verify_checkpoint(out: str | Path, config: TrainConfig) -> int:
+    """Before any rank starts: the latest complete checkpoint's step (0: none), after
+    checking that its manifest is whole, is of this model, and that every piece it names
+    is in its rank's file; else one line naming the file and what is wrong."""
+    directory = checkpoint_dir(out)
+    step = latest_step(directory)
+    if step == 0:
+        return 0
+    folder = directory / f"step-{step}"
+    manifest = _read_manifest(folder / MANIFEST)
+    _same_model(manifest, config, folder / MANIFEST)
+    wanted: dict[int, set[str]] = {}
+    for name, entry in manifest["tensors"].items():
+        for p in entry["pieces"]:
+            piece = Piece(name, tuple(entry["shape"]), tuple(p["offsets"]), tuple(p["lengths"]),
+                          p["start"], p["stop"])
+            wanted.setdefault(p["rank"], set()).add(piece.key)
+    for r, keys in sorted(wanted.items()):
+        path = folder / f"rank-{r}.pt"
+        missing = keys - set(_read_pieces(path))
+        if missing:
+            raise _damaged(path, f"lacks {len(missing)} piece(s) its manifest names, e.g. "
+                                 f"{sorted(missing)[0]}")
+    return step
+
+
+def _same_model(manifest: dict, config: TrainConfig, path: Path) -> None:
+    model = to_dict(config)["model"]
+    if manifest["config"].get("model") != model:
+        saved = manifest["config"].get("model") or {}
+        differ = sorted(k for k in model if saved.get(k) != model[k])
+        raise ValueError(f"{path} is a checkpoint of another model "
+                         f"({', '.join('model.' + k for k in differ)} differ); resume with "
+                         "the config it was saved with")
+
+
 def load_checkpoint(replica: Replica, config: TrainConfig, out: str | Path,
                     scaler: LossScaler) -> int:
     """Load the latest complete checkpoint of the run in `out` into this rank's replica,
@@ -124,19 +191,18 @@ def load_checkpoint(replica: Replica, config: TrainConfig, out: str | Path,
     if step == 0:
         return 0
     folder = directory / f"step-{step}"
-    manifest = json.loads((folder / MANIFEST).read_text())
-    model = to_dict(config)["model"]
-    if manifest["config"]["model"] != model:
-        differ = sorted(k for k in model if manifest["config"]["model"].get(k) != model[k])
-        raise ValueError(f"{folder / MANIFEST} is a checkpoint of another model "
-                         f"({', '.join('model.' + k for k in differ)} differ); resume with "
-                         "the config it was saved with")
+    manifest = _read_manifest(folder / MANIFEST)
+    _same_model(manifest, config, folder / MANIFEST)
     files: dict[int, dict] = {}
     for holding in _held(replica, config):
         sources = []
         for r, saved in _sources(manifest, holding.piece):
-            if r not in files:  # mmap: only the tensors this rank reads come off the disk
-                files[r] = torch.load(folder / f"rank-{r}.pt", mmap=True, weights_only=True)
+            if r not in files:
+                files[r] = _read_pieces(folder / f"rank-{r}.pt")
+            if saved.key not in files[r]:
+                raise ValueError(f"{folder / f'rank-{r}.pt'} lacks the piece {saved.key} its "
+                                 "manifest names; the checkpoint is damaged: resume from an "
+                                 "earlier one (delete this step's folder and its latest)")
             sources.append((saved, files[r][saved.key]))
         with torch.no_grad():
             fill(holding, sources)

@@ -54,6 +54,7 @@ FLAGS: dict[str, tuple[str, dict]] = {
     "--lr": ("optim.lr", {"type": _positive_float}),
     "--warmup-steps": ("optim.warmup_steps", {"type": nonnegative_int}),
     "--seed": ("train.seed", {"type": nonnegative_int}),
+    "--checkpoint-every": ("train.checkpoint_every", {"type": nonnegative_int}),
     "--data": ("data.path", {"metavar": "PATH"}),
     "--layers": ("model.layers", {"type": positive_int}),
     "--hidden": ("model.hidden", {"type": positive_int}),
