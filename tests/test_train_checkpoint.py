@@ -133,3 +133,32 @@ def test_a_manifest_of_another_model_is_one_line(saved):
     _one_line(other, out, "manifest.json", "another model", "model.hidden")
     (folder / "manifest.json").write_text("{not json")
     _one_line(config, out, "manifest.json", "not a readable manifest")
+
+
+def test_an_export_loads_into_the_one_process_twin_with_plain_torch(cluster4, corpus,  # noqa: F811
+                                                                   uninterrupted, tmp_path):
+    """Trained on pp2 x tp2 for 10 steps, exported whole: plain torch.load +
+    load_state_dict, and the loss on step 11's batch is the loss the uninterrupted run
+    reported at step 11 (the weights after 10 steps, on that batch)."""
+    from minipar.decoder import decoder
+    from minipar.train.config import from_dict
+    from minipar.train.data import BatchSampler, load_tokens
+    from minipar.train.export import export, sample
+
+    config = _with(tiny(corpus), pp=2, tp=2)
+    cluster4.run(train, config, tmp_path / "run", False, False, 10)
+    written = export(tmp_path / "run", tmp_path / "model.pt")
+    meta = json.loads((tmp_path / "model.pt.json").read_text())
+    model = decoder(from_dict(meta["config"]).model, dtype=torch.float64)
+    model.load_state_dict(torch.load(written, weights_only=True))  # strict: every key
+    tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
+    sampler = BatchSampler(tokens.train, config.model.seq_len, config.train.batch_size,
+                           config.data.seed, 0, 1)
+    sampler.load_state_dict({"step": 10})
+    with torch.no_grad():
+        loss = model.loss(*sampler.next()).item()
+    assert meta["step"] == 10
+    assert loss == pytest.approx(uninterrupted.records[10]["loss"], rel=1e-10)
+    # text from the file and from the run folder: seeded, so the same
+    text = sample(written, "def ", 30, seed=3)
+    assert text.startswith("def ") and text == sample(tmp_path / "run", "def ", 30, seed=3)

@@ -10,10 +10,12 @@ bound in bf16 and fp16). Runs on the CPU processes it spawns (dp x pp x tp x cp 
 or --ranks), or under torchrun. Examples: --config tiny --steps 200; --dp 2 --zero 1
 --precision fp64 --check.
 
-`compare` is the one subcommand: `python -m minipar.train compare --precision fp64 "dp=2"
-"dp=2 zero=1"` trains each configuration (space-separated key=value overrides) and the
-one-process reference, prints a table of every step's largest loss gap, writes
-compare.json and compare.png, and exits 1 if any configuration does not match."""
+Subcommands: `compare --precision fp64 "dp=2" "dp=2 zero=1"` trains each configuration
+(space-separated key=value overrides) and the one-process reference, prints a table of
+every step's largest loss gap, writes compare.json and compare.png, and exits 1 if any
+configuration does not match; `export RUN --to FILE` writes the run's latest checkpoint
+as one plain state_dict (and its config as JSON); `sample RUN_OR_FILE --prompt "def "`
+writes text with the run's weights."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from .checkpoint import verify_checkpoint
 from .compare import against_one_process, first_with_losses, one_process, run_config
 from .compare import main as compare_main
 from .config import check, load_config, same_run
+from .export import export_main, sample_main
 from .flags import add_flags, add_launch_flags, overrides_from_args
 from .loop import refuse_unbuilt, train
 
@@ -97,8 +100,13 @@ def _refuse_other_run(config, out: Path, force: bool, resume: bool) -> None:
 
 def main(argv: list[str] | None = None, prog: str = "python -m minipar.train") -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["compare"]:  # the one subcommand; everything else is the trainer's flags
+    # the subcommands; everything else is the trainer's flags
+    if argv[:1] == ["compare"]:
         return compare_main(argv[1:], prog=f"{prog} compare")
+    if argv[:1] == ["export"]:
+        return export_main(argv[1:], prog=f"{prog} export")
+    if argv[:1] == ["sample"]:
+        return sample_main(argv[1:], prog=f"{prog} sample")
     args = parser(prog).parse_args(argv)
 
     def body() -> int:

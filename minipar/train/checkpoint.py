@@ -32,7 +32,7 @@ from ..moe.decoder import moe_decoder
 from ..runtime import rank, world_size
 from ..sharded import ZeroDataParallel
 from ..slow_networks.checkpoint import commit, latest_step, write_whole
-from .config import TrainConfig, to_dict
+from .config import TrainConfig, from_dict, to_dict
 from .pieces import Holding, Piece, fill, holdings
 from .precision import LossScaler
 from .replicas import Replica
@@ -216,3 +216,37 @@ def load_checkpoint(replica: Replica, config: TrainConfig, out: str | Path,
     scaler.scale, scaler.good_steps = manifest["loss_scale"], manifest["good_steps"]
     return step
 
+
+
+def consolidate(out: str | Path) -> tuple[TrainConfig, int, dict[str, torch.Tensor]]:
+    """The latest complete checkpoint of the run in `out` as one process's state_dict
+    (every tensor whole, the tied head under its own key too), with its config and step:
+    what the one-process twin loads with plain `load_state_dict`."""
+    directory = checkpoint_dir(out)
+    step = latest_step(directory)
+    if step == 0:
+        raise ValueError(f"{out} holds no complete checkpoint ({directory / 'latest'} is "
+                         "missing); train with --out there first")
+    folder = directory / f"step-{step}"
+    manifest = _read_manifest(folder / MANIFEST)
+    config = from_dict(manifest["config"], str(folder / MANIFEST))
+    verify_checkpoint(out, config)
+    files = {r: _read_pieces(folder / f"rank-{r}.pt")
+             for r in {p["rank"] for t in manifest["tensors"].values() for p in t["pieces"]}}
+    state = {}
+    for name, entry in manifest["tensors"].items():
+        shape = tuple(entry["shape"])
+        whole = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
+        target = Holding(Piece(name, shape, (0,) * len(shape), shape, 0, whole.numel()),
+                         {"param": whole.view(-1)})
+        sources = [(Piece(name, shape, tuple(p["offsets"]), tuple(p["lengths"]), p["start"],
+                          p["stop"]), files[p["rank"]][_key(name, p)]) for p in entry["pieces"]]
+        fill(target, sources)
+        state[name] = whole
+    if config.model.tied:  # the twin's state_dict names the shared weight twice
+        state["head.weight"] = state["embed.weight"]
+    return config, step, state
+
+
+def _key(name: str, p: dict) -> str:
+    return Piece(name, (), tuple(p["offsets"]), tuple(p["lengths"]), p["start"], p["stop"]).key
