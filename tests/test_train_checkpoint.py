@@ -162,3 +162,34 @@ def test_an_export_loads_into_the_one_process_twin_with_plain_torch(cluster4, co
     # text from the file and from the run folder: seeded, so the same
     text = sample(written, "def ", 30, seed=3)
     assert text.startswith("def ") and text == sample(tmp_path / "run", "def ", 30, seed=3)
+
+
+def _killed_at(config, out, at: int):
+    """Train, and SIGKILL rank 1 as it starts step `at` (a worker lost mid-run)."""
+    import os
+    import signal
+
+    from minipar.train import loop
+
+    real, calls = loop.train_step, []
+
+    def step(*args, **kwargs):
+        calls.append(1)
+        if minipar.rank() == 1 and len(calls) == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real(*args, **kwargs)
+
+    loop.train_step = step
+    return train(config, out)
+
+
+def test_a_killed_worker_ends_the_job_naming_it_and_a_resume_loses_only_the_steps_since(
+        corpus, uninterrupted, tmp_path):  # noqa: F811
+    config = _with(tiny(corpus), dp=2, zero=1)
+    config = replace(config, train=replace(config.train, checkpoint_every=5))
+    with pytest.raises(minipar.RankError) as err:
+        minipar.launch(_killed_at, 2, config, tmp_path, 13, timeout=30)
+    assert "rank 1" in str(err.value)
+    assert latest_step(checkpoint_dir(tmp_path)) == 10  # steps 11 and 12 are lost
+    resumed = minipar.launch(train, 1, _with(config, dp=1, zero=0), tmp_path, False, True)[0]
+    _same_steps(resumed, uninterrupted, first=10)
