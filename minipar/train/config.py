@@ -366,7 +366,8 @@ def describe(config: TrainConfig) -> str:
     mesh += (f", ZeRO-{p.zero}" if p.zero else "" if p.dp == 1 else
              ", gradients averaged over dp after backward" if composed else ", DDP buckets")
     if p.pp > 1:
-        mesh += f", schedule {p.schedule} with {p.microbatches} micro-batches"
+        mesh += f", schedule {p.schedule} with {p.microbatches} micro-batch"
+        mesh += "es" if p.microbatches > 1 else ""
         mesh += f" and {p.virtual} stages per rank" if p.virtual > 1 else ""
     mesh += ", sequence parallel" if p.sequence_parallel else ""
     mesh += f", experts over ep={p.ep} inside dp" if p.ep > 1 else ""
