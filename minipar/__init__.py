@@ -3,7 +3,10 @@
 Start with `minipar.launch(fn, world_size)`; see README.md for the lessons.
 """
 
-from . import trace
+# cli first: importing it installs the handler that makes Ctrl-C during the rest of
+# start-up one line (trace alone pulls in dataclasses, inspect and ast: a cold start spends
+# a visible fraction of a second there)
+from . import cli, trace  # noqa: F401  (cli: imported for its start-up handler)
 from .cli import refuse_library_modules
 from .runtime import (
     Cluster,
