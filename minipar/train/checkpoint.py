@@ -102,13 +102,27 @@ def save_checkpoint(replica: Replica, config: TrainConfig, out: str | Path, step
     return folder
 
 
+def _saved(name: str, shape: tuple[int, ...], entry: dict) -> Piece:
+    """The Piece a manifest's piece entry describes."""
+    return Piece(name, shape, tuple(entry["offsets"]), tuple(entry["lengths"]),
+                 entry["start"], entry["stop"])
+
+
+def _latest(out: str | Path) -> tuple[int, Path, dict | None]:
+    """The latest complete checkpoint of the run in `out`: (step, folder, manifest);
+    (0, folder, None) when there is none."""
+    directory = checkpoint_dir(out)
+    step = latest_step(directory)
+    folder = directory / f"step-{step}"
+    return step, folder, _read_manifest(folder / MANIFEST) if step else None
+
+
 def _sources(manifest: dict, piece: Piece) -> Iterable[tuple[int, Piece]]:
     """The saved pieces of `piece`'s tensor whose entries overlap its (by index range)."""
     wanted = piece.global_indices()
     low, high = int(wanted[0]), int(wanted[-1])
     for p in manifest["tensors"][piece.name]["pieces"]:
-        saved = Piece(piece.name, piece.shape, tuple(p["offsets"]), tuple(p["lengths"]),
-                      p["start"], p["stop"])
+        saved = _saved(piece.name, piece.shape, p)
         have = saved.global_indices()
         if int(have[0]) <= high and int(have[-1]) >= low:
             yield p["rank"], saved
@@ -149,19 +163,14 @@ def verify_checkpoint(out: str | Path, config: TrainConfig) -> int:
     """Before any rank starts: the latest complete checkpoint's step (0: none), after
     checking that its manifest is whole, is of this model, and that every piece it names
     is in its rank's file; else one line naming the file and what is wrong."""
-    directory = checkpoint_dir(out)
-    step = latest_step(directory)
-    if step == 0:
+    step, folder, manifest = _latest(out)
+    if not step:
         return 0
-    folder = directory / f"step-{step}"
-    manifest = _read_manifest(folder / MANIFEST)
     _same_model(manifest, config, folder / MANIFEST)
     wanted: dict[int, set[str]] = {}
     for name, entry in manifest["tensors"].items():
         for p in entry["pieces"]:
-            piece = Piece(name, tuple(entry["shape"]), tuple(p["offsets"]), tuple(p["lengths"]),
-                          p["start"], p["stop"])
-            wanted.setdefault(p["rank"], set()).add(piece.key)
+            wanted.setdefault(p["rank"], set()).add(_saved(name, (), p).key)
     for r, keys in sorted(wanted.items()):
         path = folder / f"rank-{r}.pt"
         missing = keys - set(_read_pieces(path))
@@ -186,12 +195,9 @@ def load_checkpoint(replica: Replica, config: TrainConfig, out: str | Path,
     """Load the latest complete checkpoint of the run in `out` into this rank's replica,
     whatever mesh wrote it (reading only the ranks' files holding pieces this rank needs);
     restore the loss scale; return the steps it had done (0: none)."""
-    directory = checkpoint_dir(out)
-    step = latest_step(directory)
-    if step == 0:
+    step, folder, manifest = _latest(out)
+    if not step:
         return 0
-    folder = directory / f"step-{step}"
-    manifest = _read_manifest(folder / MANIFEST)
     _same_model(manifest, config, folder / MANIFEST)
     files: dict[int, dict] = {}
     for holding in _held(replica, config):
@@ -222,13 +228,10 @@ def consolidate(out: str | Path) -> tuple[TrainConfig, int, dict[str, torch.Tens
     """The latest complete checkpoint of the run in `out` as one process's state_dict
     (every tensor whole, the tied head under its own key too), with its config and step:
     what the one-process twin loads with plain `load_state_dict`."""
-    directory = checkpoint_dir(out)
-    step = latest_step(directory)
-    if step == 0:
-        raise ValueError(f"{out} holds no complete checkpoint ({directory / 'latest'} is "
-                         "missing); train with --out there first")
-    folder = directory / f"step-{step}"
-    manifest = _read_manifest(folder / MANIFEST)
+    step, folder, manifest = _latest(out)
+    if not step:
+        raise ValueError(f"{out} holds no complete checkpoint ({checkpoint_dir(out) / 'latest'} "
+                         "is missing); train with --out there first")
     config = from_dict(manifest["config"], str(folder / MANIFEST))
     verify_checkpoint(out, config)
     files = {r: _read_pieces(folder / f"rank-{r}.pt")
@@ -239,14 +242,10 @@ def consolidate(out: str | Path) -> tuple[TrainConfig, int, dict[str, torch.Tens
         whole = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
         target = Holding(Piece(name, shape, (0,) * len(shape), shape, 0, whole.numel()),
                          {"param": whole.view(-1)})
-        sources = [(Piece(name, shape, tuple(p["offsets"]), tuple(p["lengths"]), p["start"],
-                          p["stop"]), files[p["rank"]][_key(name, p)]) for p in entry["pieces"]]
+        sources = [(_saved(name, shape, p), files[p["rank"]][_saved(name, shape, p).key])
+                   for p in entry["pieces"]]
         fill(target, sources)
         state[name] = whole
     if config.model.tied:  # the twin's state_dict names the shared weight twice
         state["head.weight"] = state["embed.weight"]
     return config, step, state
-
-
-def _key(name: str, p: dict) -> str:
-    return Piece(name, (), tuple(p["offsets"]), tuple(p["lengths"]), p["start"], p["stop"]).key
