@@ -209,12 +209,17 @@ def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(cluster2):
     assert all(g == [1.0, 1.0, 1.0] for _, _, g in clean)  # unscaled
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_tracks_float32(cluster2, corpus, precision):
-    """bf16 and fp16 (float32 masters, 16-bit matmuls) follow the float32 run's loss curve
-    within a few percent over 8 steps on 2 ranks (a bound, not equality: 16-bit
-    rounding), and fp16 reports its loss scale."""
-    base = tiny(corpus, dp=2, zero=1)  # 8 steps: fp16 matmuls are slow on most CPUs
+@pytest.mark.parametrize("precision, parallel", [
+    ("bf16", dict(dp=2, zero=1)),
+    ("fp16", dict(dp=2, zero=1)),
+    ("fp16", dict(pp=2, microbatches=2)),  # inside the pipeline's stages (AutocastStage)
+    ("bf16", dict(tp=2, sequence_parallel=True)),  # through tp's collectives
+])
+def test_mixed_precision_tracks_float32(cluster2, corpus, precision, parallel):
+    """bf16 and fp16 (float32 masters, 16-bit matmuls; fp16's loss scale folded into the
+    loss) follow the float32 run's loss curve within a few percent over 8 steps on 2 ranks
+    (a bound, not equality: 16-bit rounding), and fp16 reports its loss scale."""
+    base = tiny(corpus, **parallel)  # 8 steps: fp16 matmuls are slow on most CPUs
     base = replace(base, train=replace(base.train, steps=8, eval_every=0),
                    optim=replace(base.optim, warmup_steps=2))
     fp32 = cluster2.run(train, replace(base, train=replace(base.train, precision="fp32")))[0]
