@@ -21,7 +21,8 @@ BENCHMARKS = {"launch": "minipar.runtime.bench",
               "moe": "minipar.moe.bench",
               "mesh": "minipar.mesh.bench",
               "context-parallel": "minipar.context_parallel.bench",
-              "train": "minipar.train.bench"}
+              "train": "minipar.train.bench",
+              "train-vs-torch": "minipar.train.race"}
 
 
 def run_benchmark(name: str, out_dir: str | Path = "bench-out") -> list[dict]:

@@ -162,6 +162,15 @@ def test_an_export_loads_into_the_one_process_twin_with_plain_torch(cluster4, co
     # text from the file and from the run folder: seeded, so the same
     text = sample(written, "def ", 30, seed=3)
     assert text.startswith("def ") and text == sample(tmp_path / "run", "def ", 30, seed=3)
+    # the same weights as safetensors (the tied head a copy of its own), the same numbers
+    from safetensors.torch import load_file
+
+    other = export(tmp_path / "run", tmp_path / "model.safetensors")
+    twin = decoder(from_dict(meta["config"]).model, dtype=torch.float64)
+    twin.load_state_dict(load_file(other))
+    for name, weight in model.state_dict().items():
+        assert torch.equal(twin.state_dict()[name], weight), name
+    assert sample(other, "def ", 30, seed=3) == text
 
 
 def _killed_at(config, out, at: int):

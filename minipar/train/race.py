@@ -1,0 +1,231 @@
+"""`minipar bench train-vs-torch`: minipar's trainer against torch's own composition of
+the same run (native.py: FSDP2, DTensor tensor parallelism, torch's pipelining), the
+`small` preset in fp32, the same weights and batches, one thread per rank.
+
+For each composition the two take turns for `rounds` rounds; a row keeps the median
+tokens/s of each and the per-round ratio (minipar / torch), whose spread is the noise.
+The layouts are the closest each side offers: torch's data parallelism is FSDP2
+(torchtitan's choice), so minipar's dp row is its ZeRO-3; with tp, minipar composes
+ZeRO-1 at most (ZeRO-3 with a mesh is refused), so that row compares ZeRO-1 + tp with
+FSDP2 + tp, which moves 1.5x the bytes for a quarter of the optimizer's memory.
+
+Why one side is slower is measured, not guessed: three more steps of each, after the
+timed ones, run under torch's profiler, which splits the step's wall time into torch's
+operators (self time of `aten::` ops on the main thread: the compute, plus copies) and
+the rest (Python, hooks, waiting for messages), and counts the messages gloo carried
+(`gloo:` events: each collective, send or receive).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from ..report import format_table, progress, ratio_cell, save_results
+from ..runtime import Cluster
+from .config import TrainConfig, load_config
+from .data import BatchSampler, load_tokens
+from .loop import build_replica, train_step
+from .native import NativeRun
+from .optim import learning_rate
+from .precision import LossScaler
+
+# row: (minipar's parallel settings, torch's, what each side runs)
+ROWS = {
+    "dp=2": (dict(dp=2, zero=3), dict(dp=2),
+             "ZeRO-3, each block a unit", "FSDP2 fully_shard, each block a unit"),
+    "tp=2": (dict(tp=2), dict(tp=2),
+             "Megatron tp (mesh/decoder.py)", "DTensor Colwise/RowwiseParallel"),
+    "pp=2 1f1b m=4": (dict(pp=2, microbatches=4), dict(pp=2, microbatches=4),
+                      "pipeline engine, 1F1B", "torch.distributed.pipelining Schedule1F1B"),
+    "dp=2 tp=2": (dict(dp=2, tp=2, zero=1), dict(dp=2, tp=2),
+                  "ZeRO-1 over dp, Megatron tp", "FSDP2 over dp, DTensor tp"),
+}
+WARMUP = 2  # steps left out of the median: the first ones pay for allocation
+PROFILED = ("wall", "ops", "messages")
+
+
+def race_config(parallel: dict, steps: int, preset: str = "small",
+                precision: str = "fp32") -> TrainConfig:
+    """The race's run: `preset` with these degrees, `steps` steps, no evaluation."""
+    return load_config(preset, {
+        **{f"parallel.{k}": v for k, v in parallel.items()}, "train.precision": precision,
+        "train.steps": steps, "optim.warmup_steps": 1, "train.eval_every": 0,
+        "train.eval_batches": 1})
+
+
+class Side:
+    """One side of the race on this rank: `step(ids, targets, lr)` -> (batch loss,
+    gradient norm), this rank's dp index and dp, and the weights under the twin's names."""
+
+    def __init__(self, config: TrainConfig, native: bool) -> None:
+        if native:
+            self.run = NativeRun(config)
+            self.dp_rank, self.dp = self.run.dp_rank, self.run.dp
+        else:  # the trainer's own step (loop.py)
+            self.replica, self.scaler = build_replica(config), LossScaler(enabled=False)
+            self.dp_rank, self.dp = self.replica.dp_rank, self.replica.dp
+        self.config, self.native = config, native
+
+    def step(self, ids: torch.Tensor, targets: torch.Tensor, lr: float) -> tuple[float, float]:
+        if self.native:
+            return self.run.step(ids, targets, lr)
+        loss, norm, _ = train_step(self.replica, self.scaler, ids, targets, self.config, lr)
+        return loss, norm
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """This rank's weights: whole under torch (FSDP2 and DTensor gather), as the trainer
+        holds them (tp slices) under minipar; a pipeline stage's own layers."""
+        if self.native:
+            return self.run.full_parameters()
+        return {n: w.clone() for n, w in self.replica.full_parameters()}
+
+
+def profile_step(step, repeats: int = 3) -> dict:
+    """`step()` under torch's profiler, `repeats` times; the median of each: wall seconds,
+    seconds in torch's operators (self time) and the number of gloo operations
+    (collectives, sends and receives)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    seen = []
+    for _ in range(repeats):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            step()
+            wall = time.perf_counter() - start
+        events = prof.events()
+        # self time: an aten:: op called inside another is not counted twice
+        ops = sum(e.self_cpu_time_total for e in events if e.name.startswith("aten::")) / 1e6
+        seen.append({"wall": wall, "ops": ops,
+                     "messages": sum(e.name.startswith("gloo:") for e in events)})
+    return {k: statistics.median(s[k] for s in seen) for k in PROFILED}
+
+
+def run_steps(config: TrainConfig, native: bool, profile: bool = False,
+              keep_weights: bool = False) -> dict:
+    """On every rank: the config's steps by one side, each step's loss, gradient norm and
+    tokens/s; with `profile`, more steps under the profiler (`profile_step`); with
+    `keep_weights`, the weights after the steps (`Side.weights`)."""
+    side = Side(config, native)
+    tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
+    loop = config.train
+    sampler = BatchSampler(tokens.train, config.model.seq_len, loop.batch_size,
+                           config.data.seed, side.dp_rank, side.dp)
+    records = []
+    for i in range(loop.steps):
+        ids, targets = sampler.next()
+        lr = learning_rate(i, config.optim, loop.steps)
+        start = time.perf_counter()
+        loss, norm = side.step(ids, targets, lr)
+        seconds = time.perf_counter() - start
+        records.append({"step": i + 1, "loss": loss, "grad_norm": norm,
+                        "tokens_per_s": loop.batch_size * config.model.seq_len / seconds})
+    out = {"records": records}
+    if keep_weights:
+        out["weights"] = side.weights()
+    if profile:  # more steps, at the last step's rate (whose batches matter not)
+        out["profile"] = profile_step(lambda: side.step(*sampler.next(), config.optim.min_lr))
+    return out
+
+
+def timed(config: TrainConfig, native: bool) -> dict:
+    """On every rank, one thread: this side's median tokens/s (after WARMUP steps) and
+    its profiled step."""
+    torch.set_num_threads(1)
+    out = run_steps(config, native, profile=True)
+    speed = statistics.median(r["tokens_per_s"] for r in out["records"][WARMUP:])
+    return {"tokens_per_s": speed, **out["profile"]}
+
+
+def _ranks(parallel: dict) -> int:
+    return parallel.get("dp", 1) * parallel.get("tp", 1) * parallel.get("pp", 1)
+
+
+def measure(steps: int = 10, rounds: int = 5, preset: str = "small",
+            rows: tuple[str, ...] = tuple(ROWS)) -> list[dict]:
+    """Each row's two sides in turns for `rounds` rounds: tokens/s (the slowest rank's) and
+    the last round's profiled step (the slowest rank's)."""
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        raise ValueError(f"rows must be among {', '.join(ROWS)}; got {unknown}")
+    runs = {(row, side): [] for row in rows for side in ("minipar", "torch")}
+    # the profiler's C++ side prints two lines per use unless told otherwise; the ranks
+    # inherit this before they start
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    clusters = {k: Cluster(k, backend="gloo", timeout=300)
+                for k in sorted({_ranks(ROWS[r][0]) for r in rows})}
+    try:
+        for round_index in range(rounds):
+            for row in rows:
+                for side, parallel in (("minipar", ROWS[row][0]), ("torch", ROWS[row][1])):
+                    progress(f"{row}, {side}, round {round_index + 1}/{rounds}")
+                    config = race_config(parallel, steps, preset)
+                    result = clusters[_ranks(parallel)].run(timed, config, side == "torch")
+                    runs[row, side].append(min(result, key=lambda r: r["tokens_per_s"]))
+    finally:
+        for cluster in clusters.values():
+            cluster.close()
+    out = []
+    for row in rows:
+        mine, theirs = runs[row, "minipar"], runs[row, "torch"]
+        out.append({
+            "composition": row, "minipar_layout": ROWS[row][2], "torch_layout": ROWS[row][3],
+            "ranks": _ranks(ROWS[row][0]),
+            "minipar_tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
+            "torch_tokens_per_s": statistics.median(r["tokens_per_s"] for r in theirs),
+            "ratios": [a["tokens_per_s"] / b["tokens_per_s"]
+                       for a, b in zip(mine, theirs, strict=True)],
+            "minipar_profile": {k: mine[-1][k] for k in PROFILED},
+            "torch_profile": {k: theirs[-1][k] for k in PROFILED}})
+    return out
+
+
+def why(row: dict) -> str:
+    """The profiled step of each side, side by side: where the time went."""
+    a, b = row["minipar_profile"], row["torch_profile"]
+    return (f"step {a['wall'] * 1e3:.0f} / {b['wall'] * 1e3:.0f} ms; torch ops "
+            f"{a['ops'] * 1e3:.0f} / {b['ops'] * 1e3:.0f}; rest "
+            f"{(a['wall'] - a['ops']) * 1e3:.0f} / {(b['wall'] - b['ops']) * 1e3:.0f}; "
+            f"{a['messages']} / {b['messages']} gloo calls")
+
+
+def report(rows: list[dict], out_dir: Path) -> str:
+    """The race table (tokens/s of each side, per-round ratios) and the profiled step of
+    each (minipar / torch); JSON and a bar plot."""
+    from matplotlib.figure import Figure
+
+    shown = [{"composition": r["composition"], "ranks": r["ranks"],
+              "minipar": f"{r['minipar_tokens_per_s']:,.0f}",
+              "torch": f"{r['torch_tokens_per_s']:,.0f}",
+              "ratio": ratio_cell(r["ratios"]), "why": why(r)} for r in rows]
+    layouts = [f"  {r['composition']}: minipar {r['minipar_layout']}; torch "
+               f"{r['torch_layout']}" for r in rows]
+    fig = Figure(figsize=(7, 3.5), layout="constrained")
+    ax = fig.add_subplot()
+    y = range(len(rows))
+    ax.barh([i + 0.2 for i in y], [r["minipar_tokens_per_s"] for r in rows], height=0.4,
+            label="minipar", color="#4C72B0")
+    ax.barh([i - 0.2 for i in y], [r["torch_tokens_per_s"] for r in rows], height=0.4,
+            label="torch (FSDP2, DTensor, pipelining)", color="#DD8452")
+    ax.set_yticks(list(y), [r["composition"] for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("tokens per second (median of rounds)")
+    ax.legend(loc="lower right", fontsize=8)
+    save_results(rows, fig, out_dir, "train_vs_torch",
+                 title="minipar's trainer against torch's own composition, same run")
+    return "\n".join([
+        "the same model, weights and batches (small preset, fp32, one thread per rank); "
+        "the two sides take turns; ratio = minipar / torch tokens/s per round, median "
+        "(min-max); above 1 minipar is faster",
+        format_table(shown, [("composition", "composition"), ("ranks", "ranks"),
+                             ("minipar", "minipar tok/s"), ("torch", "torch tok/s"),
+                             ("ratio", "minipar / torch"),
+                             ("why", "profiled step (median of 3), minipar / torch")]),
+        "layouts:", *layouts,
+        "torch ops: self time of aten:: operators on the main thread (compute and copies); "
+        "rest: the step's other time (Python, hooks, waiting for messages); gloo calls: "
+        "collectives, sends and receives"])

@@ -1,0 +1,76 @@
+"""The race against torch's own composition (train/native.py, train/race.py): torch's
+FSDP2, DTensor tensor parallelism and pipelining, given the trainer's model, weights and
+batches, reach the trainer's losses, norms and weights in float64; the bench runs."""
+
+import pytest
+import torch
+
+import minipar
+from minipar.mesh import twin_slice
+from minipar.train.config import load_config
+from minipar.train.loop import train
+from minipar.train.native import refuse_native
+from minipar.train.race import ROWS, measure, race_config, report, run_steps
+
+STEPS = 10
+
+
+def _both(ours: dict, parallel: dict) -> dict:
+    """On every rank: 10 float64 steps by the trainer's own loop (layout `ours`) and by
+    torch's composition (`parallel`); the losses, norms, and the weights that differ."""
+    mine = train(race_config(ours, STEPS, preset="tiny", precision="fp64"), keep_weights=True)
+    config = race_config(parallel, STEPS, preset="tiny", precision="fp64")
+    theirs = run_steps(config, native=True, keep_weights=True)
+    tp = parallel.get("tp", 1)
+    tp_rank = minipar.rank() % tp  # tp fastest on both meshes
+    names = set(theirs["weights"])
+    differ = [n for n, w in theirs["weights"].items()
+              if not torch.allclose(mine.weights[n], twin_slice(w, mine.weights[n], tp_rank, tp),
+                                    rtol=1e-10, atol=1e-13)]
+    return {"losses": (mine.losses, [r["loss"] for r in theirs["records"]]),
+            "norms": ([r["grad_norm"] for r in mine.records],
+                      [r["grad_norm"] for r in theirs["records"]]),
+            "names": (names, set(mine.weights)), "differ": differ}
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_torch_composition_reaches_the_trainers_losses_and_weights(row, request):
+    """dp: FSDP2 against ZeRO-3; tp: DTensor Colwise/RowwiseParallel; pp: torch's
+    Schedule1F1B; dp x tp: FSDP2 over DTensor against ZeRO-1 over tp, the pairs the race
+    times. The same 10 losses and gradient norms as the trainer's loop, and the same
+    weights after them, in float64."""
+    ours, parallel = ROWS[row][:2]
+    ranks = parallel.get("dp", 1) * parallel.get("tp", 1) * parallel.get("pp", 1)
+    cluster = request.getfixturevalue(f"cluster{ranks}")
+    for r, result in enumerate(cluster.run(_both, ours, parallel, timeout=120)):
+        mine, theirs = result["losses"]
+        assert len(mine) == STEPS and mine[-1] < mine[0] - 0.1  # it trained
+        assert theirs == pytest.approx(mine, rel=1e-12, abs=0)
+        assert result["norms"][1] == pytest.approx(result["norms"][0], rel=1e-10, abs=0)
+        torch_names, minipar_names = result["names"]
+        assert torch_names and torch_names <= minipar_names, f"rank {r}"
+        assert result["differ"] == [], f"rank {r}"
+
+
+@pytest.mark.parametrize("overrides, words", [
+    ({"parallel.cp": 2}, "cp = ep = 1"),
+    ({"parallel.pp": 2, "parallel.dp": 2}, "pp=2 alone"),
+    ({"parallel.pp": 2, "parallel.schedule": "interleaved", "parallel.virtual": 2},
+     "'gpipe' or '1f1b'"),
+    ({"train.precision": "bf16"}, "train.precision"),
+    ({"parallel.dp": 2}, "but 1 ranks run"),
+])
+def test_what_torchs_composition_does_not_cover_is_one_line(overrides, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(".", r"\.")):
+        refuse_native(load_config("tiny", overrides))
+
+
+def test_the_race_bench_runs_and_reports(tmp_path):
+    rows = measure(steps=3, rounds=1, preset="tiny", rows=("tp=2",))
+    table = report(rows, tmp_path)
+    assert rows[0]["minipar_tokens_per_s"] > 0 and rows[0]["torch_tokens_per_s"] > 0
+    assert rows[0]["minipar_profile"]["messages"] > 0 and rows[0]["torch_profile"]["ops"] > 0
+    assert "tp=2" in table and "minipar / torch" in table
+    assert (tmp_path / "bench_train_vs_torch.json").exists()
+    with pytest.raises(ValueError, match="rows must be among"):
+        measure(rows=("dp=3",))
