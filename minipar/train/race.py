@@ -91,6 +91,9 @@ def profile_step(step, repeats: int = 3) -> dict:
     (collectives, sends and receives)."""
     from torch.profiler import ProfilerActivity, profile
 
+    # the profiler's C++ side (kineto) prints two lines per use below this level; it reads
+    # the variable when it first starts, in this process
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     seen = []
     for _ in range(repeats):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -145,7 +148,7 @@ def _ranks(parallel: dict) -> int:
     return parallel.get("dp", 1) * parallel.get("tp", 1) * parallel.get("pp", 1)
 
 
-def measure(steps: int = 10, rounds: int = 5, preset: str = "small",
+def measure(steps: int = 12, rounds: int = 5, preset: str = "small",
             rows: tuple[str, ...] = tuple(ROWS)) -> list[dict]:
     """Each row's two sides in turns for `rounds` rounds: tokens/s (the slowest rank's) and
     the last round's profiled step (the slowest rank's)."""
@@ -153,9 +156,6 @@ def measure(steps: int = 10, rounds: int = 5, preset: str = "small",
     if unknown:
         raise ValueError(f"rows must be among {', '.join(ROWS)}; got {unknown}")
     runs = {(row, side): [] for row in rows for side in ("minipar", "torch")}
-    # the profiler's C++ side prints two lines per use unless told otherwise; the ranks
-    # inherit this before they start
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     clusters = {k: Cluster(k, backend="gloo", timeout=300)
                 for k in sorted({_ranks(ROWS[r][0]) for r in rows})}
     try:
