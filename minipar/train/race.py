@@ -148,7 +148,7 @@ def _ranks(parallel: dict) -> int:
     return parallel.get("dp", 1) * parallel.get("tp", 1) * parallel.get("pp", 1)
 
 
-def measure(steps: int = 12, rounds: int = 5, preset: str = "small",
+def measure(steps: int = 10, rounds: int = 5, preset: str = "small",
             rows: tuple[str, ...] = tuple(ROWS)) -> list[dict]:
     """Each row's two sides in turns for `rounds` rounds: tokens/s (the slowest rank's) and
     the last round's profiled step (the slowest rank's)."""
