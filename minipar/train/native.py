@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..decoder import Decoder, rope_tables
-from ..moe.decoder import moe_decoder
+from ..decoder import Decoder, decoder, rope_tables
 from ..runtime import device, rank, world_size
 from .config import TrainConfig
 from .precision import PARAM_DTYPES
@@ -85,8 +84,8 @@ class NativeRun:
     def __init__(self, config: TrainConfig) -> None:
         refuse_native(config)
         self.config, p = config, config.parallel
-        model = moe_decoder(config.model, config.train.seed,
-                            PARAM_DTYPES[config.train.precision]).to(device())
+        model = decoder(config.model, config.train.seed,
+                        PARAM_DTYPES[config.train.precision]).to(device())
         self.dp_rank, self.dp, self.twin = 0, p.dp, model
         if p.pp > 1:
             self._pipeline(model)
@@ -117,6 +116,9 @@ class NativeRun:
         # dp outer, tp inner (tp ranks adjacent), as minipar's Mesh orders them
         mesh = init_device_mesh(device().type, (p.dp, p.tp), mesh_dim_names=("dp", "tp"))
         self.dp_rank = mesh.get_local_rank("dp")
+        # on the 2-D mesh DTensor warns that making the norm whole takes one all-reduce per
+        # dimension; for one number per step that costs nothing (torchtitan flattens the mesh)
+        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         if p.tp > 1:
             styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
             for block in model.blocks:
@@ -184,9 +186,6 @@ class NativeRun:
         from torch.distributed.tensor import DTensor
 
         square = torch.zeros((), dtype=torch.float64, device=device())
-        # (on the 2-D mesh, DTensor warns that making a norm whole takes one all-reduce per
-        # dimension; for one number per step that is nothing: torchtitan flattens the mesh)
-        logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
         for group in self.by_mesh(self.norm_params):
             norm = torch.nn.utils.get_total_norm([q.grad for q in group])
             norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
