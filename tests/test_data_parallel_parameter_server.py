@@ -1,5 +1,7 @@
-"""The parameter server: sync equals single-process SGD; traffic as the lecture says;
+"""The parameter server: sync equals single-process SGD; traffic as the cost model says;
 async converges with bounded, recorded staleness."""
+
+from collections import Counter
 
 import pytest
 import torch
@@ -67,6 +69,11 @@ def test_async_converges_with_bounded_recorded_staleness():
     assert server.role == "server" and len(server.staleness) + server.dropped == 3 * 20
     assert max(server.staleness) <= 1
     assert server.dropped > 0  # the slow worker's gradients arrive 2+ versions late
+    # every gradient is accounted to the worker that sent it: 20 from each, applied or dropped
+    assert len(server.applied_from) == len(server.staleness)
+    assert len(server.dropped_from) == server.dropped
+    sent = Counter(server.applied_from) + Counter(server.dropped_from)
+    assert sent == {1: 20, 2: 20, 3: 20}
     for worker in results[1:]:
         assert worker.losses[-1] < 0.5 * worker.losses[0]
     unbounded = minipar.launch(_run_async, 4, None, {3: 0.01}, backend="gloo", timeout=60)[0]

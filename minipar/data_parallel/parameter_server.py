@@ -2,9 +2,9 @@
 
 Ranks 0..S-1 are servers, each holding one slice of the flattened parameters
 (torch.tensor_split boundaries); ranks S..K-1 are the W = K - S workers. Every
-message goes through minipar's metered send/recv, so the lecture's traffic shows in
-the meter: per step each worker pulls the model and pushes a gradient, and the
-servers together send W models and receive W gradients.
+message goes through minipar's metered send/recv, so the meter shows the traffic: per
+step each worker pulls the model and pushes a gradient, and the servers together send
+W models and receive W gradients.
 
 - sync: each step every worker pulls, computes on its shard of the global batch
   (loss scaled by `shard_weight`), and pushes; the servers average the W gradients
@@ -13,7 +13,9 @@ servers together send W models and receive W gradients.
   and sends that worker fresh weights. A gradient computed on version v and applied
   at version v' has staleness v' - v; gradients staler than `max_staleness` are
   dropped (the worker just pulls again). Each worker's own loss is a mean over its
-  shard, unscaled: its gradient is applied on its own.
+  shard, unscaled: its gradient is applied on its own. The server's report says which
+  worker each applied and each dropped gradient came from, so a lesson can show whose
+  gradients go stale.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ class ServerReport:
     role: str  # "server" or "worker"
     losses: list[float] = field(default_factory=list)  # worker: its loss each step
     staleness: list[int] = field(default_factory=list)  # server, async: per applied update
+    applied_from: list[int] = field(default_factory=list)  # server, async: its worker, per update
     dropped: int = 0  # server, async: gradients too stale to apply
+    dropped_from: list[int] = field(default_factory=list)  # server, async: its worker, per drop
     params: torch.Tensor | None = None  # server: its final slice
 
 
@@ -165,8 +169,10 @@ def _async_server(flat: torch.Tensor, workers: list[int], steps: int, lr: float,
                 flat -= lr * grad
             version += 1
             report.staleness.append(staleness)
+            report.applied_from.append(src)
         else:
             report.dropped += 1
+            report.dropped_from.append(src)
         remaining[src] -= 1
         if remaining[src]:
             # only a worker with steps left is sent weights: it is the one waiting in recv
