@@ -133,6 +133,30 @@ def test_last_step_cuts_each_rank_on_its_own_clock():
     assert min(e.start for e in last.for_rank(1)) >= 20 - 2.5
 
 
+def test_steps_of_cuts_every_step_so_each_round_has_its_own_costs():
+    from minipar.pipeline.bench import steps_of
+    from minipar.pipeline.simulate import costs_from_timeline
+    from minipar.trace import Timeline
+
+    plan = schedule("gpipe", 2, 2)
+    step = simulate(plan, UNIT)
+    skew = {0: 0.0, 1: -2.5}
+    # three steps, the middle one twice as slow: each cut step keeps its own durations,
+    # so a bound computed per round sees that round's F and B, not the last round's
+    slow = {0: 1.0, 1: 2.0, 2: 1.0}
+    events = [dataclasses.replace(e, start=e.start * slow[s] + s * 40 + skew[e.rank],
+                                  end=e.end * slow[s] + s * 40 + skew[e.rank])
+              for s in (0, 1, 2) for e in step.events]
+    steps = steps_of(Timeline(events), plan)
+    assert len(steps) == 3
+    for got in steps:
+        assert sorted(e.label for e in got) == sorted(e.label for e in step.events)
+    ideal = [{k: v for k, v in costs_from_timeline(s, plan).items() if k in ("F", "B")}
+             for s in steps]
+    assert [simulate(plan, costs).makespan for costs in ideal] == \
+        pytest.approx([step.makespan, 2 * step.makespan, step.makespan])
+
+
 @pytest.mark.parametrize("args, words", [
     (("gpipe", 4, 8, 2), "virtual stages apply to"),
     (("interleaved_1f1b", 4, 6, 2), "microbatches must be a multiple of 4"),

@@ -317,6 +317,32 @@ def test_recomputation_keeps_one_input_per_unit_and_changes_nothing_else(stage, 
     assert 0 < recomputed < plain / 2, (recomputed, plain)
 
 
+def test_tracker_sees_what_recomputation_rebuilds_in_backward():
+    from minipar.sharded.memory import MemoryTracker, recompute
+
+    def peaks(on):
+        torch.manual_seed(8)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16),
+                                              nn.Tanh()) for _ in range(4)]).double()
+        if on:
+            recompute(list(model))
+        tracker = MemoryTracker(model)
+        with tracker.watch():
+            model(torch.randn(128, 16, dtype=torch.float64)).pow(2).mean().backward()
+        forward = max(s.activations for s in tracker.samples if s.label.startswith("forward"))
+        backward = max(s.activations for s in tracker.samples if s.label == "backward")
+        return forward, backward
+
+    block_input, hidden = 128 * 16 * 8, 128 * 64 * 8  # bytes of a block's input, its tanh
+    plain, _ = peaks(False)
+    assert plain == 4 * (block_input + hidden) + block_input  # 4 blocks' saved tensors
+    forward, backward = peaks(True)
+    assert forward == 4 * block_input  # only the inputs survive forward
+    # in backward one block at a time is rebuilt (its 64-wide tanh and its output) beside
+    # the inputs not yet consumed: more than forward's inputs, far less than no recompute
+    assert forward + hidden <= backward < plain / 2, (forward, backward, plain)
+
+
 def _prefetch_timeline():
     model = plain_model()
     fsdp = FullyShardedDataParallel(model, adam, prefetch=True)

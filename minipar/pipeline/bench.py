@@ -66,22 +66,39 @@ def _in_turns(name: str, microbatches: int, width: int, batch: int, layers_per_s
     return {"one": one[1:], "steps": steps[1:]}
 
 
-def last_step(timeline: trace.Timeline, plan: Schedule) -> trace.Timeline:
-    """The events of a run's final step. Each rank is cut on its own clock, at the earliest
-    of its plan's actions' last occurrences: ranks agree on t=0 only as well as a barrier
-    lets them, so one cut for all (say at the last "0F0") can drop a rank's first action."""
-    kept = []
+def steps_of(timeline: trace.Timeline, plan: Schedule) -> list[trace.Timeline]:
+    """The events of each step a run recorded, oldest first. Each rank is cut on its own
+    clock: its step j starts at the earliest of its plan's actions' j-th occurrences
+    (counted so that the last occurrences make the last step). Ranks agree on t=0 only as
+    well as a barrier lets them, so one cut for all (say at each "0F0") can drop a rank's
+    first action. Events before a rank's first cut are left out."""
+    cuts: dict[int, list[float]] = {}
     for r in timeline.ranks:
-        mine = timeline.for_rank(r)
         labels = {str(a) for a in plan.actions[r]}
-        latest: dict[str, float] = {}
-        for e in mine:
+        starts: dict[str, list[float]] = {}
+        for e in timeline.for_rank(r):
             if e.label in labels:
-                latest[e.label] = max(latest.get(e.label, e.start), e.start)
-        if latest:
-            cut = min(latest.values())
-            kept += [e for e in mine if e.start >= cut]
-    return trace.Timeline(kept)
+                starts.setdefault(e.label, []).append(e.start)
+        if starts:
+            n = min(len(s) for s in starts.values())
+            cuts[r] = [min(sorted(s)[len(s) - n + j] for s in starts.values())
+                       for j in range(n)]
+    n = min((len(c) for c in cuts.values()), default=0)
+    steps: list[list[trace.Event]] = [[] for _ in range(n)]
+    for r, mine in cuts.items():
+        bounds = mine[len(mine) - n:] + [float("inf")]
+        for e in timeline.for_rank(r):
+            for j in range(n):
+                if bounds[j] <= e.start < bounds[j + 1]:
+                    steps[j].append(e)
+                    break
+    return [trace.Timeline(events) for events in steps]
+
+
+def last_step(timeline: trace.Timeline, plan: Schedule) -> trace.Timeline:
+    """The events of a run's final step (`steps_of`'s last)."""
+    steps = steps_of(timeline, plan)
+    return steps[-1] if steps else trace.Timeline([])
 
 
 def predicted_vs_measured(timeline: trace.Timeline, plan, p2p: float) -> dict:
@@ -135,13 +152,21 @@ def measure(microbatches: tuple[int, ...] = (1, 2, 4, 8, 16), width: int = 512,
                 last = [r["steps"][-1] for r in run]
                 p2p = machine.p2p_seconds(batch * width * 4 / m)
                 plan = schedule(name, 2, m)
-                compared = predicted_vs_measured(last_step(run.timeline, plan), plan, p2p)
+                each = [predicted_vs_measured(step, plan, p2p)
+                        for step in steps_of(run.timeline, plan)[-steps:]]
+                compared = each[-1]
+                # the bound per round, from that round's own F and B times: a round's
+                # speedup can reach its bound only with free messages and no overhead, and
+                # the median of the bounds is taken like the median of the speedups
+                bounds = [one / c["step_ideal"] for one, c in zip(run[0]["one"][-len(each):],
+                                                                  each, strict=True)]
                 rows.append({"schedule": name, "microbatches": m,
                              "seconds": statistics.median(per_round), "seconds_last": max(last),
                              "speedups": speedups, "speedup": statistics.median(speedups),
                              "ceiling": 2 * m / (m + 1), "bubble_formula": 1 / (m + 1),
                              # what the ranks' own compute allows: no messages, no overhead
-                             "speedup_bound": run[0]["one"][-1] / compared["step_ideal"],
+                             "speedup_bounds": bounds,
+                             "speedup_bound": statistics.median(bounds),
                              "overhead_per_action": compared["costs"]["overhead"],
                              "p2p_seconds": p2p, **{k: v for k, v in compared.items()
                                                     if k != "costs"},
@@ -213,9 +238,9 @@ def report(rows: list[dict], out_dir: Path) -> str:
     return ("speedup: one process / pipeline step, per round (one process and pipeline take "
             "turns), median (min-max); bubble and step: measured in the last round / "
             "predicted by the simulator with messages and engine overhead (and without them,"
-            " in brackets); compute bound: one process / the simulated step with the ranks' "
-            "own F and B and nothing else; overhead: the engine's time per action, rank 0 "
-            "and 1\n"
+            " in brackets); compute bound: per round, one process / the simulated step with "
+            "that round's own F and B and nothing else, median over rounds; overhead: the "
+            "engine's time per action, rank 0 and 1\n"
             + format_table(shown, [("schedule", "schedule"), ("m", "m"),
                                    ("speedup", "speedup (min-max)"),
                                    ("ceiling", "ceiling 2m/(m+1)"),

@@ -7,19 +7,22 @@ Bytes are counted per storage, each storage once: a parameter that is a view int
 buffer counts the buffer, a master shard that shares it counts nothing more. Activations
 are what autograd saves for backward (inputs of each layer, outputs of its nonlinearity),
 tracked from the moment a tensor is saved until the graph lets it go; parameters saved by
-autograd are counted as parameters, not twice.
+autograd are counted as parameters, not twice. Under recomputation they also include what
+a unit's forward rebuilds during backward, for as long as it stays alive.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
@@ -75,6 +78,9 @@ class MemoryTracker:
         self.samples: list[MemorySample] = []
         self._saved: weakref.WeakSet[_Saved] = weakref.WeakSet()  # alive while autograd holds
         self._kept: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()  # alive while they live
+        # storages a recomputation rebuilt: alive while anything (autograd's checkpoint
+        # frame, say) still uses them
+        self._rebuilt: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 
     def sample(self, label: str) -> MemorySample:
         seen: set[int] = set()
@@ -90,6 +96,10 @@ class MemoryTracker:
         optimizer = _count(mixed + state, seen)
         # where each saved tensor's storage is *now*: FSDP may have shrunk or refilled it
         activations = _count([s.tensor for s in self._saved] + list(self._kept), seen)
+        for storage in list(self._rebuilt):
+            if storage.data_ptr() not in seen and storage.nbytes():
+                seen.add(storage.data_ptr())
+                activations += storage.nbytes()
         result = MemorySample(label, parameters, gradients, optimizer, activations)
         self.samples.append(result)
         return result
@@ -103,6 +113,12 @@ class MemoryTracker:
     def keep(self, t: torch.Tensor) -> None:
         """Count `t` as an activation for as long as it lives (what recomputation keeps)."""
         self._kept.add(t)
+
+    def rebuilt(self, t: torch.Tensor) -> None:
+        """Count `t`'s storage as an activation for as long as the storage lives: a tensor
+        a recomputation made in backward. Checkpoint keeps only detached views of what it
+        rebuilds, so the storage, not the tensor object, tells whether it is still held."""
+        self._rebuilt.add(t.untyped_storage())
 
     @contextmanager
     def watch(self) -> Iterator[MemoryTracker]:
@@ -137,16 +153,39 @@ def recompute(units: Iterable[nn.Module]) -> None:
     """Activation recomputation (gradient checkpointing) per unit: in forward a unit keeps
     only its input; in backward it runs its forward again to rebuild what its backward
     needs (torch.utils.checkpoint, non-reentrant). Activation memory falls from every
-    layer's saved tensors to one input per unit, for about one extra forward of compute."""
+    layer's saved tensors to one input per unit, plus, during backward, the one unit being
+    rebuilt, for about one extra forward of compute. A `MemoryTracker` sees both: the
+    inputs kept, and every tensor the rebuilt forward makes, while it stays alive."""
     for unit in units:
         def checkpointed(*args, _forward=unit.forward, **kwargs):
             for tracker in _watching:  # the input stays alive until backward: count it
                 for a in args:
                     if isinstance(a, torch.Tensor):
                         tracker.keep(a)
-            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            contexts = (nullcontext(), _Rebuilding(list(_watching))) if _watching else \
+                (nullcontext(), nullcontext())
+            return checkpoint(_forward, *args, use_reentrant=False,
+                              context_fn=lambda: contexts, **kwargs)
 
         unit.forward = checkpointed
+
+
+class _Rebuilding(TorchDispatchMode):
+    """Around a unit's recomputation in backward: hands every tensor an operation makes to
+    the trackers, which hold it weakly. What checkpoint keeps for the unit's backward stays
+    counted until that backward frees it; temporaries drop out as soon as they die."""
+
+    def __init__(self, trackers: list[MemoryTracker]) -> None:
+        super().__init__()
+        self.trackers = trackers
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                for tracker in self.trackers:
+                    tracker.rebuilt(t)
+        return out
 
 
 class _Saved:
