@@ -7,7 +7,7 @@ from conftest import value_errors
 
 import minipar
 from minipar import collectives
-from minipar.moe import ExpertParallelMoE, MoELayer
+from minipar.moe import ChunkedAllToAll, ExpertParallelMoE, MoELayer
 
 TOKENS_PER_RANK = 6
 
@@ -67,3 +67,22 @@ def test_experts_must_divide_among_ranks(cluster4):
         return value_errors(lambda: ExpertParallelMoE(MoELayer(4, 8, num_experts=6, k=1)))[0]
 
     assert "6 experts cannot be split evenly over 4 ranks" in cluster4.run(attempt)[0]
+
+
+def _rows_computed():
+    x = _all_tokens(4)[minipar.rank() * TOKENS_PER_RANK:(minipar.rank() + 1) * TOKENS_PER_RANK]
+    flat = ExpertParallelMoE(_twin())
+    chunked = ExpertParallelMoE(_twin(), exchange=ChunkedAllToAll(1))
+    flat(x)
+    chunked(x)
+    return (flat.rows_computed, flat.tokens_received, flat.last_routing.capacity,
+            chunked.rows_computed, chunked.tokens_received)
+
+
+def test_rows_computed_counts_the_capacity_buffer_only_where_it_is_filled(cluster4):
+    """The flat exchange fills the twin's capacity buffer (its empty slots computed too);
+    the chunked one runs the experts on the rows that came."""
+    for flat, received, capacity, chunked, chunked_received in cluster4.run(_rows_computed):
+        assert flat == 1 * capacity  # one expert per rank
+        assert received <= flat
+        assert chunked == chunked_received == received

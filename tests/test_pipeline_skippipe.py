@@ -48,6 +48,19 @@ def test_simulated_step_shrinks_when_the_slow_stage_is_skipped():
     assert len(full.events) == 2 * MICRO * STAGES
 
 
+def test_a_send_keeps_its_sender_busy_and_the_link_only_delays():
+    """One micro-batch through 3 stages of 1 s each (backward 2 s): 4 messages, each
+    0.5 s of its sender's time, by hand 1 + .5 + 1 + .5 + 1 + 2 + .5 + 2 + .5 + 2 = 11 s;
+    a link of 0.25 s adds 0.25 s per message."""
+    path = [(0, 1, 2)]
+    assert simulate_paths(path, [1.0] * 3, send=0.5).makespan == pytest.approx(11.0)
+    assert simulate_paths(path, [1.0] * 3, link=0.25, send=0.5).makespan == pytest.approx(12.0)
+    # the sender waits for its send before its next operation: two micro-batches on 2 stages
+    two = simulate_paths([(0, 1), (0, 1)], [1.0, 1.0], send=0.5)
+    second = [e for e in two.events if e.rank == 0 and e.label == "F1"][0]
+    assert second.start == pytest.approx(1.5)
+
+
 @pytest.mark.parametrize("skip", [0, 1])
 def test_real_run_equals_the_same_paths_on_one_process(skip, tmp_path):
     plans = [plan_paths(STAGES, MICRO, skip, SPEEDS, reorder=skip > 0)] * STEPS

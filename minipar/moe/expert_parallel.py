@@ -63,6 +63,7 @@ class ExpertParallelMoE(nn.Module):
         self.shared = copy.deepcopy(twin.shared) if twin.shared is not None else None
         self.last_routing: Routing | None = None
         self.tokens_received = 0
+        self.rows_computed = 0  # rows the experts ran on, last call (a buffer's empty slots too)
         self.last_send_counts: list[int] = []  # rows sent to each rank, last call
         self.last_rows = (0, 0)  # (token choices routed, rows sent) by this rank, last call
 
@@ -71,6 +72,7 @@ class ExpertParallelMoE(nn.Module):
         """The twin's way: rows into [per_rank, capacity, hidden] by (expert, slot), each
         expert on its whole buffer (empty slots too), the rows' outputs gathered back."""
         self.tokens_received += int(arrived.shape[0])
+        self.rows_computed += self.per_rank * capacity
         buffer = arrived.new_zeros(self.per_rank, capacity, arrived.shape[1])
         buffer = buffer.index_put((meta[:, 0], meta[:, 1]), arrived)
         out = torch.stack([e(buffer[i]) for i, e in enumerate(self.experts)])
@@ -79,6 +81,7 @@ class ExpertParallelMoE(nn.Module):
     def _row_wise(self, arrived: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         """Each expert on the rows that arrived for it (no capacity buffer)."""
         self.tokens_received += int(arrived.shape[0])
+        self.rows_computed += int(arrived.shape[0])
         return run_by_expert(self.experts, arrived, meta[:, 0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +104,7 @@ class ExpertParallelMoE(nn.Module):
                 return self._buffered(capacity, arrived, m)
         else:
             compute = self._row_wise
-        self.tokens_received = 0
+        self.tokens_received = self.rows_computed = 0
         returned = self.exchange.round_trip(outgoing, meta, send_counts, compute, self.group)
         returned = returned[torch.argsort(order)]  # back in the order of `rows`
         returned = self.rule.unpack(returned, state)  # one output per kept choice

@@ -101,8 +101,11 @@ def _exchange_of(system: System) -> Exchange:
 
 
 def _step(system: System, tokens: int, steps: int) -> dict:
-    """On one rank: median seconds of forward + backward, bytes sent per step, and the
-    rows the dispatch carried (or would carry) per step."""
+    """On one rank: median seconds of forward + backward, bytes and messages sent per step,
+    the rows the dispatch carried (or would carry) per step and the rows the experts ran
+    on. Timed with the collectives' cross-rank handshake off (a debugging aid, not part
+    of any layer: on, it adds messages to every all-to-all call, so to some rows more
+    than others), after one untimed step."""
     k, me = world_size(), rank()
     x_all = _tokens(tokens, SHAPE["hidden"])
     layer, x = _layer(system.rule), x_all.chunk(k)[me]
@@ -114,21 +117,25 @@ def _step(system: System, tokens: int, steps: int) -> dict:
         layer, x = PipelineMoE(layer), x_all  # every rank holds all tokens
     else:
         x = x_all
-    times, sent = [], 0
-    for step in range(steps + 1):
-        if k > 1:
-            torch.distributed.barrier()
-        with collectives.meter() as m:
-            start = time.perf_counter()
-            layer(x).pow(2).mean().backward()
-            elapsed = time.perf_counter() - start
-        if step:
-            times.append(elapsed)
-            sent += m.sent_bytes
+    times, sent, messages = [], 0, 0
+    with collectives.validation(False):
+        for step in range(steps + 1):
+            if k > 1:
+                torch.distributed.barrier()
+            with collectives.meter() as m:
+                start = time.perf_counter()
+                layer(x).pow(2).mean().backward()
+                elapsed = time.perf_counter() - start
+            if step:
+                times.append(elapsed)
+                sent += m.sent_bytes
+                messages += m.messages
     routing = getattr(layer, "last_routing", None)
     kept, choices = (int(routing.kept.sum()), routing.kept.numel()) if routing else (0, 0)
+    rows = _expert_rows(layer)
     return {"seconds": statistics.median(times), "bytes_per_step": sent / steps,
-            "rows": _expert_rows(layer), "kept": kept, "choices": choices,
+            "messages_per_step": messages / steps, "rows": rows,
+            "computed": _computed_rows(layer, rows), "kept": kept, "choices": choices,
             "replicated": isinstance(layer, PipelineMoE)}
 
 
@@ -150,6 +157,17 @@ def _expert_rows(layer: torch.nn.Module) -> int | None:
     return int(routing.kept.sum()) if routing is not None else None
 
 
+def _computed_rows(layer: torch.nn.Module, rows: int | None) -> int | None:
+    """Rows this rank's experts ran their matmuls on in the last call: a capacity buffer's
+    E x capacity slots, empty ones included (expert parallelism with the flat or
+    hierarchical exchange, and the one-process capacity layer), else the rows that came."""
+    if isinstance(layer, ExpertParallelMoE):
+        return layer.rows_computed
+    if type(layer) is MoELayer:
+        return len(layer.experts) * layer.last_routing.capacity
+    return rows
+
+
 SYSTEMS = (System("EP", exchange="flat"), *(System("EP", exchange="pipelined", chunks=c)
                                              for c in (1, 2, 4)),
            *(System("EP", rule, exchange="flat") for rule in EP_RULE_NAMES),
@@ -159,14 +177,16 @@ SYSTEMS = (System("EP", exchange="flat"), *(System("EP", exchange="pipelined", c
 
 
 def measure_systems(tokens: int = 2048, steps: int = 3, rounds: int = 3) -> list[dict]:
-    """Tokens/s, bytes sent per step and dispatch rows of every layer on the same tokens.
-    The layers take turns for `rounds` rounds; "vs flat EP" is the median of per-round
-    ratios with their spread."""
+    """Tokens/s, bytes and messages sent per step, dispatch rows and computed rows of every
+    layer on the same tokens. The layers take turns for `rounds` rounds, each round
+    starting one layer further down the list (so no layer always runs first on freshly
+    started ranks); "vs flat EP" is the median of per-round ratios with their spread."""
     seconds: dict[System, list[float]] = {system: [] for system in SYSTEMS}
     last: dict[System, list[dict]] = {}
     with Cluster(1, backend="gloo") as one, Cluster(4, backend="gloo") as four:
         for round_index in range(rounds):
-            for system in SYSTEMS:
+            shift = round_index * len(SYSTEMS) // max(rounds, 1)
+            for system in SYSTEMS[shift:] + SYSTEMS[:shift]:
                 progress(f"round {round_index + 1}/{rounds}: {system.label}")
                 run = (one if system.ranks == 1 else four).run(_step, system, tokens, steps)
                 seconds[system].append(max(r["seconds"] for r in run))
@@ -183,7 +203,9 @@ def measure_systems(tokens: int = 2048, steps: int = 3, rounds: int = 3) -> list
                      "vs_flat_ep": [flat / mine for flat, mine in
                                     zip(seconds[SYSTEMS[0]], seconds[system], strict=True)],
                      "bytes_per_step": sum(r["bytes_per_step"] for r in run),
+                     "messages_per_step": sum(r["messages_per_step"] for r in run),
                      "dispatch_rows": sum(r["rows"] for r in run),
+                     "computed_rows": sum(r["computed"] for r in run),
                      "drop": 1 - kept / choices if choices else 0.0})
     return rows
 
@@ -235,12 +257,16 @@ def report_systems(rows: list[dict], exchange: list[dict]) -> str:
     """The two tables."""
     shown = [{"system": r["system"], "ranks": r["ranks"], "tps": f"{r['tokens_per_s']:.0f}",
               "vs": spread(r["vs_flat_ep"]), "bytes": f"{r['bytes_per_step']:,.0f}",
+              "msgs": f"{r['messages_per_step']:.0f}",
               "rows": "-" if r["dispatch_rows"] is None else str(r["dispatch_rows"]),
+              "computed": "-" if r["computed_rows"] is None else str(r["computed_rows"]),
               "drop": f"{r['drop']:.0%}"} for r in rows]
     first = format_table(shown, [("system", "layer"), ("ranks", "ranks"),
                                  ("tps", "tokens/s"), ("vs", "vs flat EP (min-max)"),
                                  ("bytes", "bytes sent per step (all ranks)"),
+                                 ("msgs", "messages per step"),
                                  ("rows", "expert rows (all ranks)"),
+                                 ("computed", "rows computed"),
                                  ("drop", "choices dropped")])
     shown = [{"kind": r["exchange"], "n": r["rows_per_peer"],
               "b": f"{r['bytes_per_peer']:,}", "t": f"{r['seconds'] * 1e3:.2f} ms",

@@ -89,11 +89,14 @@ def plan_paths(stages: int, microbatches: int, skip: int, speeds: Sequence[float
     return paths
 
 
-def simulate_paths(paths: Sequence[Path], forward: Sequence[float], link: float = 0.0
-                   ) -> Timeline:
+def simulate_paths(paths: Sequence[Path], forward: Sequence[float], link: float = 0.0,
+                   send: float = 0.0) -> Timeline:
     """One step of `paths`: forward along each path, backward (2x the forward's cost) back
-    along it; a message between stages takes `link` seconds. Each stage runs, among its
-    ready operations, the one that can start first. Rank r of the Timeline is stage r."""
+    along it; a message between stages takes `link` seconds on the wire and `send` seconds
+    of its sender's time (the sender can do nothing else meanwhile: a blocking send, or
+    what each message costs the CPU at its end), so a stage's next operation waits for
+    its sends. Each stage runs, among its ready operations, the one that can start
+    first. Rank r of the Timeline is stage r."""
     stages = len(forward)
     ops = {}  # (mb, i): the i-th operation of micro-batch mb's forward-then-backward chain
     for mb, path in enumerate(paths):
@@ -113,7 +116,11 @@ def simulate_paths(paths: Sequence[Path], forward: Sequence[float], link: float 
         events.append(Event(s, kind, f"{kind}{mb}", start, start + cost, stage=s, microbatch=mb))
         if i + 1 < length:
             nxt = ops[(mb, i + 1)][0]
-            ready.append((start + cost + (link if nxt != s else 0.0), mb, i + 1))
+            if nxt != s:  # a message: its sender is busy sending, then it travels
+                free[s] += send
+                ready.append((free[s] + link, mb, i + 1))
+            else:
+                ready.append((free[s], mb, i + 1))
     return Timeline(events)
 
 
