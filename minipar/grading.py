@@ -9,8 +9,10 @@ function on real ranks against a single-process reference and raise
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import torch
 
@@ -95,25 +97,70 @@ def _learner_line(remote_traceback: str) -> str:
     return lines[i].strip() + (f": {code}" if code else "")
 
 
+# torch's collectives: a learner who calls one inside an exercise has not written it
+TORCH_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                     "reduce_scatter_tensor", "broadcast", "reduce", "all_to_all",
+                     "all_to_all_single", "scatter", "gather")
+# minipar's files whose messages count as the learner's own: point to point, which the
+# exercises allow
+_OWN_MESSAGES = (str(Path(__file__).parent / "collectives" / "p2p.py"),)
+
+
+def _library_caller(frame: FrameType | None) -> str | None:
+    """Which of minipar's functions the learner's code called to make this call (say
+    "minipar.collectives.all_reduce.all_reduce"), walking up from `frame` past torch's and
+    minipar's frames to the first of the learner's own; None when the learner's code (or
+    minipar's point-to-point send and receive) made it."""
+    outermost = None
+    while frame is not None:
+        file = frame.f_code.co_filename
+        if file.startswith(_LIBRARY_DIRS[0]):
+            outermost = frame
+        elif not file.startswith(_LIBRARY_DIRS[1]):
+            break  # the learner's own code: what it called is `outermost`
+        frame = frame.f_back
+    if outermost is None or outermost.f_code.co_filename in _OWN_MESSAGES:
+        return None
+    return f"{outermost.f_globals.get('__name__', '?')}.{outermost.f_code.co_qualname}"
+
+
 class SendLog:
-    """Inside a rank: record every message this rank sends (destination, a copy of the data)."""
+    """Inside a rank: record every message this rank sends (destination, a copy of the data).
+
+    Only messages the learner's own code sends are logged, with torch.distributed's
+    send/isend or minipar's point-to-point ones. A call that hands the work to a built-in
+    collective instead (torch's dist.all_reduce, or minipar's collectives.all_reduce whose
+    messages would otherwise look like the learner's) goes to `delegated` as (how many
+    messages the learner had sent by then, the function called), so a check can say so.
+    """
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, torch.Tensor]] = []
+        self.delegated: list[tuple[int, str]] = []
 
     def __enter__(self) -> list[tuple[int, torch.Tensor]]:
         import torch.distributed as dist
         import torch.distributed.distributed_c10d as c10d
 
-        self.sent: list[tuple[int, torch.Tensor]] = []
-        self.saved = {name: getattr(c10d, name) for name in ("isend", "send")}
+        self.sent.clear()
+        self.delegated.clear()
+        names = ("isend", "send", *(n for n in TORCH_COLLECTIVES if hasattr(c10d, n)))
+        self.saved = {name: getattr(c10d, name) for name in names}
         self.depth = 0  # send() may call isend() inside: log the outermost call only
         for name, original in self.saved.items():
-            def logged(*args, _original=original, **kwargs):
+            def logged(*args, _original=original, _name=name, **kwargs):
                 if self.depth == 0:
-                    tensor = args[0] if args else kwargs["tensor"]
-                    # newer torch also names the peer group_dst (a rank inside the group)
-                    dst = args[1] if len(args) > 1 else kwargs.get("dst",
-                                                                   kwargs.get("group_dst"))
-                    # a copy: the sender may reuse or overwrite its buffer after the call
-                    self.sent.append((int(dst), tensor.detach().clone()))
+                    library = _library_caller(sys._getframe(1))
+                    if library is not None or _name not in ("isend", "send"):
+                        self.delegated.append((len(self.sent),
+                                               library or f"torch.distributed.{_name}"))
+                    else:
+                        tensor = args[0] if args else kwargs["tensor"]
+                        # newer torch also names the peer group_dst (a rank inside the group)
+                        dst = args[1] if len(args) > 1 else kwargs.get(
+                            "dst", kwargs.get("group_dst"))
+                        # a copy: the sender may reuse or overwrite its buffer after the call
+                        self.sent.append((int(dst), tensor.detach().clone()))
                 self.depth += 1
                 try:
                     return _original(*args, **kwargs)

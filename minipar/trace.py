@@ -6,16 +6,18 @@ a plan, ranks record them as they run (`record`), and Chrome trace files carry t
 in and out, so any run opens in Perfetto or chrome://tracing.
 
 Times are seconds from the run's t=0; inside `minipar.launch` every rank sets its
-t=0 right after a common barrier, so clocks agree to within that barrier's skew.
+t=0 right after a common barrier, so clocks agree to within that barrier's skew;
+`Timeline.aligned` removes the skew by lining up the ends of a collective every rank ran.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -208,6 +210,41 @@ class Timeline:
     @property
     def bubble_fraction(self) -> float:
         return self.summary().bubble_fraction
+
+    def clock_offsets(self, kind: str, label: str | None = None) -> dict[int, float]:
+        """Seconds to add to each rank's times so that its collectives end with the lowest
+        rank's: the median, over its n-th event of `kind` (and `label`) matched with the
+        lowest rank's n-th, of the difference of their ends.
+
+        Ranks set t=0 as they leave a barrier, and they leave it at different instants
+        (a rank woken late by the scheduler, a message still in flight), so their clocks
+        disagree by that skew. A collective such as an all-reduce ends at about the same
+        instant on every rank: none can finish before the last contribution arrives, and
+        then all finish within one message's latency. Its ends are a mark every rank saw,
+        and the median over many of them ignores one that a late wake-up moved.
+        """
+        ends = {r: [e.end for e in self.events if e.rank == r and e.kind == kind
+                    and (label is None or e.label == label)] for r in self.ranks}
+        if not ends:
+            return {}
+        reference = ends[min(ends)]
+        offsets = {}
+        for r, mine in ends.items():
+            # strict=False: a rank that ran fewer of them is matched on those it ran
+            pairs = [a - b for a, b in zip(reference, mine, strict=False)]
+            if not pairs:
+                raise ValueError(f"rank {r} has no event of kind {kind!r}"
+                                 + (f" labelled {label!r}" if label is not None else "")
+                                 + " to align its clock on")
+            offsets[r] = statistics.median(pairs)
+        return offsets
+
+    def aligned(self, kind: str, label: str | None = None) -> Timeline:
+        """The same events on one clock: each rank shifted by `clock_offsets(kind, label)`,
+        so that its collectives of that kind end when the lowest rank's do."""
+        offsets = self.clock_offsets(kind, label)
+        return Timeline(replace(e, start=e.start + offsets[e.rank], end=e.end + offsets[e.rank],
+                                args=dict(e.args)) for e in self.events)
 
     # --- Chrome trace (Perfetto) ---
 

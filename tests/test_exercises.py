@@ -158,6 +158,57 @@ def ring_with_blocking_sends(tensor):
     dist.recv(tensor, (me - 1) % k)
 
 
+def ring_through_minipars_ring(tensor):
+    return collectives.all_reduce(tensor, algorithm="ring")  # right messages, not the learner's
+
+
+def ring_through_torchs_all_reduce(tensor):
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def broadcast_through_minipars_tree(tensor, src):
+    return collectives.broadcast(tensor, src=src, algorithm="tree")
+
+
+@pytest.mark.parametrize("check, fn, words", [
+    (check_ring_all_reduce, ring_through_minipars_ring,
+     r"rank 0, step 0: called minipar\.collectives\.all_reduce\.all_reduce, which does the "
+     "whole job itself.*your own sends and receives"),
+    (check_ring_all_reduce, ring_through_torchs_all_reduce,
+     r"rank 0, step 0: called torch\.distributed\.all_reduce, which does the whole job"),
+    (check_tree_broadcast, broadcast_through_minipars_tree,
+     r"rank 0, step 0: called minipar\.collectives\.rooted\.broadcast"),
+], ids=["minipar's ring", "torch's all_reduce", "minipar's tree"])
+def test_checks_refuse_a_function_that_delegates_to_a_built_in(check, fn, words):
+    with pytest.raises(ExerciseError, match=words):
+        check(fn, world_sizes=(2,), timeout=60)
+
+
+def ring_with_minipars_point_to_point(tensor):
+    """The ring on minipar's own send/recv (allowed: the messages are still the learner's)."""
+    k, me = dist.get_world_size(), dist.get_rank()
+    chunks = torch.tensor_split(tensor, k)
+    for phase in (0, 1):
+        for step in range(k - 1):
+            send_i = (me - step + phase) % k
+            recv_i = (me - step - 1 + phase) % k
+            incoming = torch.empty_like(chunks[recv_i])
+            pending = collectives.isend(chunks[send_i].clone(), (me + 1) % k)
+            collectives.recv(incoming, (me - 1) % k)
+            pending.wait()
+            if phase == 0:
+                chunks[recv_i].add_(incoming)
+            else:
+                chunks[recv_i].copy_(incoming)
+    return tensor
+
+
+def test_ring_check_accepts_minipars_point_to_point():
+    assert "correct on 2, 3 ranks" in check_ring_all_reduce(ring_with_minipars_point_to_point,
+                                                            world_sizes=(2, 3), timeout=60)
+
+
 def star_broadcast(tensor, src):
     k, me = dist.get_world_size(), dist.get_rank()
     if me == src:

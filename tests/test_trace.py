@@ -117,3 +117,28 @@ def test_recorded_events_say_which_thread_recorded_them():
     assert threads == {"main again": 0, "main": 0, "side": 1}
     restored = Timeline.from_chrome(captured.timeline.to_chrome())
     assert {e.label: e.thread for e in restored} == threads
+
+
+def test_aligned_puts_ranks_on_one_clock_at_a_collectives_end():
+    # rank 1's clock started 4 ms late: its all-reduces seem to end 4 ms before rank 0's
+    skewed = Timeline([
+        Event(0, "compute", "step 0", 0.000, 0.010), Event(0, "wait", "all_reduce", 0.010, 0.030),
+        Event(0, "compute", "step 1", 0.030, 0.040), Event(0, "wait", "all_reduce", 0.040, 0.060),
+        Event(0, "compute", "step 2", 0.060, 0.070), Event(0, "wait", "all_reduce", 0.070, 0.090),
+        Event(1, "compute", "step 0", 0.000, 0.026), Event(1, "wait", "all_reduce", 0.026, 0.026),
+        Event(1, "compute", "step 1", 0.026, 0.052), Event(1, "wait", "all_reduce", 0.052, 0.0565),
+        Event(1, "compute", "step 2", 0.0565, 0.086), Event(1, "wait", "all_reduce", 0.086, 0.086),
+    ])
+    offsets = skewed.clock_offsets("wait", "all_reduce")
+    assert offsets[0] == 0.0
+    assert offsets[1] == pytest.approx(0.004)  # median of 4, 3.5 and 4 ms: one noisy end ignored
+    one_clock = skewed.aligned("wait", "all_reduce")
+    ends = [[e.end for e in one_clock.for_rank(r) if e.kind == "wait"] for r in (0, 1)]
+    assert ends[0][0] == pytest.approx(ends[1][0]) and ends[1][1] == pytest.approx(0.0605)
+    # durations are each rank's own measurements: aligning moves events, never stretches them
+    assert [e.duration for e in one_clock.for_rank(1)] == pytest.approx(
+        [e.duration for e in skewed.for_rank(1)])
+    assert skewed.for_rank(1)[0].start == 0.0  # the original is left as it was
+    with pytest.raises(ValueError, match="rank 1 has no event of kind 'barrier'"):
+        Timeline([Event(0, "barrier", "", 0, 1), Event(1, "compute", "", 0, 1)]).aligned(
+            "barrier")

@@ -29,11 +29,28 @@ def _contributors(values: torch.Tensor, start: int) -> set[int] | None:
     return {r for r in range(63) if int(mask) >> r & 1}
 
 
-def _call_logged(fn: Callable, numel: int, *args) -> tuple[list, list[float]]:
+def _call_logged(fn: Callable, numel: int, *args) -> tuple[list, list[float], list]:
+    """Run the learner's `fn` on this rank: the messages its own code sent, the tensor it
+    left, and the built-in collectives it handed work to (which the check refuses)."""
     tensor = _marked(runtime.rank(), numel)
-    with SendLog() as sent:
+    log = SendLog()
+    with log as sent:
         fn(tensor, *args)
-    return [(dst, t.tolist()) for dst, t in sent], tensor.tolist()
+    return [(dst, t.tolist()) for dst, t in sent], tensor.tolist(), list(log.delegated)
+
+
+def _delegation_problem(name: str, results: list) -> str | None:
+    """The first rank whose function called a built-in collective instead of sending its
+    own messages, named with the step at which it did."""
+    for rank, (_, _, delegated) in enumerate(results):
+        if delegated:
+            step, called = delegated[0]
+            return (f"rank {rank}, step {step}: called {called}, which does the whole job "
+                    "itself, and the check grades the messages your own code sends. Write "
+                    f"{name} with your own "
+                    "sends and receives (dist.isend/irecv, dist.batch_isend_irecv, or minipar's "
+                    "point-to-point send/recv)")
+    return None
 
 
 def _call_logged_from_each(fn: Callable, numel: int, sources: list[int]) -> list:
@@ -42,10 +59,13 @@ def _call_logged_from_each(fn: Callable, numel: int, sources: list[int]) -> list
 
 
 def _ring_problem(k: int, numel: int, results: list) -> str | None:
+    delegated = _delegation_problem("the ring", results)
+    if delegated:
+        return delegated
     bounds = split_bounds(numel, k)
     total = sum(_marked(r, numel) for r in range(k))
     for step in range(2 * (k - 1)):
-        for rank, (sent, _) in enumerate(results):
+        for rank, (sent, _, _) in enumerate(results):
             where = f"rank {rank}, step {step}"
             if step >= len(sent):
                 return (f"{where}: sent nothing; a ring all-reduce sends 2(K-1) = {2 * (k - 1)} "
@@ -73,7 +93,7 @@ def _ring_problem(k: int, numel: int, results: list) -> str | None:
             elif who != set(range(k)):
                 return (f"{where}: sent chunk {c} holding the sum of ranks {sorted(who)}; in the "
                         f"all-gather phase every chunk sent is already the full sum")
-    for rank, (sent, final) in enumerate(results):
+    for rank, (sent, final, _) in enumerate(results):
         if len(sent) > 2 * (k - 1):
             return (f"rank {rank} sent {len(sent)} messages; a ring all-reduce needs only "
                     f"2(K-1) = {2 * (k - 1)}")
@@ -92,7 +112,9 @@ def check_ring_all_reduce(ring_all_reduce: Callable, world_sizes: tuple[int, ...
 
     Each message must go to the right neighbour and carry one chunk with the right
     ranks added into it: s+1 ranks at reduce-scatter step s, all ranks during the
-    all-gather. The first wrong message is reported by rank and step.
+    all-gather. The first wrong message is reported by rank and step. Only the
+    learner's own messages count: a function that calls a built-in all-reduce (torch's,
+    or minipar's whose messages would look right) is refused, naming the rank and step.
     """
     refuse_library("ring_all_reduce", ring_all_reduce)
     for k in world_sizes:
@@ -107,11 +129,14 @@ def check_ring_all_reduce(ring_all_reduce: Callable, world_sizes: tuple[int, ...
 
 
 def _tree_problem(k: int, src: int, numel: int, results: list) -> str | None:
+    delegated = _delegation_problem("the tree", results)
+    if delegated:
+        return delegated
     data = _marked(src, numel)
     rounds_allowed = math.ceil(math.log2(k))
     received_at: dict[int, int] = {src: 0}
     senders: dict[int, int] = {}
-    for rank, (sent, _) in enumerate(results):
+    for rank, (sent, _, _) in enumerate(results):
         if len(sent) > rounds_allowed:
             return (f"rank {rank} sent {len(sent)} messages; in a binomial tree no rank sends "
                     f"more than ceil(log2 K) = {rounds_allowed} (a root that sends to every "
@@ -143,7 +168,7 @@ def _tree_problem(k: int, src: int, numel: int, results: list) -> str | None:
         return (f"rank {last} gets the data only in round {rounds}; a binomial tree reaches "
                 f"every rank in ceil(log2 K) = {rounds_allowed} rounds (every rank that has "
                 "the data sends in every round)")
-    for rank, (_, final) in enumerate(results):
+    for rank, (_, final, _) in enumerate(results):
         if not torch.equal(torch.tensor(final, dtype=torch.float64), data):
             return f"rank {rank} ends with {final}, expected the source's {data.tolist()}"
     return None
