@@ -1,8 +1,9 @@
 """The optimizer side of a step: the learning rate's warmup and cosine decay, and
 clipping by the global gradient norm across shards (AdamW itself: replicas.py).
 
-The global norm is the classic bug of composed training (torchtitan#2318 reported a
-norm 8x too large): every gradient entry must count exactly once. A rank sums the
+The global norm is a classic bug of composed training (torchtitan#2318 reported grad
+norms 8x apart between its DDP/HSDP and FSDP layouts of one run): every gradient entry
+must count exactly once. A rank sums the
 squares of the entries it owns: a tensor-parallel shard's own slice, a ZeRO rank's own
 slice, a pipeline stage's own layers; a tensor replicated over tp is owned by one tp
 rank only. One all-reduce of those sums over the ranks that hold distinct entries then
