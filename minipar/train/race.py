@@ -7,7 +7,8 @@ tokens/s of each and the per-round ratio (minipar / torch), whose spread is the 
 The layouts are the closest each side offers: torch's data parallelism is FSDP2
 (torchtitan's choice), so minipar's dp row is its ZeRO-3; with tp, minipar composes
 ZeRO-1 at most (ZeRO-3 with a mesh is refused), so that row compares ZeRO-1 + tp with
-FSDP2 + tp, which moves 1.5x the bytes for a quarter of the optimizer's memory.
+FSDP2 + tp, which also shards the parameters and gradients over dp (ZeRO-3): less
+memory per rank, for 1.5x the bytes (the weights gathered again for backward).
 
 Why one side is slower is measured, not guessed: three more steps of each, after the
 timed ones, run under torch's profiler, which splits the step's wall time into torch's
