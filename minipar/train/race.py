@@ -28,6 +28,7 @@ import torch
 
 from ..report import format_table, progress, ratio_cell, save_results
 from ..runtime import Cluster
+from .bench import _ranks  # the ranks a layout's degrees need: one product for both benches
 from .config import TrainConfig, load_config
 from .data import BatchSampler, load_tokens
 from .loop import build_replica, train_step
@@ -143,10 +144,6 @@ def timed(config: TrainConfig, native: bool) -> dict:
     out = run_steps(config, native, profile=True)
     speed = statistics.median(r["tokens_per_s"] for r in out["records"][WARMUP:])
     return {"tokens_per_s": speed, **out["profile"]}
-
-
-def _ranks(parallel: dict) -> int:
-    return parallel.get("dp", 1) * parallel.get("tp", 1) * parallel.get("pp", 1)
 
 
 def measure(steps: int = 10, rounds: int = 5, preset: str = "small",
