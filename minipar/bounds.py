@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import Link, _choice, _positive, all_reduce_cost
+from .cost import Link, all_reduce_cost
 
 
 def half_bandwidth_bytes(algorithm: str, world_size: int, link: Link) -> float:
@@ -34,7 +34,8 @@ def sync_bytes_per_rank(stage: int, world_size: int, param_bytes: float) -> floa
     plain data parallelism and ZeRO-1/2 send a reduce-scatter plus an all-gather of the
     gradients, 2(K-1)/K x P; ZeRO-3 gathers the weights again for backward, 3(K-1)/K x P,
     the 1.5x of Rajbhandari et al. (2020)."""
-    _choice("stage", stage, ZERO_STAGES)
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"stage must be one of 0 (plain data parallelism), 1, 2, 3; got {stage!r}")
     halves = 3 if stage == 3 else 2  # reduce-scatter + all-gather (+ a second all-gather)
     return halves * (world_size - 1) / world_size * param_bytes
 
@@ -59,9 +60,11 @@ def data_parallel_balance(params: float, tokens_per_rank: float, world_size: int
     """A step's 6 P T / F seconds of compute against its ring synchronisation (alpha per
     step, `sync_bytes_per_rank` at beta). The compute grows with the tokens per rank, the
     communication does not: the batch per rank is what decides."""
-    _positive("tokens_per_rank", tokens_per_rank)
-    compute = flops_per_param_token * params * tokens_per_rank / _positive(
-        "flops_per_second", flops_per_second)
+    for name, value in (("tokens_per_rank", tokens_per_rank), ("flops_per_second",
+                                                              flops_per_second)):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0; got {value!r}")
+    compute = flops_per_param_token * params * tokens_per_rank / flops_per_second
     steps = (3 if stage == 3 else 2) * (world_size - 1)
     nbytes = sync_bytes_per_rank(stage, world_size, params * bytes_per_value)
     return StepBalance(compute, steps * link.alpha + nbytes * link.beta)
@@ -91,7 +94,8 @@ def context_parallel_bytes(method: str, world_size: int, q_bytes: float,
     home: (2(K-1) + 2(K-1) + 2K) slices of kv/K, about 6 kv whatever K is. Ulysses: four
     all-to-alls forward (q, k, v in, the output back) and four backward, each sending
     (K-1)/K of a rank's slice: 2(K-1)/K^2 (2q + 2kv), which falls as 1/K."""
-    _choice("method", method, CONTEXT_METHODS)
+    if method not in CONTEXT_METHODS:
+        raise ValueError(f"method must be one of 'ring', 'ulysses'; got {method!r}")
     k = world_size
     if method == "ring":
         return (6 * k - 4) * kv_bytes / k
