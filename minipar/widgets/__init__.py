@@ -14,6 +14,7 @@ from .collective_view import (
 )
 from .render import (
     render_all_to_all,
+    render_lifecycle,
     render_memory,
     render_pipeline,
     render_schedule_gallery,
@@ -55,7 +56,8 @@ def __getattr__(name: str):
 __all__ = ["AllToAllAnimator", "CollectiveAnimator", "CollectiveRecording", "MemoryExplorer",
            "MeshViewer", "NetworkLab", "PlannerExplorer", "record_all_reduce",
            "render_all_to_all", "render_collective_frame", "render_collective_strip",
-           "render_exchange", "render_memory", "render_mesh", "render_network_runs",
+           "render_exchange", "render_lifecycle", "render_memory", "render_mesh",
+           "render_network_runs",
            "render_pipeline", "render_plans", "render_ring", "render_routing",
            "render_schedule_gallery", "render_speedup", "render_split", "RingAnimator",
            "RouterExplorer", "ScheduleExplorer", "show", "SpeedupLab", "split_frames",
