@@ -117,7 +117,7 @@ def _masha(method: str) -> Check:
     problem = bilinear_problem(50, world_size())
     start = start_clock()
     base, run = compare(problem, 5, 0.1, ("extragradient", method),
-                        {"extragradient": 50, method: 500})
+                        {"extragradient": 50, method: 350})
     seconds = time.perf_counter() - start
     mine, theirs = run.bytes_to_reach(1e-4), base.bytes_to_reach(1e-4)
     reached = (f"reached 1e-4 x the start's distance with {mine:,} bytes/rank, "
