@@ -128,7 +128,8 @@ class RandK(TopK):
         if self._generator is None:  # seeded on first use, inside the rank
             self._generator = torch.Generator().manual_seed(self.seed * 1_000_003 + rank())
         k = self._k(flat)
-        indices = torch.randperm(flat.numel(), generator=self._generator)[:k].to(torch.int32)
+        indices = torch.randperm(flat.numel(), generator=self._generator)[:k]
+        indices = indices.to(device=flat.device, dtype=torch.int32)
         # the n/k scale makes the compressor unbiased: each entry survives with probability k/n
         values = flat[indices.long()] * (flat.numel() / k)
         self._last = values, indices
@@ -138,7 +139,7 @@ class RandK(TopK):
                   key: str = "") -> torch.Tensor:
         """This rank's part of the last average (a fresh round trip would draw new indices)."""
         values, indices = self._last
-        flat = torch.zeros(tensor.numel(), dtype=tensor.dtype)
+        flat = torch.zeros_like(tensor.reshape(-1))
         return flat.index_put_((indices.long(),), values).view_as(tensor)
 
 
