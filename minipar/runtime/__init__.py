@@ -34,6 +34,8 @@ from .device import (
     cpu_cores,
     device,
     gpu_count,
+    host_empty_like,
+    on_copy_stream,
     rank,
     resolve_backend,
     synchronize,
@@ -43,5 +45,6 @@ from .errors import RankDied, RankError, RankTimeout, Results
 from .torchrun import under_torchrun
 
 __all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "START_METHODS", "Cluster", "RankDied", "RankError",
-           "RankTimeout", "Results", "cpu_cores", "device", "gpu_count", "launch", "rank",
+           "RankTimeout", "Results", "cpu_cores", "device", "gpu_count", "host_empty_like",
+           "launch", "on_copy_stream", "rank",
            "resolve_backend", "synchronize", "under_torchrun", "world_size"]
