@@ -145,7 +145,7 @@ class Offload:
 
     def _after_forward(self, i: int, output: object) -> None:
         add_event("compute", f"F{i}", self._started[i], now(), stage=i)
-        self._current = None
+        self._current, self._param_storages = None, set()
         if self.layers:
             self.layers[i].evict()
         for t in output if isinstance(output, (tuple, list)) else (output,):
@@ -183,13 +183,12 @@ class Offload:
             self.layers[i].evict()
 
     def _pack(self, t: torch.Tensor) -> object:
-        if self._current is None or isinstance(t, nn.Parameter) or \
-                t.untyped_storage().data_ptr() in self._param_storages:
-            return t  # a weight, or saved outside the layers: the tracker counts it elsewhere
-        box = SavedBox(t, self._current)
+        if isinstance(t, nn.Parameter) or t.untyped_storage().data_ptr() in self._param_storages:
+            return t  # a weight: the tracker counts it as a parameter
+        box = SavedBox(t, self._current)  # layer None: saved outside the layers, kept
         for tracker in _watching:
             tracker.track_saved(box)
-        if self.plan[self._current] == "swap":
+        if self._current is not None and self.plan[self._current] == "swap":
             self._boxes[self._current].append(weakref.ref(box))
             box.swap_out(self.stream)
         return box
