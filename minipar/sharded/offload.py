@@ -178,7 +178,11 @@ class Offload:
         self._owed[i] = len(trainable_parameters(self.units[i]))
         add_event("compute", f"B{i}", self._started[i], now(), stage=i)
         self._boxes[i] = []
+        self._sample(f"backward L{i} done")  # the layer and all its gradients on the device
         if self.layers:
+            for tracker in _watching:  # gradients on their way out still hold device memory
+                for p in self.layers[i].params:
+                    tracker.keep(p.grad)
             self.layers[i].send_gradients(self.stream)
             self.layers[i].evict()
 

@@ -65,7 +65,7 @@ class CopyStream:
             self.thread.join()
 
 
-def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         # non_blocking: a pinned host buffer lets the copy engine run beside the compute
         return dst.copy_(src, non_blocking=True)
@@ -80,7 +80,7 @@ class SwappedLayer:
         if not self.params:
             raise ValueError(f"layer {index} has no trainable parameter to swap")
         flat = torch.cat([p.detach().reshape(-1) for p in self.params])
-        self.host = nn.Parameter(_copy_into(host_empty_like(flat), flat))  # the master
+        self.host = nn.Parameter(copy_into(host_empty_like(flat), flat))  # the master
         self.host_grad = torch.zeros_like(self.host)
         self.device = flat
         self.nbytes = flat.untyped_storage().nbytes()
@@ -96,7 +96,7 @@ class SwappedLayer:
     def _fill(self) -> None:
         # the storage regrows in place: the parameters and autograd's saved views see it
         self.device.untyped_storage().resize_(self.nbytes)
-        _copy_into(self.device, self.host.detach())
+        copy_into(self.device, self.host.detach())
 
     def prefetch(self, stream: CopyStream) -> None:
         """Start copying the parameters in, if they are neither in nor on their way."""
@@ -139,7 +139,7 @@ class SwappedLayer:
             if g is not None:
                 piece = self.host_grad[start:start + p.numel()]
                 # into a host buffer first, then added: a host add never reads device memory
-                piece.add_(_copy_into(host_empty_like(g), g).reshape(-1))
+                piece.add_(copy_into(host_empty_like(g), g).reshape(-1))
             start += p.numel()
 
     def hand_gradient_to_optimizer(self) -> None:
@@ -165,7 +165,7 @@ class SavedBox:
                       self._out, self.tensor)
 
     def _out(self, tensor: torch.Tensor) -> None:
-        _copy_into(self.host, tensor)
+        copy_into(self.host, tensor)
         self.tensor = None  # the device copy is free once nothing else holds it
 
     def prefetch(self, stream: CopyStream, device: torch.device) -> None:
@@ -174,7 +174,7 @@ class SavedBox:
                                          device)
 
     def _in(self, device: torch.device) -> torch.Tensor:
-        self.tensor = _copy_into(torch.empty_like(self.host, device=device), self.host)
+        self.tensor = copy_into(torch.empty_like(self.host, device=device), self.host)
         return self.tensor
 
     def unpack(self, stream: CopyStream, device: torch.device) -> torch.Tensor:
