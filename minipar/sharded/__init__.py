@@ -5,12 +5,21 @@ over the ranks instead of copied.
   sharded over the ranks on a padded flat view, `FlatShard`);
 - `fsdp.py`: ZeRO stage 3 / FSDP (`FullyShardedDataParallel`: parameters sharded too,
   gathered one unit at a time for forward and again for backward);
-- `memory.py`: `MemoryTracker` (bytes held per kind) and activation recomputation;
+- `memory.py`: `MemoryTracker` (bytes held per kind, a device budget) and activation
+  recomputation;
+- `swap.py`, `offload.py`: memory beyond the device (`Offload`: layers' parameters,
+  optimizer state and saved activations in host memory, prefetched on a copy stream);
+  `karma.py`: KARMA's swap-or-recompute plan from a fitted cost model;
+  `zero_offload.py`: ZeRO-Offload (`host_optimizer`: ZeRO's sharded step on the host);
 - `bench.py` (`minipar bench zero`: memory against the formula, time against torch's
-  FSDP2), `exercises.py` (lesson 06's checks), `demo.py` (`python -m minipar.sharded`).
+  FSDP2), `offload_bench.py` (`minipar bench offload`), `exercises.py` (lesson 06's
+  checks), `demo.py` (`python -m minipar.sharded`).
 """
 
 from .fsdp import FullyShardedDataParallel
+from .offload import Offload
 from .zero import FlatShard, ZeroDataParallel
+from .zero_offload import host_optimizer
 
-__all__ = ["FlatShard", "FullyShardedDataParallel", "ZeroDataParallel"]
+__all__ = ["FlatShard", "FullyShardedDataParallel", "Offload", "ZeroDataParallel",
+           "host_optimizer"]

@@ -163,7 +163,7 @@ class LayerChoice:
 
 
 @dataclass(frozen=True)
-class Plan:
+class SwapPlan:
     """KARMA's plan: per layer keep, swap or recompute; `choices` is what `Offload` takes."""
 
     layers: list[LayerChoice]
@@ -195,7 +195,7 @@ def _held(layer: LayerProfile, choice: str) -> int:
 
 
 def plan(layers: list[LayerProfile], copy: Link, compute: Compute, activation_budget: int,
-         prefetch: bool = True) -> Plan:
+         prefetch: bool = True) -> SwapPlan:
     """Keep, swap or recompute per layer so that the kept activations fit
     `activation_budget` bytes at the least modelled cost (see the module docstring)."""
     costs = []
@@ -217,5 +217,5 @@ def plan(layers: list[LayerProfile], copy: Link, compute: Compute, activation_bu
         raise ValueError(f"activation_budget={mib(activation_budget)} cannot hold even the "
                          f"plan that swaps or recomputes every layer ({mib(held)}); raise the "
                          "budget")
-    return Plan([LayerChoice(layer, s, r, c) for layer, (s, r), c
+    return SwapPlan([LayerChoice(layer, s, r, c) for layer, (s, r), c
                  in zip(layers, costs, choices, strict=True)], activation_budget)

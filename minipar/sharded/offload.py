@@ -15,7 +15,7 @@ background thread on CPU) one layer ahead: layer i+1's parameters load while lay
 computes forward, layer i-1's parameters and activations while layer i computes
 backward, so the copies hide behind compute as far as compute lasts. Without it every
 copy runs when it is needed, on the compute's own thread. `timeline_rows` draws both
-on SE-MoE's rows (compute above copy) and `hidden_fraction` measures the overlap.
+on SE-MoE's rows (`trace.STREAMS`: compute above copy) and `hidden_fraction` measures the overlap.
 
 A device budget (bytes) is checked up front, where no layer could fit, and at every
 sample of the `MemoryTracker` that `tracker()` builds.
@@ -29,9 +29,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from ..moe.schedules import STREAMS
 from ..runtime import device
-from ..trace import Event, Timeline, add_event, now, overlap_length, subtract, union_length
+from ..trace import STREAMS, Event, Timeline, add_event, now, overlap_length, subtract, union_length
 from .fsdp import default_units
 from .memory import MemoryTracker, _watching, mib, recompute
 from .swap import CopyStream, SavedBox, SwappedLayer
@@ -228,7 +227,7 @@ def _computing(timeline: Timeline) -> list[tuple[float, float]]:
 
 
 def timeline_rows(timeline: Timeline) -> Timeline:
-    """One rank's events on the rows SE-MoE's schedules use (`moe.schedules.STREAMS`):
+    """One rank's events on the rows SE-MoE's schedules use (`trace.STREAMS`):
     layers computing on "compute" (cut where they stopped for a copy), copies on "copy"."""
     row = STREAMS.index("compute")
     rows = [Event(STREAMS.index("copy"), "copy", e.label, e.start, e.end, bytes=e.bytes)

@@ -47,7 +47,7 @@ def _adam(params) -> torch.optim.Optimizer:
 
 def karma_plan(model: nn.Module, x: torch.Tensor, share: float = 0.5,
                copy: karma.Link | None = None, compute: karma.Compute | None = None
-               ) -> karma.Plan:
+               ) -> karma.SwapPlan:
     """KARMA's plan for `model` on `x` when the activations may keep `share` of what they
     would; the copy link and the compute are fitted here unless given."""
     layers = karma.profile(model, x)
