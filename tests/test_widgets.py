@@ -353,3 +353,14 @@ def test_network_lab_runs_real_ranks_and_survives_a_kill():
         survived = network_run(method, steps=6, kill=2, kill_step=2)
         assert survived["died"] == (2, 2) and len(survived["losses"]) == 6, method
         assert survived["losses"][-1] < survived["losses"][0]
+
+
+def test_exchange_strip_draws_both_exchanges_and_refuses_too_many_ranks():
+    from minipar.widgets import render_exchange_strip
+    from minipar.widgets.exchange_view import routed_counts
+
+    fig = render_exchange_strip(routed_counts(4, 4), 2, 2)
+    titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+    assert len(titles) == 5 and titles[-1].startswith("hierarchical: after step 2")
+    with pytest.raises(ValueError, match="at most 12 ranks"):
+        render_exchange_strip(routed_counts(16, 2), 4, 4)

@@ -5,6 +5,7 @@ over the ranks instead of copied.
   sharded over the ranks on a padded flat view, `FlatShard`);
 - `fsdp.py`: ZeRO stage 3 / FSDP (`FullyShardedDataParallel`: parameters sharded too,
   gathered one unit at a time for forward and again for backward);
+- `lifecycle.py`: `unit_lifecycle`, one step's moments and the units whole at each;
 - `memory.py`: `MemoryTracker` (bytes held per kind, a device budget) and activation
   recomputation;
 - `swap.py`, `offload.py`: memory beyond the device (`Offload`: layers' parameters,
@@ -17,9 +18,10 @@ over the ranks instead of copied.
 """
 
 from .fsdp import FullyShardedDataParallel
+from .lifecycle import Moment, unit_lifecycle
 from .offload import Offload
 from .zero import FlatShard, ZeroDataParallel
 from .zero_offload import host_optimizer
 
-__all__ = ["FlatShard", "FullyShardedDataParallel", "Offload", "ZeroDataParallel",
-           "host_optimizer"]
+__all__ = ["FlatShard", "FullyShardedDataParallel", "Moment", "Offload", "ZeroDataParallel",
+           "host_optimizer", "unit_lifecycle"]

@@ -14,6 +14,7 @@ from .collective_view import (
 )
 from .render import (
     render_all_to_all,
+    render_lifecycle,
     render_memory,
     render_pipeline,
     render_schedule_gallery,
@@ -41,6 +42,7 @@ _LAZY = {"TimelineViewer": "timeline_viewer", "RouterExplorer": "router_explorer
          "render_mesh": "mesh_view", "render_plans": "mesh_view",
          "RingAnimator": "ring_animator", "render_ring": "ring_view",
          "AllToAllAnimator": "exchange_animator", "render_exchange": "exchange_view",
+         "render_exchange_strip": "exchange_view",
          "NetworkLab": "network_lab", "render_network_runs": "network_lab"}
 
 
@@ -55,7 +57,8 @@ def __getattr__(name: str):
 __all__ = ["AllToAllAnimator", "CollectiveAnimator", "CollectiveRecording", "MemoryExplorer",
            "MeshViewer", "NetworkLab", "PlannerExplorer", "record_all_reduce",
            "render_all_to_all", "render_collective_frame", "render_collective_strip",
-           "render_exchange", "render_memory", "render_mesh", "render_network_runs",
+           "render_exchange", "render_exchange_strip", "render_lifecycle", "render_memory",
+           "render_mesh", "render_network_runs",
            "render_pipeline", "render_plans", "render_ring", "render_routing",
            "render_schedule_gallery", "render_speedup", "render_split", "RingAnimator",
            "RouterExplorer", "ScheduleExplorer", "show", "SpeedupLab", "split_frames",

@@ -1,6 +1,7 @@
 """An all-to-all, step by step: every rank's rows as squares coloured by the rank they are
 bound for, and the rows sent over each link in the step. Flat (one step) or Tutel's
-hierarchical (inside the node, then across). `render_exchange` is pure;
+hierarchical (inside the node, then across). `render_exchange` (one step) and
+`render_exchange_strip` (every step, for paper) are pure;
 `AllToAllAnimator` animates it."""
 
 from __future__ import annotations
@@ -43,6 +44,51 @@ STEP_NAMES = {("flat", 0): "before", ("flat", 1): "after the exchange",
               ("hierarchical", 2): "after step 2, across nodes"}
 
 
+def _draw_holds(ax, stages: list[dict], stage: int, nodes: int, per_node: int) -> None:
+    """Each rank's rows after `stage` steps, one square per row coloured by its
+    destination, on a shaded background per node."""
+    k = nodes * per_node
+    holds = stages[stage]["holds"]
+    tallest = max(max(len(h) for h in s["holds"]) for s in stages)
+    for b in range(nodes):
+        ax.add_patch(Rectangle((b * per_node - 0.45, -0.6), per_node - 0.1, tallest + 1.4,
+                               facecolor="#F2F2F2", edgecolor="#BBBBBB"))
+        ax.text(b * per_node + (per_node - 1) / 2, tallest + 0.5, f"node {b}",
+                ha="center", fontsize=9, color="#555555")
+    side = 0.8
+    for r, held in enumerate(holds):
+        for i, (_, dst) in enumerate(held):
+            ax.add_patch(Rectangle((r - side / 2, i), side, 0.85, facecolor=PALETTE[dst],
+                                   edgecolor="white", linewidth=0.6))
+    ax.set_xlim(-0.7, k - 0.3)
+    ax.set_ylim(-0.8, tallest + 1.2)
+    ax.set_xticks(range(k), [f"rank {r}" for r in range(k)], fontsize=8)
+    ax.set_yticks([])
+
+
+def render_exchange_strip(counts: list[list[int]], nodes: int, per_node: int) -> Figure:
+    """The static picture, for reading on paper: the flat exchange (before, after) above
+    the hierarchical one (before, after the step inside nodes, after the step across)."""
+    if nodes * per_node > len(PALETTE):
+        raise ValueError(f"at most {len(PALETTE)} ranks can be drawn; got {nodes * per_node}")
+    fig = Figure(figsize=(12, 5.6), layout="constrained")
+    axes = fig.subplots(2, 3)
+    for row, kind in enumerate(("flat", "hierarchical")):
+        stages = exchange_plan(counts, nodes, per_node, kind)
+        for col, ax in enumerate(axes[row]):
+            if col >= len(stages):
+                ax.set_visible(False)
+                continue
+            _draw_holds(ax, stages, col, nodes, per_node)
+            sent = stages[col]["sent"]
+            crossed = "\n" if sent is None else (
+                f"\n{_links(sent, per_node)[2]} messages crossed nodes")
+            ax.set_title(f"{kind}: {STEP_NAMES[(kind, col)]}{crossed}", fontsize=9)
+    fig.suptitle("an all-to-all of routed rows: squares coloured by the rank they are bound "
+                 "for", fontsize=10)
+    return fig
+
+
 def render_exchange(counts: list[list[int]], nodes: int, per_node: int, kind: str,
                     stage: int) -> Figure:
     """Left: each rank's rows after `stage` steps (0 = before), one square per row coloured
@@ -54,24 +100,10 @@ def render_exchange(counts: list[list[int]], nodes: int, per_node: int, kind: st
     k = nodes * per_node
     if k > len(PALETTE):
         raise ValueError(f"at most {len(PALETTE)} ranks can be drawn; got {k}")
-    holds, sent = stages[stage]["holds"], stages[stage]["sent"]
-    tallest = max(max(len(h) for h in s["holds"]) for s in stages)
+    sent = stages[stage]["sent"]
     fig = Figure(figsize=(11, 3.8), layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=[1.5, 1])
-    for b in range(nodes):
-        left.add_patch(Rectangle((b * per_node - 0.45, -0.6), per_node - 0.1, tallest + 1.4,
-                                 facecolor="#F2F2F2", edgecolor="#BBBBBB"))
-        left.text(b * per_node + (per_node - 1) / 2, tallest + 0.5, f"node {b}",
-                  ha="center", fontsize=9, color="#555555")
-    side = 0.8
-    for r, held in enumerate(holds):
-        for i, (_, dst) in enumerate(held):
-            left.add_patch(Rectangle((r - side / 2, i), side, 0.85, facecolor=PALETTE[dst],
-                                     edgecolor="white", linewidth=0.6))
-    left.set_xlim(-0.7, k - 0.3)
-    left.set_ylim(-0.8, tallest + 1.2)
-    left.set_xticks(range(k), [f"rank {r}" for r in range(k)], fontsize=8)
-    left.set_yticks([])
+    _draw_holds(left, stages, stage, nodes, per_node)
     left.set_title(f"{kind} all-to-all, {STEP_NAMES[(kind, stage)]}: squares coloured by the rank "
                    "they are bound for", fontsize=9)
     if sent is None:

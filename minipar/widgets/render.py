@@ -174,3 +174,39 @@ def render_memory(formula: list[dict], measured: list[dict] | None = None,
     for ax in axes:
         ax.tick_params(axis="x", labelsize=8)
     return fig
+
+
+def render_lifecycle(moments: list, title: str = "") -> Figure:
+    """FSDP's step as a grid (`sharded.unit_lifecycle`): one row per unit, one column per
+    moment; a dark cell is a unit whole at that moment, a light one its 1/K slice at
+    rest, the acting unit's cell is outlined, and the bottom row counts the whole units."""
+    from matplotlib.patches import Rectangle
+
+    units = 1 + max(m.unit for m in moments if m.unit is not None)
+    colors = {"gather": "#4C72B0", "free": "#8C8C8C", "forward": "#55A868",
+              "backward": "#DD8452", "reduce-scatter": "#C44E52", "step": "#8172B3"}
+    fig = Figure(figsize=(max(6.0, 0.42 * len(moments) + 1.5), 0.55 * units + 2.2),
+                 layout="constrained")
+    ax = fig.add_subplot()
+    for col, m in enumerate(moments):
+        for u in range(units):
+            held = u in m.whole
+            acting = m.unit == u or m.unit is None
+            ax.add_patch(Rectangle((col, u), 0.92, 0.85, facecolor="#2F4B7C" if held
+                                   else "#E3E8F0", edgecolor=colors[m.action] if acting
+                                   else "white", linewidth=2.2 if acting else 0.5))
+        ax.text(col + 0.46, -0.25, m.label, rotation=60, ha="left", va="bottom", fontsize=7,
+                color=colors[m.action])
+        ax.text(col + 0.46, units + 0.45, str(len(m.whole)), ha="center", va="center",
+                fontsize=8)
+    ax.text(-0.2, units + 0.45, "units whole", ha="right", va="center", fontsize=8)
+    ax.set_xlim(-0.1, len(moments))
+    ax.set_ylim(units + 0.9, -3.2)
+    ax.set_yticks([u + 0.42 for u in range(units)], [f"unit {u}" for u in range(units)],
+                  fontsize=8)
+    ax.set_xticks([])
+    for side in ("top", "right", "bottom", "left"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(title or "dark: the unit's whole parameters; light: only this rank's slice",
+                 fontsize=9, pad=2)
+    return fig
