@@ -13,8 +13,11 @@ its gradients go out as soon as they are done; the optimizer steps on the host.
 With `prefetch` the copies run on a `CopyStream` (a second CUDA stream on a GPU, a
 background thread on CPU) one layer ahead: layer i+1's parameters load while layer i
 computes forward, layer i-1's parameters and activations while layer i computes
-backward, so the copies hide behind compute as far as compute lasts. Without it every
-copy runs when it is needed, on the compute's own thread. `timeline_rows` draws both
+backward, so the copies hide behind compute as far as compute lasts. A layer waits for
+the copies out of the layer two before it (its activations in forward, its gradients in
+backward) before it computes, so at most two layers' worth are in flight however far the
+copies fall behind: what bounds the device's peak. Without prefetch every copy runs when
+it is needed, on the compute's own thread. `timeline_rows` draws both
 on SE-MoE's rows (`trace.STREAMS`: compute above copy) and `hidden_fraction` measures the overlap.
 
 A device budget (bytes) is checked up front, where no layer could fit, and at every
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import torch
 from torch import nn
@@ -104,6 +108,7 @@ class Offload:
         self._current: int | None = None
         self._param_storages: set[int] = set()
         self._started = [0.0] * len(units)
+        self._outbound: list[list[Future]] = [[] for _ in units]  # copies out, per layer
         for i, unit in enumerate(units):
             if self.plan[i] == "recompute":
                 recompute([unit])
@@ -130,8 +135,16 @@ class Offload:
         for tracker in _watching:  # the moments a layer has just come in: the peaks
             tracker.sample(label)
 
+    def _drain(self, i: int) -> None:
+        """Wait for layer i's copies out (no-op outside the layers)."""
+        if 0 <= i < len(self.units):
+            for future in self._outbound[i]:
+                self.stream.wait(future, f"wait out L{i}")
+            self._outbound[i] = []
+
     def _before_forward(self, i: int) -> None:
         self._started[i] = now()
+        self._drain(i - 2)  # at most two layers' activations on their way out
         if self.layers:
             self.layers[i].load(self.stream)
             if self.prefetch and i + 1 < len(self.layers):
@@ -153,6 +166,7 @@ class Offload:
                 t.register_hook(lambda _g, i=i: self._before_backward(i))
 
     def _before_backward(self, i: int) -> None:
+        self._drain(i + 2)  # at most two layers' gradients on their way out
         if self.layers:
             self.layers[i].load(self.stream)
         if self.prefetch:
@@ -182,7 +196,7 @@ class Offload:
             for tracker in _watching:  # gradients on their way out still hold device memory
                 for p in self.layers[i].params:
                     tracker.keep(p.grad)
-            self.layers[i].send_gradients(self.stream)
+            self._outbound[i].append(self.layers[i].send_gradients(self.stream))
             self.layers[i].evict()
 
     def _pack(self, t: torch.Tensor) -> object:
@@ -193,7 +207,7 @@ class Offload:
             tracker.track_saved(box)
         if self._current is not None and self.plan[self._current] == "swap":
             self._boxes[self._current].append(weakref.ref(box))
-            box.swap_out(self.stream)
+            self._outbound[self._current].append(box.swap_out(self.stream))
         return box
 
     def _unpack(self, saved: object) -> torch.Tensor:
@@ -203,6 +217,7 @@ class Offload:
         """Wait for the gradients' copies, update (on the host with states="host"), and start
         loading the first layer for the next forward."""
         self.stream.join()
+        self._outbound = [[] for _ in self.units]
         for layer in self.layers:
             layer.hand_gradient_to_optimizer()
         self.optimizer.step()

@@ -124,14 +124,14 @@ class SwappedLayer:
         self.grads_owed -= 1
         return self.grads_owed == 0
 
-    def send_gradients(self, stream: CopyStream) -> None:
+    def send_gradients(self, stream: CopyStream) -> Future:
         """Add the layer's gradients into the host's, in the background, and drop them from
         the device (the copy job holds them until it has read them)."""
         grads = [p.grad for p in self.params]
         for p in self.params:
             p.grad = None
         self.grads_owed = len(self.params)
-        stream.submit(f"grads L{self.index}", self.nbytes, self._add_grads, grads)
+        return stream.submit(f"grads L{self.index}", self.nbytes, self._add_grads, grads)
 
     def _add_grads(self, grads: list[torch.Tensor | None]) -> None:
         start = 0
@@ -159,9 +159,9 @@ class SavedBox:
         self.pending: Future | None = None
         self.layer = layer
 
-    def swap_out(self, stream: CopyStream) -> None:
+    def swap_out(self, stream: CopyStream) -> Future:
         self.host = host_empty_like(self.tensor)
-        stream.submit(f"save L{self.layer}", self.tensor.untyped_storage().nbytes(),
+        return stream.submit(f"save L{self.layer}", self.tensor.untyped_storage().nbytes(),
                       self._out, self.tensor)
 
     def _out(self, tensor: torch.Tensor) -> None:
