@@ -70,11 +70,22 @@ def host_empty_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=_device.type == "cuda")
 
 
+def compute_ready() -> object | None:
+    """A mark after the work queued so far on this rank's compute stream (a CUDA event) for
+    a copy to wait for; None on CPU, where that work is done when the call returns."""
+    if _device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 @contextmanager
-def on_copy_stream() -> Iterator[None]:
-    """Run the block's copies on a second stream of this rank's GPU, then wait for them (the
-    calling thread waits, not the compute stream). On CPU there is no stream to pick: the
-    block just runs, and the thread that runs it (a copy thread) stands for the stream."""
+def on_copy_stream(ready: object | None = None) -> Iterator[None]:
+    """Run the block's copies on a second stream of this rank's GPU, after the compute
+    stream's work up to `ready` (from `compute_ready`), then wait for them (the calling
+    thread waits, not the compute stream). On CPU there is no stream to pick: the block
+    just runs, and the thread that runs it (a copy thread) stands for the stream."""
     global _copy_stream
     if _device.type != "cuda":
         yield
@@ -82,6 +93,9 @@ def on_copy_stream() -> Iterator[None]:
     if _copy_stream is None:
         _copy_stream = torch.cuda.Stream(_device)
     with torch.cuda.stream(_copy_stream):
+        if ready is not None:
+            # the copy reads what compute wrote, or writes memory compute freed: wait for it
+            _copy_stream.wait_event(ready)
         yield
     _copy_stream.synchronize()
 

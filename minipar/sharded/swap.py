@@ -12,6 +12,11 @@ model swapping (ATOM) share.
   nothing rather than pointing the parameters elsewhere, as FSDP frees a unit: views
   autograd saved (a linear layer's weight) lose their memory too and see the values
   again when the layer is loaded. Its gradients go to the host as soon as they are done.
+
+Device memory is only allocated and freed on the compute's thread (a copy into it is
+submitted after it is allocated, and it is freed only once its copies have landed), so
+on a GPU it stays in the compute stream's pool and every copy waits for the compute
+queued before it: no stream ever reuses memory another still reads.
 - `SavedBox`: what autograd holds for a saved activation a layer swaps out: the host copy
   and, while it is on the device, the device tensor.
 
@@ -29,7 +34,7 @@ import torch
 from torch import nn
 
 from ..collectives.background import CommThread
-from ..runtime import host_empty_like, on_copy_stream
+from ..runtime import compute_ready, host_empty_like, on_copy_stream
 from ..trace import record
 
 
@@ -42,8 +47,10 @@ class CopyStream:
 
     def submit(self, label: str, nbytes: int, fn: Callable, *args) -> Future:
         """Run the copy `fn(*args)`; its Future is done when the copy has landed."""
+        ready = compute_ready()  # on a GPU: the copy starts after what compute queued so far
+
         def job():
-            with record("copy", label, bytes=nbytes), on_copy_stream():
+            with record("copy", label, bytes=nbytes), on_copy_stream(ready):
                 return fn(*args)
 
         if self.thread is not None:
@@ -94,13 +101,14 @@ class SwappedLayer:
         self.grads_owed = len(self.params)
 
     def _fill(self) -> None:
-        # the storage regrows in place: the parameters and autograd's saved views see it
-        self.device.untyped_storage().resize_(self.nbytes)
         copy_into(self.device, self.host.detach())
 
     def prefetch(self, stream: CopyStream) -> None:
         """Start copying the parameters in, if they are neither in nor on their way."""
         if not self.resident and self.pending is None:
+            # the storage regrows in place (the parameters and autograd's saved views see it),
+            # here on the compute's thread: see the module docstring
+            self.device.untyped_storage().resize_(self.nbytes)
             self.pending = stream.submit(f"load L{self.index}", self.nbytes, self._fill)
 
     def load(self, stream: CopyStream) -> None:
@@ -169,12 +177,14 @@ class SavedBox:
         self.tensor = None  # the device copy is free once nothing else holds it
 
     def prefetch(self, stream: CopyStream, device: torch.device) -> None:
-        if self.tensor is None and self.pending is None and self.host is not None:
+        if self.pending is None and self.host is not None and self.tensor is None:
+            # allocated here, on the compute's thread: see the module docstring
+            buffer = torch.empty_like(self.host, device=device)
             self.pending = stream.submit(f"fetch L{self.layer}", self.host.nbytes, self._in,
-                                         device)
+                                         buffer)
 
-    def _in(self, device: torch.device) -> torch.Tensor:
-        self.tensor = copy_into(torch.empty_like(self.host, device=device), self.host)
+    def _in(self, buffer: torch.Tensor) -> torch.Tensor:
+        self.tensor = copy_into(buffer, self.host)
         return self.tensor
 
     def unpack(self, stream: CopyStream, device: torch.device) -> torch.Tensor:
