@@ -22,6 +22,7 @@ BENCHMARKS = {"launch": "minipar.runtime.bench",
               "moe": "minipar.moe.bench",
               "mesh": "minipar.mesh.bench",
               "context-parallel": "minipar.context_parallel.bench",
+              "masha": "minipar.slow_networks.masha_bench",
               "train": "minipar.train.bench",
               "train-vs-torch": "minipar.train.race"}
 

@@ -12,6 +12,9 @@ of the mean gradients.
 
 - `TopK(ratio)`: keep the largest ratio x n entries (values + int32 indices); ranks
   all-gather each other's entries and average. 8 bytes per kept entry.
+- `RandK(ratio, seed)`: keep k entries chosen at random (each rank its own draw), scaled
+  by n/k so the average is unbiased: the compressor MASHA1 (slow_networks/masha.py) needs.
+  Same payload as top-k.
 - `Int8()`: one fp32 scale and one int8 per entry (max |x| maps to 127); ranks
   all-gather and average. About 1/4 of fp32.
 - `PowerSGD(rank)`: a matrix M (n x m) is sent as P (n x r) and Q (m x r) with M ~ P Q^T,
@@ -34,7 +37,7 @@ import torch
 from torch import nn
 
 from .. import collectives
-from ..runtime import world_size
+from ..runtime import rank, world_size
 from .ddp import shard, shard_weight
 
 
@@ -98,6 +101,46 @@ class TopK(Compressor):
 
     def payload_bytes(self, tensor: torch.Tensor) -> int:
         return self._k(tensor) * (tensor.element_size() + 4)
+
+    @classmethod
+    def keeping(cls, k: int, n: int, **options) -> TopK:
+        """The compressor that keeps exactly k of an n-entry tensor's entries."""
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+            raise ValueError(f"k must be an int in 1..{n} (entries kept of {n}); got {k!r}")
+        # k/n can round up to k+1 under ceil (k=7, n=25); half an entry below k cannot
+        compressor = cls((k - 0.5) / n, **options)
+        compressor.name = f"{cls.__name__.lower()}-{k}/{n}"
+        return compressor
+
+
+class RandK(TopK):
+    """Keep k entries drawn uniformly at random, scaled by n/k: E[RandK(x)] = x (unbiased),
+    at the price of variance (n/k - 1)|x|^2. Each rank draws from its own generator,
+    seeded by (seed, rank), so the ranks' draws are independent and every run repeats."""
+
+    def __init__(self, ratio: float, seed: int = 0) -> None:
+        super().__init__(ratio)
+        self.name, self.seed = f"rand-{ratio:g}", seed
+        self._generator: torch.Generator | None = None
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None  # the latest draw
+
+    def _pick(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._generator is None:  # seeded on first use, inside the rank
+            self._generator = torch.Generator().manual_seed(self.seed * 1_000_003 + rank())
+        k = self._k(flat)
+        indices = torch.randperm(flat.numel(), generator=self._generator)[:k]
+        indices = indices.to(device=flat.device, dtype=torch.int32)
+        # the n/k scale makes the compressor unbiased: each entry survives with probability k/n
+        values = flat[indices.long()] * (flat.numel() / k)
+        self._last = values, indices
+        return values, indices
+
+    def delivered(self, tensor: torch.Tensor, averaged: torch.Tensor,
+                  key: str = "") -> torch.Tensor:
+        """This rank's part of the last average (a fresh round trip would draw new indices)."""
+        values, indices = self._last
+        flat = torch.zeros_like(tensor.reshape(-1))
+        return flat.index_put_((indices.long(),), values).view_as(tensor)
 
 
 class Int8(Compressor):

@@ -163,20 +163,45 @@ def _worker_main(rank_: int, size: int, backend: str, port: int, io_dir: str,
     os._exit(0)  # skip interpreter teardown: nothing is left to flush
 
 
+_FRAME = r'File "([^"]+)", line (\d+) in (\S+)'
+_STDLIB = os.path.dirname(threading.__file__)  # threading.py, queue.py: waiting, not work
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _collective_of(frames: list[tuple[str, str, str]]) -> tuple[str, str, str] | None:
+    """The outermost frame of a thread inside a collective: minipar's collectives (not
+    the background thread's loop) or torch.distributed's."""
+    places = (os.path.join(_PACKAGE, "collectives"), os.path.join(os.path.dirname(
+        torch.__file__), "distributed"))
+    inside = [f for f in frames if f[0].startswith(places) and
+              not f[0].endswith("background.py")]
+    return inside[-1] if inside else None
+
+
 def where_waiting(stack_dump: str) -> str:
-    """Summarize a faulthandler dump: the innermost call, and the user's line that led to it."""
+    """Summarize a faulthandler dump: the innermost call of the task's thread (past the
+    standard library's waiting), and the user's line that led to it. When that thread
+    waits on a background thread (a CommThread), say which collective that thread is in:
+    the call the deadlock is about."""
     blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", stack_dump)
     block = next((b for b in reversed(blocks) if _TASK_FRAME in b), "")
-    frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', block)
+    frames = re.findall(_FRAME, block)
     if not frames:
         return "still running (no stack available)"
-    inner_file, inner_line, inner_fn = frames[0]  # faulthandler lists the innermost first
     depth = next((i for i, frame in enumerate(frames) if frame[2] == _TASK_FRAME), len(frames))
-    library = (os.path.dirname(torch.__file__),
-               os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # faulthandler lists the innermost first; a wait in threading/queue names its caller
+    inner = next((f for f in frames[:depth] if not f[0].startswith(_STDLIB)), frames[0])
+    library = (os.path.dirname(torch.__file__), _PACKAGE, _STDLIB)
     users = [f for f in frames[:depth] if not f[0].startswith(library)]
     user = users[0] if users else frames[max(depth - 1, 0)]
-    where = f"in {inner_fn}() at {os.path.basename(inner_file)}:{inner_line}"
-    if user != frames[0]:
+    where = f"in {inner[2]}() at {os.path.basename(inner[0])}:{inner[1]}"
+    if user != inner:
         where += f", called from {user[2]}() at {os.path.basename(user[0])}:{user[1]}"
+    if inner[0].endswith("background.py"):  # waiting for the CommThread: what is it in?
+        for other in blocks:
+            collective = _collective_of(re.findall(_FRAME, other)) if other != block else None
+            if collective:
+                where += (f"; its background thread waits in {collective[2]}() at "
+                          f"{os.path.basename(collective[0])}:{collective[1]}")
+                break
     return where

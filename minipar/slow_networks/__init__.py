@@ -6,6 +6,9 @@ survives a dead rank.
   swapping;
 - `checkpoint.py`: checkpoint and resume after a killed rank, on fewer ranks;
   `elastic.py`: the same under torchrun --max-restarts;
+- `saddle.py`: a bilinear saddle-point problem split over ranks, extragradient;
+  `masha.py`: MASHA1 / MASHA2 and naive compressed extragradient; `masha_bench.py`:
+  distance against bytes sent (`minipar bench masha`);
 - `lab.py`: the NetworkLab's runs (a method over an emulated network, a kill);
 - `exercises.py` (lesson 10's checks: push-sum, resume, error feedback), `demo.py`
   (`python -m minipar.slow_networks`).

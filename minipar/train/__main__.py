@@ -3,7 +3,9 @@ default (no download), or any file or folder (--data). A preset (--config tiny, 
 minute on 2 cores; small, about ten) with flags on top; every impossible combination is
 one line. Writes config.toml and metrics.jsonl (loss, lr, grad_norm, tokens_per_s, mfu,
 val_loss) into --out, and sharded checkpoints (--checkpoint-every N, and at the end);
---resume continues from the latest on any mesh, --stop-after N stops as if interrupted.
+--resume continues from the latest on any mesh, --stop-after N stops as if interrupted;
+under torchrun --max-restarts, restarted workers resume on their own. --fault
+KIND@RANK:STEP rehearses a failure (kill, raise, hang, disk-full; faults.py).
 --check trains the same config again on one process and compares
 the loss curves with compare.py's comparison (to 1e-10 in fp64, 1e-4 in fp32, a measured
 bound in bf16 and fp16). Runs on the CPU processes it spawns (dp x pp x tp x cp of them,
@@ -19,18 +21,21 @@ writes text with the run's weights."""
 
 from __future__ import annotations
 
+import argparse
+import os
 import shutil
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 from ..cli import OneLineParser, output_folder, positive_int, run_command
-from ..runtime import launch, under_torchrun, world_size
+from ..runtime import launch, under_torchrun
 from .checkpoint import verify_checkpoint
 from .compare import against_one_process, first_with_losses, one_process, run_config
 from .compare import main as compare_main
 from .config import check, load_config, same_run
 from .export import export_main, sample_main
+from .faults import FAULT_KINDS, Fault
 from .flags import add_flags, add_launch_flags, overrides_from_args
 from .loop import refuse_unbuilt, train
 
@@ -53,10 +58,26 @@ def parser(prog: str = "python -m minipar.train") -> OneLineParser:
     p.add_argument("--stop-after", type=positive_int, default=None, metavar="STEP",
                    help="stop after this step as if interrupted (its checkpoint is saved); "
                         "--resume continues")
+    p.add_argument("--fault", type=_fault, default=None, metavar="KIND@RANK:STEP",
+                   help=f"make one rank fail at one step, to rehearse it ({', '.join(FAULT_KINDS)}"
+                        "; e.g. kill@1:5); only a torchrun job's first attempt fails")
     p.add_argument("--check", action="store_true",
                    help="also train on one process and compare the loss curves")
     add_launch_flags(p)
     return p
+
+
+def _fault(text: str) -> Fault:
+    try:
+        return Fault.parse(text)
+    except ValueError as err:  # argparse prints an ArgumentTypeError's message as it is
+        raise argparse.ArgumentTypeError(str(err).removeprefix("--fault ")) from None
+
+
+def restarted_by_torchrun() -> bool:
+    """A worker torchrun started again after a failure (--max-restarts): it resumes from
+    the latest complete checkpoint in --out, as the job it replaces would have."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
 
 
 def _config(args):
@@ -64,7 +85,8 @@ def _config(args):
     config = load_config(args.config, overrides)
     par = config.parallel
     others = par.pp * par.tp * par.cp
-    ranks = world_size() if under_torchrun() else args.ranks
+    # under torchrun the group is not joined yet: its size is in the environment
+    ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.ranks
     if ranks is not None and "parallel.dp" not in overrides:
         if ranks % others:
             raise ValueError(f"--ranks {ranks} is not a multiple of pp x tp x cp = {others}; "
@@ -112,12 +134,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m minipar.train") -
     def body() -> int:
         config, ranks = _config(args)
         out = Path(args.out)
-        _refuse_other_run(config, out, args.force, args.resume)
-        if args.resume:
+        # a restarted torchrun worker continues the job: never --force it away
+        resume, force = (True, False) if restarted_by_torchrun() else (args.resume, args.force)
+        _refuse_other_run(config, out, force, resume)
+        if resume:
             verify_checkpoint(out, config)  # a damaged checkpoint: one line, before any rank
-        if args.force and (out / "checkpoints").exists():
-            shutil.rmtree(out / "checkpoints")  # a new run: the old one's checkpoints go
-        runs = launch(train, ranks, config, out, False, args.resume, args.stop_after,
+        if force and (out / "checkpoints").exists():
+            # a new run: the old one's checkpoints go (under torchrun every process tries)
+            shutil.rmtree(out / "checkpoints", ignore_errors=under_torchrun())
+        runs = launch(train, ranks, config, out, False, resume, args.stop_after, args.fault,
                       backend=args.backend, timeout=args.timeout)
         if not args.check:
             return 0

@@ -37,6 +37,7 @@ from .composed import MeshReplica
 from .config import TrainConfig, check, describe, to_toml
 from .curves import save_run_pictures
 from .data import BatchSampler, load_tokens
+from .faults import Fault
 from .memory import memory_rows, save_memory
 from .metrics import MetricsLog, cores_in_use, measured_peak, mfu, read_metrics
 from .optim import clip_, global_norm, learning_rate
@@ -158,13 +159,15 @@ def build_replica(config: TrainConfig) -> Replica:
 
 
 def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool = False,
-          resume: bool = False, stop_after: int | None = None) -> Run:
+          resume: bool = False, stop_after: int | None = None,
+          fault: Fault | None = None) -> Run:
     """Train `config` on this rank (every rank of the run calls it); write metrics.jsonl,
     config.toml, memory.json and sharded checkpoints (every train.checkpoint_every steps
     and at the end) into `out` and return the step records, this rank's memory by kind
     (and, with `keep_weights`, this rank's parameters under the twin's names). `resume`
     continues from the latest complete checkpoint in `out`, on any mesh; `stop_after`
-    ends the run after that step as if it were stopped there (its checkpoint saved)."""
+    ends the run after that step as if it were stopped there (its checkpoint saved);
+    `fault` makes one rank fail at one step (faults.py: rehearsing failures)."""
     check(config, world_size())
     refuse_unbuilt(config)
     if (resume or stop_after is not None) and out is None:
@@ -200,7 +203,8 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
         if traced and k > 1:
             dist.barrier()  # every rank's clock starts the traced step together
         start = time.perf_counter()
-        with trace.capture() if traced else nullcontext() as captured:
+        injected = fault.during_step(step + 1) if fault else nullcontext()
+        with trace.capture() if traced else nullcontext() as captured, injected:
             batch_loss, norm, overflow = train_step(replica, scaler, *sampler.next(), config,
                                                     lr)
         seconds = time.perf_counter() - start
@@ -225,7 +229,8 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
                 print(progress_line(record, loop.steps), flush=True)
         every = loop.checkpoint_every
         if out is not None and (step + 1 == stop or (every and (step + 1) % every == 0)):
-            save_checkpoint(replica, config, out, step + 1, scaler)  # the end always saves
+            with fault.during_checkpoint(step + 1) if fault else nullcontext():
+                save_checkpoint(replica, config, out, step + 1, scaler)  # the end always saves
     # one untimed step after the last (Adam's state exists), no update: memory by kind
     run.memory, rows = memory_rows(replica, config, *held_out.next())
     if log is not None:
