@@ -14,7 +14,8 @@ of its forwards), so only what exceeds that window is paid. A recomputed layer p
 more forward of itself, in full, and still keeps its input. Keeping costs nothing but
 memory. The plan keeps every layer while the activations fit what the budget leaves;
 above it, from the first layer on (its activations wait longest for their backward), each
-layer gets the cheaper of swap and recompute until what stays fits.
+layer gets the cheaper of swap and recompute until what stays fits (and if the inputs
+recomputed layers keep are still too much, those layers swap instead).
 
 Leaving out latencies and overlap, recompute beats swap where FLOPs / rate < 2 x bytes /
 bandwidth: below an arithmetic intensity of 2 x rate / bandwidth FLOPs per saved byte
@@ -213,6 +214,9 @@ def plan(layers: list[LayerProfile], copy: Link, compute: Compute, activation_bu
         swap, again = costs[i]
         choices[i] = "swap" if swap <= again else "recompute"
         held -= layer.saved_bytes - _held(layer, choices[i])
+    for i, layer in enumerate(layers):  # a recomputed layer still keeps its input: swap it
+        if held > activation_budget and choices[i] == "recompute":
+            choices[i], held = "swap", held - layer.input_bytes
     if held > activation_budget:
         raise ValueError(f"activation_budget={mib(activation_budget)} cannot hold even the "
                          f"plan that swaps or recomputes every layer ({mib(held)}); raise the "
