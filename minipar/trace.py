@@ -28,6 +28,10 @@ COMM_KINDS = frozenset(
      "all_gather", "reduce_scatter", "all_to_all", "scatter", "gather"}
 )
 TRACKS = ("compute", "send", "recv", "comm")
+# One device's streams, drawn one per row (the Timeline's "rank" is the stream's index):
+# its compute, the network, and a second channel (host<->device copies, links in a node).
+# SE-MoE's schedules and the offloaded runs share these rows.
+STREAMS = ("compute", "network", "copy")
 
 
 def track_of(kind: str) -> str:

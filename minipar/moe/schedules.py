@@ -25,9 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..trace import Event, Timeline
+from ..trace import STREAMS, Event, Timeline
 
-STREAMS = ("compute", "network", "copy")
 SCHEMES = ("ep", "pipelined", "load, then run", "prefetch", "tp x ep", "parm")
 _KIND = {"compute": "compute", "network": "all_to_all", "copy": "copy"}
 

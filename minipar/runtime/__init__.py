@@ -31,9 +31,12 @@ The files, in the order a run passes through them: `device` (backend, device, ra
 from .cluster import DEFAULT_TIMEOUT, START_METHODS, Cluster, launch
 from .device import (
     BACKENDS,
+    compute_ready,
     cpu_cores,
     device,
     gpu_count,
+    host_empty_like,
+    on_copy_stream,
     rank,
     resolve_backend,
     synchronize,
@@ -43,5 +46,6 @@ from .errors import RankDied, RankError, RankTimeout, Results
 from .torchrun import under_torchrun
 
 __all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "START_METHODS", "Cluster", "RankDied", "RankError",
-           "RankTimeout", "Results", "cpu_cores", "device", "gpu_count", "launch", "rank",
-           "resolve_backend", "synchronize", "under_torchrun", "world_size"]
+           "RankTimeout", "Results", "compute_ready", "cpu_cores", "device", "gpu_count",
+           "host_empty_like", "launch", "on_copy_stream", "rank", "resolve_backend",
+           "synchronize", "under_torchrun", "world_size"]

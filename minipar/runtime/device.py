@@ -4,6 +4,8 @@ touches torch.cuda; everything else asks these functions."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -11,6 +13,7 @@ import torch.distributed as dist
 BACKENDS = ("auto", "gloo", "nccl")
 
 _device = torch.device("cpu")
+_copy_stream = None  # this rank's second CUDA stream for host<->device copies, made on first use
 
 
 def cpu_cores() -> int:
@@ -47,6 +50,7 @@ def _bind_device(backend: str, local_rank: int) -> None:
         _device = torch.device("cuda", local_rank)
     else:
         _device = torch.device("cpu")
+_copy_stream = None  # this rank's second CUDA stream for host<->device copies, made on first use
 
 
 def device() -> torch.device:
@@ -58,6 +62,42 @@ def synchronize() -> None:
     """Wait for queued GPU work on this rank's device (a no-op on CPU); use before timing."""
     if _device.type == "cuda":
         torch.cuda.synchronize(_device)
+
+
+def host_empty_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialized tensor shaped like `t` in host memory: page-locked (pinned) when the
+    rank computes on a GPU, so copies to and from it can run while the GPU computes."""
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=_device.type == "cuda")
+
+
+def compute_ready() -> object | None:
+    """A mark after the work queued so far on this rank's compute stream (a CUDA event) for
+    a copy to wait for; None on CPU, where that work is done when the call returns."""
+    if _device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+@contextmanager
+def on_copy_stream(ready: object | None = None) -> Iterator[None]:
+    """Run the block's copies on a second stream of this rank's GPU, after the compute
+    stream's work up to `ready` (from `compute_ready`), then wait for them (the calling
+    thread waits, not the compute stream). On CPU there is no stream to pick: the block
+    just runs, and the thread that runs it (a copy thread) stands for the stream."""
+    global _copy_stream
+    if _device.type != "cuda":
+        yield
+        return
+    if _copy_stream is None:
+        _copy_stream = torch.cuda.Stream(_device)
+    with torch.cuda.stream(_copy_stream):
+        if ready is not None:
+            # the copy reads what compute wrote, or writes memory compute freed: wait for it
+            _copy_stream.wait_event(ready)
+        yield
+    _copy_stream.synchronize()
 
 
 def rank(group: dist.ProcessGroup | None = None) -> int:

@@ -9,6 +9,9 @@ are what autograd saves for backward (inputs of each layer, outputs of its nonli
 tracked from the moment a tensor is saved until the graph lets it go; parameters saved by
 autograd are counted as parameters, not twice. Under recomputation they also include what
 a unit's forward rebuilds during backward, for as long as it stays alive.
+
+With a `budget` (bytes) the tracker stands for a device of that size: a sample above it
+raises `BudgetExceeded`, one line naming the budget, what was held and what to change.
 """
 
 from __future__ import annotations
@@ -26,6 +29,14 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 KINDS = ("parameters", "gradients", "optimizer", "activations")
+
+
+class BudgetExceeded(MemoryError):
+    """A MemoryTracker sampled more bytes than its device budget allows."""
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
 
 
 @dataclass
@@ -70,14 +81,22 @@ class MemoryTracker:
 
     Inside `watch()` it samples after every top-level child's forward and after every
     parameter's gradient is accumulated, so `samples` draws the curve of one step; call
-    `sample(label)` for any other point (after `step()`, say)."""
+    `sample(label)` for any other point (after `step()`, say). With `budget` (bytes: the
+    device's size) every sample checks it and raises `BudgetExceeded` above it."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 shards: Iterable = ()) -> None:
+                 shards: Iterable = (), budget: int | None = None) -> None:
+        if budget is not None and (not isinstance(budget, int) or budget < 1):
+            raise ValueError(f"budget must be None (no limit) or a positive int of bytes; "
+                             f"got {budget!r}")
         self.module, self.optimizer, self.shards = module, optimizer, list(shards)
+        self.budget = budget
         self.samples: list[MemorySample] = []
         self._saved: weakref.WeakSet[_Saved] = weakref.WeakSet()  # alive while autograd holds
-        self._kept: weakref.WeakSet[torch.Tensor] = weakref.WeakSet()  # alive while they live
+        # alive while they live; keyed by id: a WeakSet would compare two tensors with ==
+        # when the same one is kept twice (one input fed to every step)
+        self._kept: weakref.WeakValueDictionary[int, torch.Tensor] = \
+            weakref.WeakValueDictionary()
         # storages a recomputation rebuilt: alive while anything (autograd's checkpoint
         # frame, say) still uses them
         self._rebuilt: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
@@ -95,14 +114,25 @@ class MemoryTracker:
             if isinstance(t, torch.Tensor) and t.dim() > 0]
         optimizer = _count(mixed + state, seen)
         # where each saved tensor's storage is *now*: FSDP may have shrunk or refilled it
-        activations = _count([s.tensor for s in self._saved] + list(self._kept), seen)
+        activations = _count([s.tensor for s in self._saved] + list(self._kept.values()), seen)
         for storage in list(self._rebuilt):
             if storage.data_ptr() not in seen and storage.nbytes():
                 seen.add(storage.data_ptr())
                 activations += storage.nbytes()
         result = MemorySample(label, parameters, gradients, optimizer, activations)
         self.samples.append(result)
+        if self.budget is not None and result.total > self.budget:
+            raise BudgetExceeded(
+                f"device budget {mib(self.budget)} exceeded at {label!r}: held "
+                f"{mib(result.total)} (parameters {mib(parameters)}, gradients "
+                f"{mib(gradients)}, optimizer {mib(optimizer)}, activations {mib(activations)}); "
+                "raise budget= or offload/recompute more layers (minipar.sharded.Offload)")
         return result
+
+    def track_saved(self, box: object) -> None:
+        """Count `box.tensor` (None: nothing on the device now) as an activation for as long
+        as autograd holds `box`: how an offloader's saved-tensor hooks report what they keep."""
+        self._saved.add(box)
 
     def _pack(self, t: torch.Tensor) -> _Saved:
         saved = _Saved(t)
@@ -112,7 +142,7 @@ class MemoryTracker:
 
     def keep(self, t: torch.Tensor) -> None:
         """Count `t` as an activation for as long as it lives (what recomputation keeps)."""
-        self._kept.add(t)
+        self._kept[id(t)] = t
 
     def rebuilt(self, t: torch.Tensor) -> None:
         """Count `t`'s storage as an activation for as long as the storage lives: a tensor
