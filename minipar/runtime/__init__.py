@@ -40,8 +40,8 @@ from .device import (
     world_size,
 )
 from .errors import RankDied, RankError, RankTimeout, Results
-from .torchrun import under_torchrun
+from .torchrun import ranks_per_node, under_torchrun
 
 __all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "START_METHODS", "Cluster", "RankDied", "RankError",
            "RankTimeout", "Results", "cpu_cores", "device", "gpu_count", "launch", "rank",
-           "resolve_backend", "synchronize", "under_torchrun", "world_size"]
+           "ranks_per_node", "resolve_backend", "synchronize", "under_torchrun", "world_size"]
