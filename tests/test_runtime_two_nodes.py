@@ -42,7 +42,7 @@ def two_nodes(args: list[str], logs, seconds: float = AGENT_SECONDS) -> str:
     files = [logs / f"agent{node}.log" for node in (0, 1)]
     agents = []
     try:
-        for node, path in enumerate(files):
+        for path in files:
             with open(path, "w") as out:
                 agents.append(subprocess.Popen(
                     [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
