@@ -75,8 +75,8 @@ def test_techniques_match_one_process_across_two_nodes(tmp_path):
     assert len(summaries) == len(TECHNIQUES), output  # one table per technique, on rank 0
     assert all(done == of != "0" for done, of in summaries) and " NO " not in output, output
     # the hierarchical all-to-all took its nodes from torchrun: 2 nodes of LOCAL_WORLD_SIZE 2
-    line = next(x for x in output.splitlines() if "hierarchical all-to-all" in x)
-    assert "(2 nodes x 2," in line and " yes " in line, output
+    line = next(x for x in output.splitlines() if "MoE, hierarchical" in x)
+    assert "torchrun's 2 nodes x 2" in line and " yes " in line, output
 
 
 @pytest.mark.slow

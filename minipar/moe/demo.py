@@ -67,10 +67,11 @@ def _hierarchical() -> Check:
     """The expert-parallel layer with Tutel's exchange: across torchrun's nodes when it
     started the ranks (node by node, LOCAL_WORLD_SIZE each), else 2 emulated nodes."""
     mesh = node_mesh(None if under_torchrun() else world_size() // 2)
-    whose = "torchrun's" if under_torchrun() else "emulated"
+    nodes = f"{mesh['node']} nodes x {mesh['local']}"
     groups = mesh.connect()
-    return _expert_parallel(f"expert parallel MoE, hierarchical all-to-all ({mesh['node']} "
-                            f"nodes x {mesh['local']}, {whose})",
+    return _expert_parallel(f"expert parallel MoE, hierarchical, torchrun's {nodes}"
+                            if under_torchrun() else
+                            f"expert parallel MoE, hierarchical all-to-all ({nodes})",
                             HierarchicalAllToAll(groups.local, groups.node))
 
 
