@@ -5,10 +5,11 @@ the one-node run's, bit for bit (float64).
 
 The rendezvous store is hosted here, on a port the OS picks (no free-port race), and
 both agents join it as clients (`is_host=false`), so neither agent's exit cuts the
-other's shutdown short; each agent runs in its own session and is killed, with its
-workers, if the test ends first. No --node-rank: under c10d the rendezvous numbers the
+other's shutdown short. An agent still running when its peer failed or the deadline
+passed is killed with its workers. No --node-rank: under c10d the rendezvous numbers the
 nodes (torchrun ignores the flag there); ranks are still node by node."""
 
+import contextlib
 import datetime
 import os
 import re
@@ -22,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import child_pids
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
 from two_nodes_tour import TECHNIQUES
 
@@ -50,21 +52,25 @@ def two_nodes(args: list[str], logs, seconds: float = AGENT_SECONDS) -> str:
                      "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}",
                      "--rdzv-id", f"minipar-{store.port}",
                      "--rdzv-conf", "is_host=false,join_timeout=60", *args],
-                    stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+                    stdout=out, stderr=subprocess.STDOUT, env=env))
         deadline = time.monotonic() + seconds
-        for agent in agents:
-            agent.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass  # reported below with the agents' output
+        # until both are done; one failing ends the wait (its peer would sit out a timeout)
+        while time.monotonic() < deadline and any(a.poll() is None for a in agents) \
+                and not any(a.poll() for a in agents):
+            time.sleep(0.2)
     finally:
         for agent in agents:
-            if agent.poll() is None:  # the agent and its workers (one process group)
-                os.killpg(agent.pid, signal.SIGKILL)
+            if agent.poll() is None:
+                # torchrun starts each worker in a session of its own: kill them by pid
+                for pid in [*child_pids(agent.pid), agent.pid]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 agent.wait()
     output = "\n".join(f"--- agent {n} (exit {a.returncode}) ---\n{p.read_text()}"
                        for n, (a, p) in enumerate(zip(agents, files, strict=True)))
     failed = [n for n, a in enumerate(agents) if a.returncode != 0]
-    assert not failed, f"agent {failed} failed:\n{output[-6000:]}"
+    # killed agents (a peer failed, or the deadline passed) show as exit -9
+    assert not failed, f"agents {failed} failed or were stopped:\n{output[-6000:]}"
     return output
 
 
