@@ -71,12 +71,31 @@ def student_notebook(notebook: dict) -> dict:
     return copy
 
 
+def read_lesson(path: Path) -> dict:
+    """A lesson notebook's JSON; a ValueError naming the file unless it is UTF-8 JSON with
+    a list of cells (a binary file or another JSON file is refused before anything runs)."""
+    try:
+        notebook = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path} is not a notebook ({type(err).__name__} at byte "
+                         f"{getattr(err, 'start', getattr(err, 'pos', '?'))}); remove it from "
+                         "the lessons folder or restore it (git checkout)") from None
+    cells = notebook.get("cells") if isinstance(notebook, dict) else None
+    if not isinstance(cells, list) or not all(isinstance(c, dict) for c in cells):
+        raise ValueError(f"{path} is JSON but not a notebook (no list of cells); remove it "
+                         "from the lessons folder or restore it (git checkout)")
+    return notebook
+
+
 def lesson_notebooks(source_dir: str | Path) -> list[Path]:
-    """The lessons (NN_name.ipynb) in `source_dir`, in order; a ValueError if there are none."""
+    """The lessons (NN_name.ipynb) in `source_dir`, in order, each checked to be a
+    notebook; a ValueError if there are none or one is not."""
     notebooks = sorted(Path(source_dir).glob("[0-9][0-9]_*.ipynb"))
     if not notebooks:
         raise ValueError(f"no lesson notebooks (NN_name.ipynb) in {source_dir}; "
                          "pass --source with the lessons folder of a minipar checkout")
+    for path in notebooks:
+        read_lesson(path)
     return notebooks
 
 
@@ -104,7 +123,7 @@ def write_student_copies(source_dir: str | Path, dest_dir: str | Path, force: bo
         if target.exists() and not force:
             kept.append(target)
             continue
-        copy = student_notebook(json.loads(path.read_text()))
+        copy = student_notebook(read_lesson(path))
         target.write_text(json.dumps(copy, indent=1, ensure_ascii=False) + "\n")
         written.append(target)
     return written, kept

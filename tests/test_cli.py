@@ -135,3 +135,67 @@ def _children(pid: int) -> list[int]:
         found += kids
         frontier += kids
     return found
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory):
+    """Files a newcomer may hand the trainer or the lesson tools by mistake."""
+    root = tmp_path_factory.mktemp("bad")
+    (root / "blob.bin").write_bytes(bytes(range(256)) * 8)  # NUL bytes: not text
+    (root / "one.py").write_text("def f(): pass\n")
+    (root / "two").mkdir()
+    (root / "two" / "a.py").write_text("x = 1\n")
+    (root / "two" / "b.py").write_text("y = 2\n")
+    (root / "latin1.toml").write_bytes(b"[train]\nsteps = 5  # caf\xe9\n")
+    for name, body in (("binary", b"\x00\xbd\x12"), ("json", b'{"cells": 3}')):
+        (root / name).mkdir()
+        (root / name / "00_lesson.ipynb").write_bytes(body)
+    return root
+
+
+TRAIN = ["train", "--steps", "2", "--warmup-steps", "0"]
+BAD_INPUT = [
+    (TRAIN + ["--data", "{root}/missing"], "does not exist"),
+    (TRAIN + ["--data", "{root}/blob.bin"], "is not text"),
+    (TRAIN + ["--data", "{root}/one.py"], "is one document"),
+    (TRAIN + ["--data", "{root}/two"], "fewer than one sequence"),
+    (["train", "--config", "{root}/latin1.toml"], "is not UTF-8 text"),
+    (["train", "--config", "{root}/missing.toml"], "a .toml file that exists"),
+    (["train", "--steps", "0"], "--steps: must be >= 1"),
+    (["train", "--steps", "-3"], "--steps: must be >= 1"),
+    (["train", "--fault", "boom@1:2"], "argument --fault: must be KIND@RANK:STEP"),
+    (["lessons", "--student", "{root}/out", "--source", "{root}/missing"],
+     "no lesson notebooks"),
+    (["lessons", "--student", "{root}/out", "--source", "{root}/binary"],
+     "is not a notebook"),
+    (["lessons", "--html", "{root}/site", "--no-execute", "--source", "{root}/json"],
+     "not a notebook (no list of cells)"),
+]
+
+
+@pytest.mark.parametrize("args, says", BAD_INPUT, ids=lambda v: " ".join(v[:3]) if
+                         isinstance(v, list) else None)
+def test_bad_input_is_one_line_and_exit_status_2(bad_inputs, capsys, args, says):
+    """In this process (the command's own code path, without a Python start-up per case)."""
+    from minipar.__main__ import main
+
+    try:
+        code = main([a.format(root=bad_inputs) for a in args])
+    except SystemExit as exit_:  # argparse's own errors exit
+        code = exit_.code
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and says in lines[0], err
+
+
+def test_a_world_size_torchrun_disagrees_with_is_one_line_per_worker(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "minipar.train", "--dp", "4", "--steps", "2", "--warmup-steps", "0", "--out",
+         str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
+    ours = [line for line in done.stderr.splitlines() if line.startswith("python -m minipar")]
+    assert len(ours) == 2 and all("torchrun started 2 processes" in line and "= 4" in line
+                                  for line in ours), done.stderr[-3000:]
+    assert "exitcode: 2" in done.stderr

@@ -34,6 +34,7 @@ from .checkpoint import verify_checkpoint
 from .compare import against_one_process, first_with_losses, one_process, run_config
 from .compare import main as compare_main
 from .config import check, load_config, same_run
+from .data import check_corpus
 from .export import export_main, sample_main
 from .faults import FAULT_KINDS, Fault
 from .flags import add_flags, add_launch_flags, overrides_from_args
@@ -95,6 +96,13 @@ def _config(args):
     ranks = config.parallel.dp * others
     check(config, ranks)
     refuse_unbuilt(config)  # one line here, not a traceback from every rank
+    if under_torchrun() and ranks != int(os.environ["WORLD_SIZE"]):
+        size, par = int(os.environ["WORLD_SIZE"]), config.parallel
+        raise ValueError(f"torchrun started {size} processes but dp {par.dp} x pp {par.pp} x "
+                         f"tp {par.tp} x cp {par.cp} = {ranks}; start torchrun with {ranks} in "
+                         "all (nnodes x nproc-per-node), or leave out --dp to derive it")
+    data = config.data
+    check_corpus(data.path, data.val_fraction, data.seed, config.model.seq_len)
     if args.check:  # the reference too, before the run rather than after it
         check(one_process(config), 1)
     return config, ranks

@@ -193,7 +193,11 @@ def _read_toml(name_or_path: str) -> tuple[dict, str]:
         raise ValueError(f"config must be a preset ({presets}) or a .toml file that exists; "
                          f"got {name_or_path!r}")
     try:
-        return tomllib.loads(path.read_text()), path.name
+        return tomllib.loads(path.read_text(encoding="utf-8")), path.name
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} at "
+                         f"position {err.start}); TOML files are UTF-8: save it as UTF-8"
+                         ) from None
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"{path} is not valid TOML: {err}") from None
 

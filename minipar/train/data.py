@@ -104,7 +104,32 @@ def corpus_files(path: str | None) -> list[Path]:
     if all(f.stat().st_size == 0 for f in files):
         raise ValueError(f"data {where} holds no bytes (every file is empty); name a file with "
                          "text in it")
+    if path is not None:
+        binary = next((f for f in files if _looks_binary(f)), None)
+        if binary is not None:
+            raise ValueError(f"data {where}: {binary} is not text (it holds a NUL byte); the "
+                             "trainer reads text: name text files, or move it out of the folder")
     return files
+
+
+def _looks_binary(path: Path) -> bool:
+    """A NUL byte in the first 8 KiB: git's test for a binary file (text never holds one)."""
+    with open(path, "rb") as f:
+        return b"\0" in f.read(8192)
+
+
+def check_corpus(path: str | None, val_fraction: float, seed: int, seq_len: int) -> TokenData:
+    """Before any rank starts: the corpus's tokens (the cache built here, once), each split
+    long enough for one sequence; else one line saying what to change."""
+    tokens = load_tokens(path, val_fraction, seed)
+    where = "Python's standard library" if path is None else repr(str(path))
+    for split in ("train", "val"):
+        held = len(getattr(tokens, split))
+        if held < seq_len + 1:
+            raise ValueError(f"data {where}: its {split} split holds {held} tokens, fewer than "
+                             f"one sequence of model.seq_len + 1 = {seq_len + 1}; give it more "
+                             "text or use a smaller model.seq_len")
+    return tokens
 
 
 @dataclass(frozen=True)
