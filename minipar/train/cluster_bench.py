@@ -20,6 +20,7 @@ carries over."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -44,23 +45,26 @@ ORDERS = {"tp inside, dp across": MEGATRON_ORDER, "tp across, dp inside": ("pp",
 
 
 def _traffic(network) -> dict[str, float]:
-    return {k: network.traffic[f"{k} across"] for k in ("messages", "bytes", "seconds")}
+    """What the network counted across nodes: messages, bytes, and "charged" seconds."""
+    return {"messages": network.traffic["messages across"],
+            "bytes": network.traffic["bytes across"],
+            "charged": network.traffic["seconds across"]}
 
 
-def exchanges(rows_per_peer: int, rounds: int) -> list[dict]:
-    """On every rank of 4 (2 nodes x 2), `rounds` rounds of the flat then the hierarchical
-    all-to-all of the same rows on the emulated cluster: per round and kind, seconds and
-    what this rank sent across nodes."""
+def exchanges(rows_per_peer: int, rounds: int, across: Link = ACROSS) -> list[dict]:
+    """On every rank of 4 (2 nodes x 2), `rounds` rounds of the flat and the hierarchical
+    all-to-all of the same rows (which goes first alternates) on the emulated cluster: per
+    round and kind, the seconds it took and what this rank sent across nodes (`_traffic`)."""
     groups = node_mesh(PER_NODE).connect()
     k = world_size()
     x = torch.randn(rows_per_peer * k, ROW_FLOATS, generator=torch.Generator().manual_seed(rank()))
     counts = [rows_per_peer] * k
     out = []
-    for _ in range(rounds):
+    for i in range(rounds):
         found = {}
-        for kind in ("flat", "hierarchical"):
+        for kind in ("flat", "hierarchical")[::1 if i % 2 == 0 else -1]:
             torch.distributed.barrier()
-            with slow_network(per_node=PER_NODE, across=ACROSS) as network:
+            with slow_network(per_node=PER_NODE, across=across) as network:
                 start = time.perf_counter()
                 if kind == "flat":
                     all_to_all(x, counts, counts)
@@ -88,29 +92,35 @@ def _rates():
     return found
 
 
-def measure(sizes: tuple[int, ...] = (1, 256, 4096), rounds: int = 3, steps: int = 2) -> list[dict]:
+def measure(sizes: tuple[int, ...] = (1, 256, 4096), latencies: tuple[float, ...] = (2e-3, 20e-3),
+            rounds: int = 3, steps: int = 2) -> list[dict]:
+    """The all-to-alls for every size and latency between the nodes (ACROSS's bandwidth),
+    then the GPT step's two layouts on ACROSS."""
     rows = []
     with Cluster(4, backend="gloo", timeout=300) as ranks:
         progress("fitting alpha and beta (ping-pong) and the compute rates")
         fitted = fit_machine(ranks, save=False)
         alpha, beta = fitted.alpha, fitted.beta
         flops, bandwidth = ranks.run(_rates)[0]
-        for n in sizes:
-            progress(f"all-to-all, {n} rows per peer, {rounds} rounds")
-            per_rank = ranks.run(exchanges, n, rounds)
+        for latency, n in itertools.product(latencies, sizes):
+            progress(f"all-to-all, {n} rows per peer, {latency * 1e3:g} ms, {rounds} rounds")
+            link = Link(latency, ACROSS.bandwidth)
+            per_rank = ranks.run(exchanges, n, rounds, link)
             nbytes = n * ROW_FLOATS * 4 * len(per_rank)  # what one rank sends in all
             flat = [max(r[i]["flat"]["seconds"] for r in per_rank) for i in range(rounds)]
             for kind in ("flat", "hierarchical"):
                 slowest = [max(r[i][kind]["seconds"] for r in per_rank) for i in range(rounds)]
                 last = [r[-1][kind] for r in per_rank]
                 rows.append({"part": "all-to-all", "case": kind, "size": n,
+                             "latency": latency,
                              "measured": statistics.median(slowest), "rounds": slowest,
                              "ratios": [s / f for s, f in zip(slowest, flat, strict=True)],
                              "messages_across": max(r["messages"] for r in last),
                              "bytes_across": max(r["bytes"] for r in last),
+                             "charged_across": max(r["charged"] for r in last),
                              "predicted": all_to_all_time(
                                  kind, nbytes, 2, PER_NODE, alpha, beta,
-                                 alpha + ACROSS.alpha, beta + ACROSS.beta)})
+                                 alpha + link.alpha, beta + link.beta)})
         # the emulated cluster as the planner sees it: 2 nodes of 2 CPU ranks
         machine = dataclasses.replace(
             this_machine(4, flops, bandwidth, alpha, beta), nodes=2, devices_per_node=PER_NODE,
@@ -138,6 +148,7 @@ def measure(sizes: tuple[int, ...] = (1, 256, 4096), rounds: int = 3, steps: int
                          "ratios": [s / b for s, b in zip(slowest, inside, strict=True)],
                          "messages_across": max(r["messages"] for r in last),
                          "bytes_across": max(r["bytes"] for r in last),
+                         "charged_across": max(r["charged"] for r in last),
                          "predicted": plan.step, "predicted_tp": plan.seconds["tp"],
                          "predicted_dp": plan.seconds["dp"]})
     return rows
@@ -150,27 +161,31 @@ def report(rows: list[dict], out_dir: Path) -> str:
     for ax, part in zip(axes, ("all-to-all", "GPT step"), strict=True):
         mine = [r for r in rows if r["part"] == part]
         for r in mine:
-            label = f"{r['case']} ({r['size']})" if part == "all-to-all" else r["case"]
+            label = (f"{r['case']}, N={r['size']}, {r['latency'] * 1e3:g} ms"
+                     if part == "all-to-all" else r["case"])
             ax.scatter(r["predicted"] * 1e3, r["measured"] * 1e3)
             ax.annotate(label, (r["predicted"] * 1e3, r["measured"] * 1e3), fontsize=7)
             shown.append({"what": part, "case": label,
                           "measured": spread([s * 1e3 for s in r["rounds"]], " ms", 1),
                           "vs": ratio_cell(r["ratios"]),
                           "predicted": f"{r['predicted'] * 1e3:.1f} ms",
-                          "m": f"{r['messages_across']:g}", "b": f"{r['bytes_across']:,.0f}"})
+                          "m": f"{r['messages_across']:g}", "b": f"{r['bytes_across']:,.0f}",
+                          "c": f"{r['charged_across'] * 1e3:.1f} ms"})
         top = max(max(r["predicted"], r["measured"]) for r in mine) * 1e3 * 1.1
         ax.plot([0, top], [0, top], color="grey", lw=0.8, ls="--")
         ax.set(title=part, xlabel="predicted ms", ylabel="measured ms")
     save_results(rows, fig, out_dir, "cluster", title="2 emulated nodes x 2 ranks, slow link "
                  "between them: measured vs predicted")
-    header = (f"4 ranks as 2 nodes x 2 on this machine, {ACROSS.latency * 1e3:g} ms and "
-              f"{ACROSS.bandwidth / 1e6:g} MB/s between the nodes (slow_network(per_node=2, "
-              "across=...)); all-to-all of N rows per peer (64 floats each), and the mesh "
-              f"bench's GPT (hidden {SHAPE['hidden']}, {SHAPE['layers']} layers, batch {BATCH}, "
-              f"{MICROBATCHES} micro-batches) at dp=2 x tp=2. measured: slowest rank, median "
-              "round (min-max); vs: per-round ratio to the first row of its part; across: "
-              "what one rank sent between nodes (per step for the GPT), as the network counted")
+    header = ("4 ranks as 2 nodes x 2 on this machine (slow_network(per_node=2, across=...)): "
+              f"{ACROSS.bandwidth / 1e6:g} MB/s between the nodes and the latency a row names "
+              f"(the GPT's: {ACROSS.latency * 1e3:g} ms). all-to-all: N rows per peer, 64 floats "
+              f"each; GPT: the mesh bench's (hidden {SHAPE['hidden']}, {SHAPE['layers']} layers, "
+              f"batch {BATCH}, {MICROBATCHES} micro-batches) at dp=2 x tp=2. measured: slowest "
+              "rank, median round (min-max); vs: per-round ratio to the flat exchange of the "
+              "same N and latency, or to tp inside; across: what one rank sent between nodes "
+              "(per step for the GPT) and the emulated link's charge for it (slept), as the "
+              "network counted")
     return "\n".join([header, format_table(shown, [
-        ("what", "what"), ("case", "case (N)"), ("measured", "measured (min-max)"),
-        ("vs", "vs first (min-max)"), ("predicted", "predicted"),
-        ("m", "messages across"), ("b", "bytes across")])])
+        ("what", "what"), ("case", "case"), ("measured", "measured (min-max)"),
+        ("vs", "vs flat or tp inside"), ("predicted", "predicted"),
+        ("m", "messages across"), ("b", "bytes across"), ("c", "charged across")])])
