@@ -24,7 +24,8 @@ BENCHMARKS = {"launch": "minipar.runtime.bench",
               "context-parallel": "minipar.context_parallel.bench",
               "masha": "minipar.slow_networks.masha_bench",
               "train": "minipar.train.bench",
-              "train-vs-torch": "minipar.train.race"}
+              "train-vs-torch": "minipar.train.race",
+              "cluster": "minipar.train.cluster_bench"}
 
 
 def run_benchmark(name: str, out_dir: str | Path = "bench-out") -> list[dict]:
