@@ -41,7 +41,7 @@ METHODS = ("co2", "local_sgd")
 
 class SwappedReplica:
     """A whole model in host memory, swapped layer by layer through a device of `budget`
-    bytes (None: no limit) that the MemoryTracker enforces at every layer; a Replica for
+    bytes (None: no limit) that the MemoryTracker enforces at every layer; a LocalReplica for
     local SGD and CO2."""
 
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory, loss_fn: Callable,

@@ -55,17 +55,19 @@ def traffic() -> SwarmTraffic:
 
 
 def _per_step(seconds: list[float]) -> float:
-    # step 0 warms up; the last waits for the final average, which no later round hides
-    # (a steady state has none); the mean of the rest counts the average landing late
-    return sum(seconds[1:-1]) / len(seconds[1:-1])
+    """Mean seconds per step over one steady round, steps H to 2H-1: the first round warms
+    up and has no average to wait for; the last step waits for the final average, which no
+    later round hides; the round between pays one average landing, as every round would."""
+    return statistics.mean(seconds[LOCAL_STEPS:2 * LOCAL_STEPS])
 
 
 def _atom(steps: int, latency: float, bandwidth: float, swap: bool = True) -> dict:
     with slow_network(latency, bandwidth):
         report, _ = train_atom(bench_model, bench_batches(steps), mse, LR, LOCAL_STEPS,
                                "co2", swap=swap, budget=BUDGET if swap else None)
-    return {"seconds": _per_step(report.seconds), "sent": report.sent_bytes / steps,
-            "peak": report.peak}
+    # bytes: one average per LOCAL_STEPS steps, as in a long run (this one ends on an extra)
+    return {"seconds": _per_step(report.seconds),
+            "sent": report.sent_bytes / report.rounds / LOCAL_STEPS, "peak": report.peak}
 
 
 def _swarm(steps: int, latency: float, bandwidth: float) -> dict | int:
@@ -85,14 +87,17 @@ def measure(rounds: int = 3, steps: int = 2 * LOCAL_STEPS + 1,
     """ATOM and SWARM in turns on each link, `rounds` times; one row per bandwidth (the
     first must be math.inf: the cost model starts from the loopback steps). On loopback
     ATOM also runs in memory (the model fits): what swapping costs."""
+    if steps < 2 * LOCAL_STEPS + 1:
+        raise ValueError(f"steps must be at least {2 * LOCAL_STEPS + 1} (a round to warm up, "
+                         f"a steady round, the last step); got {steps!r}")
     if not bandwidths or bandwidths[0] != math.inf:
         raise ValueError(f"bandwidths must start with math.inf (loopback, the cost model's "
                          f"base); got {bandwidths!r}")
     runs = {b: {"atom": [], "swarm": []} for b in bandwidths}
     in_memory = []
     with Cluster(PEERS, backend="gloo") as peers, Cluster(3, backend="gloo") as pipeline:
-        peers.run(_atom, 3, latency, math.inf)  # warm-up: the ranks' first run is slower
-        pipeline.run(_swarm, 3, latency, math.inf)
+        peers.run(_atom, steps, latency, math.inf)  # warm-up: the ranks' first run is slower
+        pipeline.run(_swarm, steps, latency, math.inf)
         for r in range(rounds):
             for b in bandwidths:
                 progress(f"{_link(b)}, round {r + 1}/{rounds}")

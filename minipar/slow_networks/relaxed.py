@@ -13,8 +13,8 @@
   al. 2011): updates can interleave and overwrite each other, and training still
   converges when updates are sparse or small.
 
-Local SGD and CO2 drive a `Replica` (their extension point): a copy of the model that
-takes a local step and whose parameters travel as one flat vector. `SGDReplica` is a
+Local SGD and CO2 drive a `LocalReplica` (their extension point): a copy of the model
+that takes a local step and whose parameters travel as one flat vector. `SGDReplica` is a
 module in memory with plain SGD; ATOM's peer (`atom.SwappedReplica`) is a whole model
 swapped layer by layer through a device that cannot hold it.
 """
@@ -65,7 +65,7 @@ def _local_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Cal
     return loss.item()
 
 
-class Replica(Protocol):
+class LocalReplica(Protocol):
     """One rank's copy of the model, as local SGD and CO2 see it."""
 
     def local_step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> float:
@@ -101,7 +101,7 @@ def _average(flat: torch.Tensor) -> torch.Tensor:
         return collectives.all_reduce(flat, op="avg")
 
 
-def local_sgd(replica: Replica, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+def local_sgd(replica: LocalReplica, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
               local_steps: int) -> RelaxedReport:
     """H = local_steps steps on this rank's shard of each batch, then average parameters."""
     _check_h(local_steps)
@@ -114,7 +114,8 @@ def local_sgd(replica: Replica, batches: Sequence[tuple[torch.Tensor, torch.Tens
     return report
 
 
-def co2_local_sgd(replica: Replica, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+def co2_local_sgd(replica: LocalReplica,
+                  batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
                   local_steps: int) -> RelaxedReport:
     """Local SGD whose averages run while the next round computes (one round stale)."""
     _check_h(local_steps)
