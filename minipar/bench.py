@@ -25,7 +25,8 @@ BENCHMARKS = {"launch": "minipar.runtime.bench",
               "masha": "minipar.slow_networks.masha_bench",
               "atom": "minipar.slow_networks.atom_bench",
               "train": "minipar.train.bench",
-              "train-vs-torch": "minipar.train.race"}
+              "train-vs-torch": "minipar.train.race",
+              "cluster": "minipar.train.cluster_bench"}
 
 
 def run_benchmark(name: str, out_dir: str | Path = "bench-out") -> list[dict]:

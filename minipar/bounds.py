@@ -26,6 +26,20 @@ def half_bandwidth_bytes(algorithm: str, world_size: int, link: Link) -> float:
     return latency / per_byte
 
 
+def crossover_bytes(algorithm: str, other: str, world_size: int, link: Link) -> float:
+    """The size N at which `algorithm` and `other` take equally long (both times are a
+    latency part plus a part linear in N); inf if their byte parts are equal. Not n_1/2:
+    the ring overtakes the tree well before it reaches half its own peak."""
+    def parts(name: str) -> tuple[float, float]:
+        return (all_reduce_cost(name, world_size, 1.0, alpha=link.alpha).seconds,
+                all_reduce_cost(name, world_size, 1.0, beta=link.beta).seconds)
+
+    (lat_a, byte_a), (lat_b, byte_b) = parts(algorithm), parts(other)
+    if byte_a == byte_b:
+        return float("inf")
+    return (lat_a - lat_b) / (byte_b - byte_a)
+
+
 ZERO_STAGES = (0, 1, 2, 3)  # 0: plain data parallelism
 
 

@@ -26,6 +26,17 @@ def test_half_bandwidth_sizes_match_their_closed_forms(k):
     assert at.steps * LINK.alpha == pytest.approx(at.seconds / 2)
 
 
+def test_the_ring_overtakes_the_tree_before_its_own_half_bandwidth_size():
+    k = 8
+    n = bounds.crossover_bytes("ring", "tree", k, LINK)
+    times = [cost.all_reduce_cost(a, k, n, alpha=LINK.alpha, beta=LINK.beta).seconds
+             for a in ("ring", "tree")]
+    assert times[0] == pytest.approx(times[1])
+    # closed form: (K-1 - log2 K) alpha / ((log2 K - (K-1)/K) beta)
+    assert n == pytest.approx((k - 1 - 3) * LINK.alpha / ((3 - (k - 1) / k) * LINK.beta))
+    assert n < bounds.half_bandwidth_bytes("ring", k, LINK)
+
+
 def test_data_parallel_balance_crosses_one_at_the_critical_batch():
     params, k, flops = 7e9, 64, 400e12
     critical = bounds.critical_tokens_per_rank(params, k, LINK, flops)

@@ -57,3 +57,22 @@ def test_every_send_pays_its_link_and_results_do_not_change(cluster2):
         # the pair (0, 1) is the 50 ms link both ways: each message took at least that
         assert r["slow"] and min(r["slow"]) >= 0.05, r
         assert len(r["slow"]) >= len(r["fast"])
+
+
+def test_nodes_slow_only_the_links_between_them():
+    across = Link(0.5, 100.0)
+    with slow_network(latency=1e-3, per_node=2, across=across, links={(1, 3): Link(7.0)}) as net:
+        assert net.link(0, 1) == net.link(3, 2) == Link(1e-3)  # inside a node
+        assert net.link(1, 2) == net.link(2, 0) == across  # between nodes 0-1 and 2-3
+        assert net.link(3, 1) == Link(7.0)  # a pair named in links wins
+        assert not net.crosses(2, 3) and net.crosses(0, 3)
+
+
+@pytest.mark.parametrize("bad", [dict(per_node=2), dict(across=Link(1.0)),
+                                 dict(per_node=0, across=Link(1.0)),
+                                 dict(per_node=2, across=1.0)])
+def test_bad_nodes_say_what_to_change(bad):
+    with pytest.raises(ValueError, match="per_node") as err:
+        with slow_network(**bad):
+            pass
+    assert "\n" not in str(err.value)

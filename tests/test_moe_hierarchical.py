@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from conftest import value_errors
 
 from minipar import collectives
 from minipar.mesh import Mesh
@@ -139,3 +140,22 @@ def test_choose_chunks_keeps_the_fastest_and_every_rank_agrees(cluster2):
     assert results[0] == results[1]  # the slowest rank's times, the same choice everywhere
     times, chosen = results[0]
     assert chosen == min(times, key=times.get)
+
+
+def _launcher_nodes():
+    from minipar.moe import HierarchicalAllToAll, node_mesh
+
+    exchange = HierarchicalAllToAll()  # spawned ranks share one machine: one node of 4
+    me, k = rank(), world_size()
+    counts = _counts(me, k)
+    x = torch.arange(sum(counts), dtype=torch.float64)[:, None] + 1000 * me
+    flat = collectives.all_to_all(x, counts)
+    hier = hierarchical_all_to_all(x, counts, exchange.local_group, exchange.node_group)
+    shape = (world_size(exchange.node_group), world_size(exchange.local_group))
+    return torch.equal(flat, hier), shape, node_mesh(2).shape, value_errors(lambda: node_mesh(3))
+
+
+def test_the_exchange_takes_its_nodes_from_the_launcher(cluster4):
+    for same, shape, given, refused in cluster4.run(_launcher_nodes):
+        assert same and shape == (1, 4) and given == (2, 2)
+        assert refused == ["per_node must divide the 4 ranks; got 3"]

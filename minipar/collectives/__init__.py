@@ -25,7 +25,8 @@ in flight.
 
 Slow links: inside ``slow_network(latency=, bandwidth=, links=)`` every message pays
 its link's time before it leaves (network.py), so a slow or uneven network is
-something a lesson can turn on.
+something a lesson can turn on; ``per_node=, across=`` slows only the links between
+nodes of ranks, a cluster on one machine.
 
 Checks: arguments are checked on every rank before any message is sent. With
 validation on (the default, see `validation`) the ranks also compare shapes,

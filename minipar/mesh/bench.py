@@ -53,7 +53,7 @@ def configurations(ranks: int) -> list[tuple[int, int, int]]:
             and SHAPE["heads"] % tp == 0 and BATCH % (ranks // (pp * tp) * MICROBATCHES) == 0]
 
 
-def _time_steps(dims: dict[str, int], steps: int) -> list[float]:
+def time_steps(dims: dict[str, int], steps: int) -> list[float]:
     """This rank's seconds per training step, each timed from a barrier (one warm-up)."""
     groups = Mesh(**dims).connect()
     model = MeshGPT(_model(), groups, lambda ps: torch.optim.Adam(ps, lr=1e-3),
@@ -144,7 +144,7 @@ def measure(world_sizes: tuple[int, ...] = (4, 8), steps: int = 3) -> list[dict]
             machine = this_machine(k, flops, bandwidth, alpha, beta)
             for dp, pp, tp in configurations(k):
                 progress(f"K={k}: dp={dp} pp={pp} tp={tp}")
-                per_rank = ranks.run(_time_steps, dict(dp=dp, pp=pp, tp=tp), steps)
+                per_rank = ranks.run(time_steps, dict(dp=dp, pp=pp, tp=tp), steps)
                 slowest = [max(step) for step in zip(*per_rank, strict=True)]
                 measured = statistics.median(slowest)
                 layout = Layout(dp, pp, tp, micro_batch=BATCH // (dp * MICROBATCHES),

@@ -137,11 +137,18 @@ def _slowest(links: list[Link]) -> Link:
     return min(links, key=lambda link: (link.bandwidth, -link.latency))
 
 
+MEGATRON_ORDER = ("pp", "dp", "tp")  # the mesh's dimensions, outermost (slowest) first
+
+
 @functools.lru_cache(maxsize=4096)
-def _links(cluster: Hardware, dp: int, pp: int, tp: int) -> dict[str, Link]:
-    """Each dimension's slowest group's link, ranks laid out pp (slowest), dp, tp
-    (fastest); for pp, the link between neighbouring stages."""
-    mesh = Mesh(pp=pp, dp=dp, tp=tp)
+def _links(cluster: Hardware, dp: int, pp: int, tp: int,
+           order: tuple[str, ...] = MEGATRON_ORDER) -> dict[str, Link]:
+    """Each dimension's slowest group's link, ranks laid out in `order` (Megatron's: pp
+    slowest, dp, tp fastest); for pp, the link between neighbouring stages."""
+    if sorted(order) != sorted(MEGATRON_ORDER):
+        raise ValueError(f"order must name each of {MEGATRON_ORDER} once; got {order!r}")
+    sizes = {"dp": dp, "pp": pp, "tp": tp}
+    mesh = Mesh(**{name: sizes[name] for name in order})
     return {"tp": _slowest([_link(cluster, g) for g in mesh.groups("tp")]),
             "dp": _slowest([_link(cluster, g) for g in mesh.groups("dp")]),
             "pp": _slowest([_link(cluster, g[i:i + 2]) for g in mesh.groups("pp")
@@ -149,8 +156,10 @@ def _links(cluster: Hardware, dp: int, pp: int, tp: int) -> dict[str, Link]:
 
 
 def estimate(model: TransformerConfig, cluster: Hardware, global_batch: int, layout: Layout,
-             bytes_per_value: int = 2) -> Plan:
-    """The memory and step time the model predicts for one layout."""
+             bytes_per_value: int = 2, order: tuple[str, ...] = MEGATRON_ORDER) -> Plan:
+    """The memory and step time the model predicts for one layout, its ranks numbered in
+    `order` (outermost first; the default keeps tp's groups inside a node, as `plan`
+    always does: ("pp", "tp", "dp") is the alternative that puts tp across nodes)."""
     dp, pp, tp = layout.dp, layout.pp, layout.tp
     micro_batch, zero, recompute = layout.micro_batch, layout.zero, layout.recompute
     if dp * pp * tp != cluster.devices:
@@ -176,7 +185,7 @@ def estimate(model: TransformerConfig, cluster: Hardware, global_batch: int, lay
     flops = per_token * tokens * (4 / 3 if recompute == "full" else 1)
     compute = flops / (cluster.devices * cluster.peak_flops * cluster.efficiency)
     activation = micro_batch * model.seq_len * model.hidden * bytes_per_value
-    links = _links(cluster, dp, pp, tp)
+    links = _links(cluster, dp, pp, tp, tuple(order))
     ring = cost.all_reduce_cost("ring", tp, activation, links["tp"].alpha,
                                 links["tp"].beta).seconds
     # Megatron's count: two g's forward (after attention, after the MLP), two f's backward (4);

@@ -22,7 +22,12 @@ from .dropless import Dropless, DroplessMoE, padding_waste
 from .exchange import Exchange, FlatAllToAll
 from .expert_choice import ExpertChoice, ExpertChoiceMoE
 from .expert_parallel import ExpertParallelMoE
-from .hierarchical import HierarchicalAllToAll, all_to_all_time, hierarchical_all_to_all
+from .hierarchical import (
+    HierarchicalAllToAll,
+    all_to_all_time,
+    hierarchical_all_to_all,
+    node_mesh,
+)
 from .layer import MoELayer, combine, dispatch, dispatch_combine, train_router_stats
 from .lsh import LSHCentroids, LSHMoE, lsh_buckets
 from .pipeline_moe import PipelineMoE
@@ -37,4 +42,4 @@ __all__ = ["GATE_ORDERS", "AdaptiveMoE", "Choices", "ChunkedAllToAll", "Dropless
            "MoELayer", "PipelineMoE", "Routing", "RoutingRule", "TopKCapacity",
            "all_to_all_time", "capacity", "combine", "dispatch", "dispatch_combine",
            "global_routing", "hierarchical_all_to_all", "imbalance", "lsh_buckets",
-           "padding_waste", "route", "train_router_stats"]
+           "node_mesh", "padding_waste", "route", "train_router_stats"]

@@ -11,12 +11,11 @@ import torch
 
 from .. import collectives
 from ..demo import Check, Context, Row, skip, start_clock
-from ..mesh import Mesh
-from ..runtime import device, rank, world_size
+from ..runtime import device, rank, under_torchrun, world_size
 from .adaptive import AdaptiveMoE
 from .expert_choice import ExpertChoiceMoE
 from .expert_parallel import ExpertParallelMoE
-from .hierarchical import HierarchicalAllToAll
+from .hierarchical import HierarchicalAllToAll, node_mesh
 from .layer import MoELayer
 from .on_mesh import check_moe_against_twin
 from .pipeline_moe import PipelineMoE
@@ -31,9 +30,9 @@ def _twin() -> MoELayer:
 
 def demo() -> list[Check]:
     """On every rank: this rank's experts and tokens, against the whole layer on one process;
-    on 4 ranks also Tutel's hierarchical exchange (2 nodes x 2), Pipeline MoE, Tutel's
-    adaptive parallelism at every degree and expert-parallel expert choice; on 4 or 8 ranks
-    the experts over ep inside dp=2 (`on_mesh`)."""
+    on 4 ranks also Tutel's hierarchical exchange (2 nodes x 2, or torchrun's nodes),
+    Pipeline MoE, Tutel's adaptive parallelism at every degree and expert-parallel expert
+    choice; on 4 or 8 ranks the experts over ep inside dp=2 (`on_mesh`)."""
     k = world_size()
     title = f"expert parallel MoE (E={EXPERTS}, k=2, shared expert), EP={k}"
     if EXPERTS % k:
@@ -43,8 +42,7 @@ def demo() -> list[Check]:
     else:
         checks = [_expert_parallel(title)]
     if k == 4:
-        checks += [_expert_parallel("expert parallel MoE, hierarchical all-to-all (2 nodes x 2)",
-                                    hierarchical=True), _pipeline_moe(), _adaptive(),
+        checks += [_hierarchical(), _pipeline_moe(), _adaptive(),
                    _expert_choice()]
     if k in (4, 8):  # a dp dimension of 2, and ep must divide on_mesh's 4 experts
         checks.append(_on_mesh({"dp": 2, "ep": k // 2}))
@@ -65,12 +63,21 @@ def _on_mesh(dims: dict[str, int]) -> Check:
                  note=note)
 
 
-def _expert_parallel(title: str, hierarchical: bool = False) -> Check:
-    k, me = world_size(), rank()
-    exchange = None  # the flat all-to-all
-    if hierarchical:
-        groups = Mesh(node=2, local=k // 2).connect()
-        exchange = HierarchicalAllToAll(groups.local, groups.node)
+def _hierarchical() -> Check:
+    """The expert-parallel layer with Tutel's exchange: across torchrun's nodes when it
+    started the ranks (node by node, LOCAL_WORLD_SIZE each), else 2 emulated nodes."""
+    mesh = node_mesh(None if under_torchrun() else world_size() // 2)
+    nodes = f"{mesh['node']} nodes x {mesh['local']}"
+    groups = mesh.connect()
+    return _expert_parallel(f"expert parallel MoE, hierarchical, torchrun's {nodes}"
+                            if under_torchrun() else
+                            f"expert parallel MoE, hierarchical all-to-all ({nodes})",
+                            HierarchicalAllToAll(groups.local, groups.node))
+
+
+def _expert_parallel(title: str, exchange=None) -> Check:
+    """`exchange`: the flat all-to-all unless given."""
+    me = rank()
     twin, tokens = _twin(), _tokens()
     reference = twin(tokens)[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK]
     layer = ExpertParallelMoE(twin, exchange=exchange).to(device())

@@ -13,6 +13,9 @@ network's latency. The hierarchical one takes two steps, ranks numbered node-maj
 
 The result is the flat all-to-all's, row for row (tested). Across nodes the bytes are the
 same; the messages are n times fewer. Inside a node the data moves once more.
+
+Where the nodes are: `node_mesh()` reads them from the launcher (under torchrun, its
+LOCAL_WORLD_SIZE ranks per node), or takes `per_node` to emulate them on one machine.
 """
 
 from __future__ import annotations
@@ -20,8 +23,21 @@ from __future__ import annotations
 import torch
 
 from .. import collectives
-from ..runtime import rank, world_size
+from ..mesh import Mesh
+from ..runtime import rank, ranks_per_node, world_size
 from .exchange import Compute, Exchange, dispatch_and_combine
+
+
+def node_mesh(per_node: int | None = None) -> Mesh:
+    """This run's ranks as Mesh(node=, local=), `per_node` ranks per node: by default the
+    launcher's (torchrun's LOCAL_WORLD_SIZE; ranks minipar spawned share one machine, one
+    node). `node_mesh().connect()` hands out the groups the exchange takes."""
+    k = world_size()
+    per_node = ranks_per_node() if per_node is None else per_node
+    if isinstance(per_node, bool) or not isinstance(per_node, int) or per_node < 1 \
+            or k % per_node:
+        raise ValueError(f"per_node must divide the {k} ranks; got {per_node!r}")
+    return Mesh(node=k // per_node, local=per_node)
 
 
 def counts_everywhere(send_counts: list[int], local_group, node_group) -> torch.Tensor:
@@ -83,9 +99,16 @@ def hierarchical_all_to_all(x: torch.Tensor, send_counts: list[int], local_group
 class HierarchicalAllToAll(Exchange):
     """Tutel's two-step exchange both ways, over `local_group` (this node's ranks) and
     `node_group` (the ranks with this rank's local index) of a Mesh(node=, local=) whose
-    ranks are the expert-parallel group's, node-major."""
+    ranks are the expert-parallel group's, node-major. Without groups it connects
+    `node_mesh()`'s: the nodes the launcher made (every rank must construct it then)."""
 
-    def __init__(self, local_group, node_group) -> None:
+    def __init__(self, local_group=None, node_group=None) -> None:
+        if (local_group is None) != (node_group is None):
+            raise ValueError("pass both local_group and node_group, or neither (the "
+                             "launcher's nodes)")
+        if local_group is None:
+            groups = node_mesh().connect()
+            local_group, node_group = groups.local, groups.node
         self.local_group, self.node_group = local_group, node_group
 
     def __repr__(self) -> str:

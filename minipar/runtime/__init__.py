@@ -43,9 +43,9 @@ from .device import (
     world_size,
 )
 from .errors import RankDied, RankError, RankTimeout, Results
-from .torchrun import under_torchrun
+from .torchrun import ranks_per_node, under_torchrun
 
 __all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "START_METHODS", "Cluster", "RankDied", "RankError",
            "RankTimeout", "Results", "compute_ready", "cpu_cores", "device", "gpu_count",
-           "host_empty_like", "launch", "on_copy_stream", "rank", "resolve_backend",
-           "synchronize", "under_torchrun", "world_size"]
+           "host_empty_like", "launch", "on_copy_stream", "rank", "ranks_per_node",
+           "resolve_backend", "synchronize", "under_torchrun", "world_size"]

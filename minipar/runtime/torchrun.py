@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .. import trace
-from .device import _bind_device, rank, resolve_backend
+from .device import _bind_device, rank, resolve_backend, world_size
 from .errors import Results
 from .worker import in_rank
 
@@ -21,6 +21,22 @@ from .worker import in_rank
 def under_torchrun() -> bool:
     """True in a process torchrun started (and not in one of minipar's own ranks)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ and not in_rank()
+
+
+def ranks_per_node(default: int | None = None) -> int:
+    """How many ranks share a node, as the launcher placed them: torchrun's
+    LOCAL_WORLD_SIZE (its --nproc-per-node), whose ranks are numbered node by node. Ranks
+    minipar spawned share one machine: `default` when given (an emulated layout), else all
+    of them. Call it inside a rank."""
+    if not under_torchrun():
+        return world_size() if default is None else default
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+    node, local = int(os.environ.get("GROUP_RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
+    if node * per_node + local != int(os.environ["RANK"]):
+        # torchrun numbers ranks node by node when every node runs the same --nproc-per-node
+        raise ValueError(f"rank {os.environ['RANK']} is not node {node} x {per_node} + local "
+                         f"rank {local}: give every torchrun agent the same --nproc-per-node")
+    return per_node
 
 
 def _leave_process_group() -> None:
