@@ -109,8 +109,9 @@ def test_the_cost_model_crosses_where_the_two_steps_are_equal():
     def pipeline(link):
         return swarm_seconds(0.01, SwarmTraffic(10, 10**7), link)
 
-    where = crossover(atom, pipeline, 1e-3)
-    assert 1e8 < where < 1e10
+    found = crossover(atom, pipeline, 1e-3)
+    where = found.bandwidth
+    assert found.atom_ahead_below and 1e8 < where < 1e10
     assert math.isclose(atom(Link(1e-3, where)), pipeline(Link(1e-3, where)), rel_tol=1e-6)
     assert atom(Link(1e-3, where / 2)) < pipeline(Link(1e-3, where / 2))
     # an average CO2 can hide behind 4 long steps costs nothing; one it cannot, its excess

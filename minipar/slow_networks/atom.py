@@ -183,18 +183,33 @@ def swarm_seconds(base: float, traffic: SwarmTraffic, network: Link) -> float:
     return base + traffic.messages * network.alpha + traffic.nbytes * network.beta
 
 
+@dataclass(frozen=True)
+class Crossover:
+    """Where the modelled steps of ATOM and SWARM are equal: `bandwidth` (bytes/s; None if
+    they never cross in the range searched) and which one is ahead below it."""
+
+    bandwidth: float | None
+    atom_ahead_below: bool  # without a crossing: whether ATOM is ahead everywhere
+
+    def __str__(self) -> str:
+        ahead, behind = ("ATOM", "SWARM") if self.atom_ahead_below else ("SWARM", "ATOM")
+        if self.bandwidth is None:
+            return f"none: {ahead}'s modelled step is shorter at every bandwidth"
+        return f"{self.bandwidth * 8 / 1e6:.3g} Mb/s ({ahead} ahead below it, {behind} above)"
+
+
 def crossover(atom: Callable[[Link], float], swarm: Callable[[Link], float],
-              latency: float, low: float = 1e3, high: float = 1e13) -> float | None:
-    """The bandwidth (bytes/s, at `latency`) below which ATOM's modelled step beats
-    SWARM's, by bisection on a log scale; None if one wins over the whole range
-    (`low`..`high`), math.inf if ATOM wins everywhere there."""
+              latency: float, low: float = 1e3, high: float = 1e13) -> Crossover:
+    """The bandwidth (bytes/s, at `latency`) where ATOM's modelled step equals SWARM's, by
+    bisection on a log scale between `low` and `high`."""
     def ahead(bandwidth: float) -> bool:
         link = Link(latency, bandwidth)
         return atom(link) < swarm(link)
 
-    if ahead(low) == ahead(high):
-        return math.inf if ahead(high) else None
+    below = ahead(low)
+    if below == ahead(high):
+        return Crossover(None, below)
     for _ in range(60):
         middle = math.sqrt(low * high)
-        low, high = (middle, high) if ahead(middle) == ahead(low) else (low, middle)
-    return math.sqrt(low * high)
+        low, high = (middle, high) if ahead(middle) == below else (low, middle)
+    return Crossover(math.sqrt(low * high), below)

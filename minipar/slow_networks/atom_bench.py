@@ -134,19 +134,11 @@ def measure(rounds: int = 3, steps: int = 2 * LOCAL_STEPS + 1,
                      "swarm_bytes_per_step": statistics.median(
                          run["sent"] for run in runs[b]["swarm"]),
                      "atom_peak": runs[b]["atom"][0]["peak"], "model_bytes": size,
-                     "crossover": where, "swarm_formula_bytes": sent.nbytes,
+                     "crossover": str(where), "swarm_formula_bytes": sent.nbytes,
                      "swap_cost_rounds": [a / m for a, m in zip(
                          [run["seconds"] for run in runs[math.inf]["atom"]], in_memory,
                          strict=True)]})
     return rows
-
-
-def crossover_text(where: float | None) -> str:
-    if where is None:
-        return "none: SWARM's modelled step is shorter at every bandwidth"
-    if where == math.inf:
-        return "none: ATOM's modelled step is shorter at every bandwidth"
-    return f"{where * 8 / 1e6:.3g} Mb/s (ATOM ahead below it)"
 
 
 def report(rows: list[dict], out_dir: Path) -> str:
@@ -184,6 +176,6 @@ def report(rows: list[dict], out_dir: Path) -> str:
         ("ratio", "ATOM/SWARM"), ("model", "model"), ("atom_kib", "ATOM KiB/step"),
         ("swarm_kib", "SWARM KiB/step")])
     return (header + "\n" + table + "\npredicted crossover: " +
-            crossover_text(first["crossover"]) + "\nswapping's cost where the model fits: "
+            first["crossover"] + "\nswapping's cost where the model fits: "
             f"ATOM's loopback step {spread(first['swap_cost_rounds'])} the same peers' in "
             "memory")
