@@ -185,31 +185,37 @@ def swarm_seconds(base: float, traffic: SwarmTraffic, network: Link) -> float:
 
 @dataclass(frozen=True)
 class Crossover:
-    """Where the modelled steps of ATOM and SWARM are equal: `bandwidth` (bytes/s; None if
-    they never cross in the range searched) and which one is ahead below it."""
+    """Where the modelled steps of ATOM and a pipeline (`other`) are equal: `bandwidth`
+    (bytes/s; None if they never cross in the range searched) and which one is ahead below
+    it."""
 
     bandwidth: float | None
     atom_ahead_below: bool  # without a crossing: whether ATOM is ahead everywhere
+    other: str = "SWARM"
 
     def __str__(self) -> str:
-        ahead, behind = ("ATOM", "SWARM") if self.atom_ahead_below else ("SWARM", "ATOM")
+        ahead, behind = ("ATOM", self.other) if self.atom_ahead_below else (self.other, "ATOM")
         if self.bandwidth is None:
             return f"none: {ahead}'s modelled step is shorter at every bandwidth"
-        return f"{self.bandwidth * 8 / 1e6:.3g} Mb/s ({ahead} ahead below it, {behind} above)"
+        bits = self.bandwidth * 8
+        speed = f"{bits / 1e9:.3g} Gb/s" if bits >= 1e9 else f"{bits / 1e6:.3g} Mb/s"
+        return f"{speed} ({ahead} ahead below it, {behind} above)"
 
 
 def crossover(atom: Callable[[Link], float], swarm: Callable[[Link], float],
-              latency: float, low: float = 1e3, high: float = 1e13) -> Crossover:
-    """The bandwidth (bytes/s, at `latency`) where ATOM's modelled step equals SWARM's, by
-    bisection on a log scale between `low` and `high`."""
+              latency: float, low: float = 1e3, high: float = 1e13,
+              other: str = "SWARM") -> Crossover:
+    """The bandwidth (bytes/s, at `latency`) where ATOM's modelled step equals SWARM's (or
+    another pipeline's, named `other`), by bisection on a log scale between `low` and
+    `high`."""
     def ahead(bandwidth: float) -> bool:
         link = Link(latency, bandwidth)
         return atom(link) < swarm(link)
 
     below = ahead(low)
     if below == ahead(high):
-        return Crossover(None, below)
+        return Crossover(None, below, other)
     for _ in range(60):
         middle = math.sqrt(low * high)
         low, high = (middle, high) if ahead(middle) == below else (low, middle)
-    return Crossover(math.sqrt(low * high), below)
+    return Crossover(math.sqrt(low * high), below, other)
