@@ -8,8 +8,8 @@ next layer's load running on the copy stream while this layer computes. That is
 driven here for the whole model (`SwappedReplica`).
 
 Peers train copies on their own samples and average whole models now and then over the
-network, without waiting for the average: CO2's local SGD (`relaxed.co2_local_sgd`,
-Hivemind-style averaging in the background as ATOM's peers do), or local SGD when the
+network, without waiting for the average: CO2's local SGD (`relaxed.co2_local_sgd`: the
+average runs in the background while the peer keeps training), or local SGD when the
 averages should block (`relaxed.local_sgd`; with one local step it is synchronous data
 parallelism). Only model averages cross the network, every `local_steps` steps; a
 pipeline (SWARM) sends activations at every micro-batch.
