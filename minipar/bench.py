@@ -23,6 +23,7 @@ BENCHMARKS = {"launch": "minipar.runtime.bench",
               "mesh": "minipar.mesh.bench",
               "context-parallel": "minipar.context_parallel.bench",
               "masha": "minipar.slow_networks.masha_bench",
+              "atom": "minipar.slow_networks.atom_bench",
               "train": "minipar.train.bench",
               "train-vs-torch": "minipar.train.race",
               "cluster": "minipar.train.cluster_bench"}

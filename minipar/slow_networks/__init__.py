@@ -9,6 +9,9 @@ survives a dead rank.
 - `saddle.py`: a bilinear saddle-point problem split over ranks, extragradient;
   `masha.py`: MASHA1 / MASHA2 and naive compressed extragradient; `masha_bench.py`:
   distance against bytes sent (`minipar bench masha`);
+- `atom.py`: ATOM, a whole model swapped through each peer's device (`sharded.Offload`)
+  and averaged by CO2 or local SGD; `atom_bench.py`: ATOM against SWARM across link
+  speeds (`minipar bench atom`);
 - `lab.py`: the NetworkLab's runs (a method over an emulated network, a kill);
 - `exercises.py` (lesson 10's checks: push-sum, resume, error feedback), `demo.py`
   (`python -m minipar.slow_networks`).

@@ -2,9 +2,10 @@
 top-k compression) or to fewer peers (gossip: SGP, grouped all-reduce) on the same small
 regression task, a checkpointed run that loses a rank and resumes on fewer, and a
 bilinear saddle-point problem solved by extragradient, uncompressed and compressed (MASHA1,
-MASHA2). The exact ones are checked against one process; the others are approximate by
-design and show their loss (or distance) going down. `python -m minipar.slow_networks`,
-`minipar tour` and the tests run `demo`."""
+MASHA2), and ATOM's peers, each swapping a model bigger than its device budget. The
+exact ones are checked against one process; the others are approximate by design and show
+their loss (or distance) going down. `python -m minipar.slow_networks`, `minipar tour` and
+the tests run `demo`."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import torch.distributed as dist
 from ..data_parallel import single_process_sgd, task
 from ..data_parallel.compression import TopK, train_compressed
 from ..demo import Check, Context, Row, run_cases, start_clock
-from ..models import mse
+from ..models import mlp, mse
 from ..runtime import RankError, launch, rank, world_size
+from .atom import train_atom
 from .checkpoint import train_resumable
 from .gossip import train_gossip
 from .masha import LABELS, STEP, compare
@@ -27,7 +29,7 @@ from .relaxed import train_relaxed
 from .saddle import bilinear_problem, extragradient, extragradient_on_ranks
 
 CASES = ("local_sgd", "co2", "hogwild", "top_k", "sgp_complete", "sgp", "grouped",
-         "extragradient", "masha1", "masha2")
+         "extragradient", "masha1", "masha2", "atom")
 
 
 def _local_sgd() -> Check:
@@ -127,6 +129,25 @@ def _masha(method: str) -> Check:
                  note=f"not exact by design; {reached}")
 
 
+def _deep_model() -> torch.nn.Module:
+    """Eight equal hidden layers: a swapping device holds about three at a time."""
+    return mlp([32] + [256] * 8 + [1], seed=7, dtype=torch.float64)
+
+
+def _atom() -> Check:
+    """ATOM: each peer swaps the whole model through 3/4 of its parameters' bytes, averaging
+    every step (local SGD, H=1): synchronous SGD, so one process's run is the reference."""
+    whole = sum(p.numel() * p.element_size() for p in _deep_model().parameters())
+    _, reference = single_process_sgd(_deep_model(), task.batches(), mse, task.LR)
+    start = start_clock()
+    report, params = train_atom(_deep_model, task.batches(), mse, task.LR, local_steps=1,
+                                method="local_sgd", budget=whole * 3 // 4)
+    return Check("ATOM: model swapped through each peer, averaged every step",
+                 task.same(params, reference), time.perf_counter() - start, report.sent_bytes,
+                 note=f"device peak {report.peak / 1024:.0f} KiB under a {whole * 3 // 4 // 1024} "
+                      f"KiB budget, model {whole // 1024} KiB; only averages sent")
+
+
 def _killed_and_resumed(ctx: Context) -> Row:
     """Driver side: 4 ranks, rank 2 SIGKILLed at step 5, resumed on 3 ranks, against an
     uninterrupted 3-rank run (fresh processes: a death ends a run's group)."""
@@ -155,7 +176,7 @@ RUNS = {"local_sgd": _local_sgd, "co2": lambda: _relaxed("co2"),
         **{case: (lambda case=case: _gossip(case)) for case in ("sgp_complete", "sgp",
                                                                  "grouped")},
         "extragradient": _extragradient, "masha1": lambda: _masha("masha1"),
-        "masha2": lambda: _masha("masha2")}
+        "masha2": lambda: _masha("masha2"), "atom": _atom}
 
 
 def demo(cases: tuple[str, ...] = CASES) -> list[Check]:
@@ -165,6 +186,6 @@ def demo(cases: tuple[str, ...] = CASES) -> list[Check]:
 
 def tour(ctx: Context) -> list[Row]:
     return (ctx.checks(2, demo, ("local_sgd", "co2", "hogwild", "top_k", "extragradient",
-                                 "masha1", "masha2"))
+                                 "masha1", "masha2", "atom"))
             + ctx.checks(4, demo, ("sgp_complete", "sgp", "grouped"))
             + [_killed_and_resumed(ctx)])

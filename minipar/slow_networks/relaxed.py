@@ -12,6 +12,11 @@
   process) and apply their SGD updates to it without locks, as in Hogwild! (Niu et
   al. 2011): updates can interleave and overwrite each other, and training still
   converges when updates are sparse or small.
+
+Local SGD and CO2 drive a `LocalReplica` (their extension point): a copy of the model
+that takes a local step and whose parameters travel as one flat vector. `SGDReplica` is a
+module in memory with plain SGD; ATOM's peer (`atom.SwappedReplica`) is a whole model
+swapped layer by layer through a device that cannot hold it.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -49,7 +55,7 @@ def _local_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Cal
                 lr: float, step: int) -> float:
     with record("compute", "local step", step=step):
         model.zero_grad()
-        loss = loss_fn(model(shard(x)), shard(y))
+        loss = loss_fn(model(x), y)
         loss.backward()
         with torch.no_grad():
             for p in model.parameters():
@@ -59,28 +65,58 @@ def _local_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Cal
     return loss.item()
 
 
+class LocalReplica(Protocol):
+    """One rank's copy of the model, as local SGD and CO2 see it."""
+
+    def local_step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> float:
+        """One optimizer step on this rank's samples (x, y); returns the loss."""
+
+    def vector(self) -> torch.Tensor:
+        """The parameters as one flat vector (a copy the caller may keep)."""
+
+    def load_vector(self, flat: torch.Tensor) -> None:
+        """Set the parameters from a flat vector."""
+
+
+class SGDReplica:
+    """A module in memory, trained with plain SGD (`p -= lr * grad`)."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, lr: float) -> None:
+        self.model, self.loss_fn, self.lr = model, loss_fn, lr
+
+    def local_step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> float:
+        return _local_step(self.model, x, y, self.loss_fn, self.lr, step)
+
+    def vector(self) -> torch.Tensor:
+        with torch.no_grad():
+            return parameters_to_vector(self.model.parameters()).clone()
+
+    def load_vector(self, flat: torch.Tensor) -> None:
+        with torch.no_grad():
+            vector_to_parameters(flat, self.model.parameters())
+
+
 def _average(flat: torch.Tensor) -> torch.Tensor:
     with record("all_reduce", "average parameters"):
         return collectives.all_reduce(flat, op="avg")
 
 
-def local_sgd(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-              loss_fn: Callable, lr: float, local_steps: int) -> RelaxedReport:
-    """H = local_steps SGD steps on this rank's shard of each batch, then average parameters."""
+def local_sgd(replica: LocalReplica, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+              local_steps: int) -> RelaxedReport:
+    """H = local_steps steps on this rank's shard of each batch, then average parameters."""
     _check_h(local_steps)
     report = RelaxedReport()
     for step, (x, y) in enumerate(batches):
-        report.losses.append(_local_step(model, x, y, loss_fn, lr, step))
+        report.losses.append(replica.local_step(shard(x), shard(y), step))
         if (step + 1) % local_steps == 0 or step == len(batches) - 1:
-            with torch.no_grad():
-                flat = _average(parameters_to_vector(model.parameters()))
-                vector_to_parameters(flat, model.parameters())
+            replica.load_vector(_average(replica.vector()))
             report.rounds += 1
     return report
 
 
-def co2_local_sgd(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                  loss_fn: Callable, lr: float, local_steps: int) -> RelaxedReport:
+def co2_local_sgd(replica: LocalReplica,
+                  batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                  local_steps: int) -> RelaxedReport:
     """Local SGD whose averages run while the next round computes (one round stale)."""
     _check_h(local_steps)
     report = RelaxedReport()
@@ -89,19 +125,16 @@ def co2_local_sgd(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.
     def land() -> None:
         thread, snapshot, averaged = pending
         thread.join()
-        with torch.no_grad():
-            current = parameters_to_vector(model.parameters())
-            # CO2's rebase: the one-round-stale average plus this round's local progress
-            vector_to_parameters(averaged + (current - snapshot), model.parameters())
+        # CO2's rebase: the one-round-stale average plus this round's local progress
+        replica.load_vector(averaged + (replica.vector() - snapshot))
         report.rounds += 1
 
     for step, (x, y) in enumerate(batches):
-        report.losses.append(_local_step(model, x, y, loss_fn, lr, step))
+        report.losses.append(replica.local_step(shard(x), shard(y), step))
         if (step + 1) % local_steps == 0 or step == len(batches) - 1:
             if pending is not None:
                 land()  # last round's average, computed while this round ran
-            with torch.no_grad():
-                snapshot = parameters_to_vector(model.parameters()).clone()
+            snapshot = replica.vector()
             # the thread averages `averaged` in place; `snapshot` stays as it is, for the rebase
             averaged = snapshot.clone()
             # daemon: a hung average never blocks the rank's exit
@@ -137,7 +170,7 @@ def hogwild(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor
         offset += p.numel()
     report = RelaxedReport()
     for step, (x, y) in enumerate(batches):
-        report.losses.append(_local_step(model, x, y, loss_fn, lr, step))
+        report.losses.append(_local_step(model, shard(x), shard(y), loss_fn, lr, step))
     # every rank's updates are in before anyone reads the final parameters
     dist.barrier()
     return report
@@ -149,9 +182,9 @@ def train_relaxed(method: str, model_fn: Callable[[], nn.Module], batches: Seque
     """Run one method by name on this rank; return its report and final parameters."""
     model = model_fn()
     if method == "local_sgd":
-        report = local_sgd(model, batches, loss_fn, lr, local_steps)
+        report = local_sgd(SGDReplica(model, loss_fn, lr), batches, local_steps)
     elif method == "co2":
-        report = co2_local_sgd(model, batches, loss_fn, lr, local_steps)
+        report = co2_local_sgd(SGDReplica(model, loss_fn, lr), batches, local_steps)
     elif method == "hogwild":
         if shared_file is None:
             raise ValueError("hogwild needs shared_file: a path every rank can map")
