@@ -164,6 +164,7 @@ BAD_INPUT = [
     (["train", "--steps", "0"], "--steps: must be >= 1"),
     (["train", "--steps", "-3"], "--steps: must be >= 1"),
     (["train", "--fault", "boom@1:2"], "argument --fault: must be KIND@RANK:STEP"),
+    (["train", "--fault", "kill@5:2"], "would never fire: the run has ranks 0..0"),
     (["lessons", "--student", "{root}/out", "--source", "{root}/missing"],
      "no lesson notebooks"),
     (["lessons", "--student", "{root}/out", "--source", "{root}/binary"],

@@ -90,7 +90,8 @@ def _config(args):
     ranks = int(os.environ["WORLD_SIZE"]) if under_torchrun() else args.ranks
     if ranks is not None and "parallel.dp" not in overrides:
         if ranks % others:
-            raise ValueError(f"--ranks {ranks} is not a multiple of pp x tp x cp = {others}; "
+            given = "torchrun's WORLD_SIZE" if under_torchrun() else "--ranks"
+            raise ValueError(f"{given} {ranks} is not a multiple of pp x tp x cp = {others}; "
                              f"use --ranks {others * max(1, ranks // others)} or other degrees")
         config = replace(config, parallel=replace(par, dp=ranks // others))
     ranks = config.parallel.dp * others
@@ -101,6 +102,10 @@ def _config(args):
         raise ValueError(f"torchrun started {size} processes but dp {par.dp} x pp {par.pp} x "
                          f"tp {par.tp} x cp {par.cp} = {ranks}; start torchrun with {ranks} in "
                          "all (nnodes x nproc-per-node), or leave out --dp to derive it")
+    fault = args.fault
+    if fault and (fault.rank >= ranks or fault.step > config.train.steps):
+        raise ValueError(f"--fault {fault.kind}@{fault.rank}:{fault.step} would never fire: "
+                         f"the run has ranks 0..{ranks - 1} and steps 1..{config.train.steps}")
     data = config.data
     check_corpus(data.path, data.val_fraction, data.seed, config.model.seq_len)
     if args.check:  # the reference too, before the run rather than after it
