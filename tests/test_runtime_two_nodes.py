@@ -1,7 +1,8 @@
 """Two torchrun nodes on one machine: two agents (--nnodes 2, 2 processes each) meet in a
 c10d rendezvous and run the tour's techniques, the hierarchical all-to-all across the
 nodes torchrun made, and `minipar.train` on dp x tp and dp x pp, whose final weights are
-the one-node run's, bit for bit (float64).
+the one-node run's, bit for bit (float64); and, with --max-restarts 1, a worker killed on
+one node restarts the workers of both, and the trainer resumes on its own.
 
 The rendezvous store is hosted here, on a port the OS picks (no free-port race), and
 both agents join it as clients (`is_host=false`), so neither agent's exit cuts the
@@ -34,10 +35,11 @@ from minipar.train.loop import train
 AGENT_SECONDS = 150  # a bound for one job on a loaded 2-core machine (about 15 s idle)
 
 
-def two_nodes(args: list[str], logs, seconds: float = AGENT_SECONDS) -> str:
+def two_nodes(args: list[str], logs, seconds: float = AGENT_SECONDS,
+              options: tuple[str, ...] = ()) -> str:
     """Run `args` (torchrun's entry: -m module ...) under two torchrun agents of 2 ranks
-    each on this machine; their output, agent by agent. Fails naming the agent that
-    exited non-zero, with both agents' output."""
+    each on this machine, with torchrun's `options` (e.g. --max-restarts 1); their output,
+    agent by agent. Fails naming the agent that exited non-zero, with both agents' output."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=seconds))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
@@ -51,7 +53,7 @@ def two_nodes(args: list[str], logs, seconds: float = AGENT_SECONDS) -> str:
                      "--nproc-per-node", "2",
                      "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{store.port}",
                      "--rdzv-id", f"minipar-{store.port}",
-                     "--rdzv-conf", "is_host=false,join_timeout=60", *args],
+                     "--rdzv-conf", "is_host=false,join_timeout=60", *options, *args],
                     stdout=out, stderr=subprocess.STDOUT, env=env))
         deadline = time.monotonic() + seconds
         # until both are done; one failing ends the wait (its peer would sit out a timeout)
@@ -100,3 +102,25 @@ def test_training_across_two_nodes_ends_on_the_one_node_weights(
     _, one_step, one_node = consolidate(tmp_path / "one_node")
     assert step == one_step == 6 and weights.keys() == one_node.keys()
     assert all(torch.equal(weights[name], one_node[name]) for name in one_node)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_on_one_node_restarts_both_and_the_run_resumes(
+        cluster4, corpus, tmp_path):  # noqa: F811
+    """Rank 3 (node 1) is SIGKILLed at step 5; both agents restart their workers in a new
+    rendezvous round, and rank 0, on the surviving node, resumes after step 4."""
+    config = tiny(corpus, dp=2, tp=2)
+    config = replace(config, train=replace(config.train, steps=6, eval_every=0,
+                                           checkpoint_every=2))
+    (tmp_path / "run.toml").write_text(to_toml(config))
+    output = two_nodes(["-m", "minipar.train", "--config", str(tmp_path / "run.toml"),
+                        "--out", str(tmp_path / "elastic"), "--fault", "kill@3:5",
+                        "--timeout", "60"], tmp_path, options=("--max-restarts", "1"))
+    # both agents exited 0 (two_nodes checks): had the surviving node kept its old
+    # workers, they would wait at step 5 for the dead rank, and no new round could form
+    assert "resuming after step 4 of 6" in output, output
+    cluster4.run(train, config, tmp_path / "whole")
+    _, step, weights = consolidate(tmp_path / "elastic")
+    _, whole_step, whole = consolidate(tmp_path / "whole")
+    assert step == whole_step == 6
+    assert all(torch.equal(weights[name], whole[name]) for name in whole)

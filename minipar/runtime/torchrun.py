@@ -47,21 +47,43 @@ def _leave_process_group() -> None:
         dist.destroy_process_group()
 
 
+_ATTEMPT: tuple[int, dist.TCPStore] | None = None  # this worker's attempt, counted once
+
+
+def elastic_attempt(timeout: float = 60.0) -> int:
+    """Which attempt of a torchrun job this worker belongs to: 0 for the first, r after
+    the r-th restart (--max-restarts); 0 outside torchrun's elastic agent.
+
+    Counted in the rendezvous store, not read from TORCHELASTIC_RESTART_COUNT: on several
+    nodes only the failed node's agent counts a restart (a surviving agent restarts its
+    workers for the new rendezvous round with its count unchanged), so the count differs
+    between nodes. Every worker of every attempt adds one to a counter, once; attempt r's
+    workers read r*W+1 .. (r+1)*W. (A worker that died before adding would shift the next
+    attempt's count; a failure at start-up ends the job rather than restart it.)"""
+    global _ATTEMPT
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "MASTER_ADDR" not in os.environ:
+        return 0
+    if _ATTEMPT is None:
+        me, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size,
+                              is_master=not agent_hosts and me == 0,
+                              timeout=datetime.timedelta(seconds=timeout))
+        _ATTEMPT = ((store.add("minipar/joined", 1) - 1) // size, store)
+    return _ATTEMPT[0]
+
+
 def _attempt_store(timeout: float) -> dict:
     """After torchrun restarts its workers (--max-restarts), the rendezvous store can still
     hold the addresses the dead attempt's ranks published, and a new rank may connect to
-    one of them (refused, or a hang). Keys under a prefix per attempt keep attempts apart.
-    Returns init_process_group's store=, rank=, world_size= (nothing outside elastic)."""
+    one of them (refused, or a hang). Keys under a prefix per attempt (`elastic_attempt`)
+    keep attempts apart. Returns init_process_group's store=, rank=, world_size= (nothing
+    outside elastic)."""
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ or "MASTER_ADDR" not in os.environ:
         return {}
-    me, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), size,
-                          is_master=not agent_hosts and me == 0,
-                          timeout=datetime.timedelta(seconds=timeout))
-    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
-    return {"store": dist.PrefixStore(f"minipar/attempt-{attempt}", store), "rank": me,
-            "world_size": size}
+    attempt = elastic_attempt(timeout)
+    return {"store": dist.PrefixStore(f"minipar/attempt-{attempt}", _ATTEMPT[1]),
+            "rank": int(os.environ["RANK"]), "world_size": int(os.environ["WORLD_SIZE"])}
 
 
 def run_under_torchrun(fn: Callable, size: int, args: tuple, kwargs: dict, backend: str,

@@ -61,7 +61,8 @@ def _averaging(method: str, steps: int, latency: float, slow_link, slow_latency:
 
 def _swarm(steps: int, latency: float, slow_link, slow_latency: float, kill: dict | None):
     with _network(latency, slow_link, slow_latency):
-        return swarm(model, [[1, 2], [3, 4]], batches(steps), mse, LR, MICRO, kill=kill)
+        return swarm(model, [[1, 2], [3, 4]], batches(steps), mse, LR, MICRO,
+                     kill_at_step=kill)
 
 
 def network_run(method: str, steps: int = 12, latency: float = 0.0,
@@ -77,10 +78,9 @@ def network_run(method: str, steps: int = 12, latency: float = 0.0,
                          f"'all-reduce' (every all-reduce step needs every rank); got "
                          f"kill={kill!r} with method={method!r}")
     if method == "SWARM":
-        # the worker's forwards per step: MICRO micro-batches over a pool of 2
-        forwards = None if kill is None else {kill: kill_step * MICRO // 2 + 1}
-        run = launch(_swarm, 5, steps, latency, slow_link, slow_latency, forwards,
-                     tolerate_deaths=True)
+        # by step: a worker's share of the forwards follows its measured speed (the load)
+        run = launch(_swarm, 5, steps, latency, slow_link, slow_latency,
+                     None if kill is None else {kill: kill_step}, tolerate_deaths=True)
         report = run[0]
         died = report.deaths[0] if report.deaths else None
         return {"losses": report.losses, "seconds": report.seconds, "ranks": 5,

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from ..cli import OneLineParser, output_folder, positive_int, run_command
 from ..runtime import launch, under_torchrun
+from ..runtime.torchrun import elastic_attempt
 from .checkpoint import verify_checkpoint
 from .compare import against_one_process, first_with_losses, one_process, run_config
 from .compare import main as compare_main
@@ -76,9 +77,9 @@ def _fault(text: str) -> Fault:
 
 
 def restarted_by_torchrun() -> bool:
-    """A worker torchrun started again after a failure (--max-restarts): it resumes from
-    the latest complete checkpoint in --out, as the job it replaces would have."""
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    """A worker torchrun started again after a failure (--max-restarts), on any node: it
+    resumes from the latest complete checkpoint in --out, as the job it replaces would."""
+    return under_torchrun() and elastic_attempt() > 0
 
 
 def _config(args):

@@ -12,7 +12,8 @@ checkpoints do about it.
   previous checkpoint stays the latest.
 
 A fault fires only in a job's first attempt: torchrun's restarted workers
-(TORCHELASTIC_RESTART_COUNT > 0) run clean, as a real restart would after the cause is gone.
+(`runtime.torchrun.elastic_attempt() > 0`) run clean, as a real restart would after the
+cause is gone.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ..runtime import rank
+from ..runtime.torchrun import elastic_attempt
 
 FAULT_KINDS = ("kill", "raise", "hang", "disk-full")
 
@@ -59,8 +61,7 @@ class Fault:
 
     def fires(self, step: int) -> bool:
         """On this rank, at this step, in the job's first attempt."""
-        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        return first_attempt and rank() == self.rank and step == self.step
+        return elastic_attempt() == 0 and rank() == self.rank and step == self.step
 
     @contextmanager
     def during_step(self, step: int) -> Iterator[None]:
