@@ -52,9 +52,10 @@ def test_swarm_equals_one_process_even_when_a_worker_dies(kill, slowdown):
                 continue
             assert torch.allclose(results[w], want[stage], rtol=1e-10, atol=1e-12), (w, kill)
     if kill:
-        (victim,) = kill
-        (step, dead), = report.deaths
-        assert dead == victim and report.resent > 0
+        ((victim, step),) = kill.items()
+        # noticed in the very step it died, at the first request sent to it; whether it
+        # held micro-batches to send again (report.resent) depends on the routing
+        assert report.deaths == [(step, victim)]
         # after its death the victim serves nothing; its pool-mate serves every micro-batch
         later = report.served[step + 1:]
         assert all(victim not in s for s in later)
