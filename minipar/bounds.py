@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from .cost import Link, all_reduce_cost
 
 
+def _parts(algorithm: str, world_size: int, link: Link) -> tuple[float, float]:
+    """An all-reduce's time as (latency part, seconds per byte): both terms are linear."""
+    return (all_reduce_cost(algorithm, world_size, 1.0, alpha=link.alpha).seconds,
+            all_reduce_cost(algorithm, world_size, 1.0, beta=link.beta).seconds)
+
+
 def half_bandwidth_bytes(algorithm: str, world_size: int, link: Link) -> float:
     """Hockney's n_1/2 for an all-reduce: the size N at which its latency terms (steps x
     alpha) equal its byte terms. Below it latency dominates; at it the collective reaches
@@ -21,8 +27,7 @@ def half_bandwidth_bytes(algorithm: str, world_size: int, link: Link) -> float:
     2(K-1)/K N betas), the tree's alpha/beta: the ring needs K times larger messages."""
     if world_size < 2:
         raise ValueError(f"world_size must be >= 2 to communicate; got {world_size}")
-    latency = all_reduce_cost(algorithm, world_size, 1.0, alpha=link.alpha).seconds
-    per_byte = all_reduce_cost(algorithm, world_size, 1.0, beta=link.beta).seconds
+    latency, per_byte = _parts(algorithm, world_size, link)
     return latency / per_byte
 
 
@@ -30,11 +35,8 @@ def crossover_bytes(algorithm: str, other: str, world_size: int, link: Link) -> 
     """The size N at which `algorithm` and `other` take equally long (both times are a
     latency part plus a part linear in N); inf if their byte parts are equal. Not n_1/2:
     the ring overtakes the tree well before it reaches half its own peak."""
-    def parts(name: str) -> tuple[float, float]:
-        return (all_reduce_cost(name, world_size, 1.0, alpha=link.alpha).seconds,
-                all_reduce_cost(name, world_size, 1.0, beta=link.beta).seconds)
-
-    (lat_a, byte_a), (lat_b, byte_b) = parts(algorithm), parts(other)
+    (lat_a, byte_a), (lat_b, byte_b) = (_parts(algorithm, world_size, link),
+                                        _parts(other, world_size, link))
     if byte_a == byte_b:
         return float("inf")
     return (lat_a - lat_b) / (byte_b - byte_a)

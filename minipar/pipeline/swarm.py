@@ -67,14 +67,13 @@ def _send(op: int, mb: int, dst: int, payload: torch.Tensor | None = None) -> li
     return pending
 
 
-def _worker(module: nn.Module, lr: float, kill_after: int | None, slowdown: float,
-            kill_at_step: int | None = None) -> None:
-    """Serve the trainer's requests until STOP (or die at the `kill_after`-th forward, or
-    at the first request of step `kill_at_step`)."""
+def _worker(module: nn.Module, lr: float, slowdown: float, kill_at_step: int | None) -> None:
+    """Serve the trainer's requests until STOP (or die at the first request of step
+    `kill_at_step`)."""
     params = list(module.parameters())
     saved: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     grads: dict[int, torch.Tensor] = {}
-    forwards = updates = 0  # every step ends with an UPDATE to every worker: a step count
+    updates = 0  # every step ends with an UPDATE to every worker: a step count
     while True:
         op, mb, rows, cols = collectives.recv(torch.zeros(4, dtype=torch.int64), 0).tolist()
         if kill_at_step is not None and updates >= kill_at_step and op != STOP:
@@ -84,9 +83,6 @@ def _worker(module: nn.Module, lr: float, kill_after: int | None, slowdown: floa
         dtype = params[0].dtype
         if op == FORWARD:
             x = collectives.recv(torch.zeros(rows, cols, dtype=dtype), 0)
-            forwards += 1
-            if forwards == kill_after:
-                os.kill(os.getpid(), signal.SIGKILL)  # a real death, mid-request
             start = time.perf_counter()
             with record("compute", f"F{mb}", microbatch=mb):
                 x.requires_grad_()
@@ -251,13 +247,11 @@ class _Trainer:
 def swarm(model_fn: Callable[[], nn.Sequential], pools: list[list[int]],
           batches: Sequence[tuple[torch.Tensor, torch.Tensor]], loss_fn: Callable, lr: float,
           microbatches: int, boundaries: Sequence[int] | None = None,
-          kill: dict[int, int] | None = None, slowdown: dict[int, float] | None = None,
-          seed: int = 0, kill_at_step: dict[int, int] | None = None
-          ) -> SwarmReport | torch.Tensor:
+          slowdown: dict[int, float] | None = None, seed: int = 0,
+          kill_at_step: dict[int, int] | None = None) -> SwarmReport | torch.Tensor:
     """Run on every rank: rank 0 trains, the ranks in `pools[s]` serve stage s of the
-    model cut by `split_model`. `kill={rank: n}`: that worker dies at its n-th forward;
-    `kill_at_step={rank: k}`: at its first request of step k (0-based), however many
-    forwards the routing gave it;
+    model cut by `split_model`. `kill_at_step={rank: k}`: that worker dies (SIGKILL) at
+    its first request of step k (0-based), however many forwards the routing gave it;
     `slowdown={rank: f}` makes it f times slower. The trainer returns a SwarmReport, a
     worker its stage's final parameters (flat)."""
     workers = [w for pool in pools for w in pool]
@@ -267,7 +261,7 @@ def swarm(model_fn: Callable[[], nn.Sequential], pools: list[list[int]],
     stages = split_model(model_fn(), len(pools), boundaries)
     if rank() != 0:
         stage = next(s for s, pool in enumerate(pools) if rank() in pool)
-        _worker(stages[stage], lr, (kill or {}).get(rank()), (slowdown or {}).get(rank(), 1.0),
+        _worker(stages[stage], lr, (slowdown or {}).get(rank(), 1.0),
                 (kill_at_step or {}).get(rank()))
         return parameters_to_vector(stages[stage].parameters()).detach()
     trainer = _Trainer(pools, stages, seed)
