@@ -11,6 +11,7 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -94,7 +95,8 @@ class RankGroup:
                                      self.io_dir, self._lifeline, threads, child_end))
             self.conns.append(parent_end)
             self.procs.append(proc)  # before start: stop() ends it even if start is cut short
-            proc.start()
+            with _ctrl_c_held():
+                proc.start()
             # keep only our end: once the rank's end is closed here too, its death reads as EOF
             child_end.close()
 
@@ -244,22 +246,46 @@ class RankGroup:
         return bool(self.procs)
 
 
-def _start_forkserver_deaf_to_ctrl_c() -> None:
-    """Start multiprocessing's forkserver (if it is not running) with SIGINT ignored, a
-    setting it and the ranks it forks inherit. Ctrl-C in a terminal reaches every process
-    of the foreground group: the launcher turns it into one line and stops the ranks, and
-    the forkserver, importing torch for a second or two, would otherwise print a traceback
-    of its own. Only the main thread may change signal handlers; elsewhere, start as is."""
-    import multiprocessing.forkserver as forkserver
-    import threading
-
+@contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """Hold a Ctrl-C that arrives inside this block and raise it at its end. Starting a
+    rank hands it its start-up data through a pipe: cut off halfway, the rank prints an
+    EOFError traceback of its own. Only the main thread may set handlers; elsewhere, as is."""
     if threading.current_thread() is not threading.main_thread():
+        yield
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    held: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
     try:
-        forkserver.ensure_running()
+        yield
     finally:
         signal.signal(signal.SIGINT, previous)
+    if held and callable(previous):
+        previous(signal.SIGINT, None)  # the handler that was there: KeyboardInterrupt, usually
+
+
+def _start_forkserver_deaf_to_ctrl_c() -> None:
+    """Start multiprocessing's forkserver (if it is not running) with SIGINT blocked, a
+    signal mask that it and the ranks it forks inherit (through exec and fork). Ctrl-C in a
+    terminal reaches every process of the foreground group: the launcher turns it into one
+    line and stops the ranks, and the forkserver, importing torch for a second or two, would
+    otherwise print a traceback of its own. Blocked, not ignored: an ignored SIGINT here
+    would be lost to the launcher too; blocked in this thread only, it is held for it."""
+    import multiprocessing.forkserver as forkserver
+    from multiprocessing import resource_tracker
+
+    # started first, on its own: it blocks and then *unblocks* SIGINT around its own start
+    resource_tracker.ensure_running()
+    if threading.current_thread() is not threading.main_thread() \
+            or not hasattr(signal, "pthread_sigmask"):
+        forkserver.ensure_running()
+        return
+    with _ctrl_c_held():
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            forkserver.ensure_running()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 # weak: tracking a group for the exit handler must not keep a dropped group alive
