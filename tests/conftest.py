@@ -3,6 +3,7 @@
 import os
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,11 +16,24 @@ os.environ.setdefault("MINIPAR_OUT", tempfile.mkdtemp(prefix="minipar-test-out-"
 os.environ.setdefault("MINIPAR_CACHE", tempfile.mkdtemp(prefix="minipar-test-cache-"))
 
 
-def pytest_collection_modifyitems(items):
-    """Lessons run whole notebooks: they belong to the slow set (`-m "not slow"` skips them)."""
+# runs each lesson's exercise solutions and checks outside the notebook (tests/test_exercises.py)
+REPEATS_NBVAL = "test_every_check_accepts_the_notebooks_own_solution"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Lessons run whole notebooks: they belong to the slow set (`-m "not slow"` skips them).
+    A lesson run under nbval runs its own exercises' solutions and checks: in the same
+    session, the test that runs them outside the notebook would only repeat it."""
+    notebooks = {Path(str(item.fspath)).stem for item in items
+                 if str(item.fspath).endswith(".ipynb")}
     for item in items:
         if str(item.fspath).endswith(".ipynb"):
             item.add_marker(pytest.mark.slow)
+    repeated = [item for item in items if getattr(item, "originalname", "") == REPEATS_NBVAL
+                and item.callspec.id in notebooks]
+    if repeated:
+        config.hook.pytest_deselected(items=repeated)
+        items[:] = [item for item in items if item not in repeated]
 
 
 @pytest.fixture(scope="session")

@@ -137,13 +137,13 @@ def run_steps(config: TrainConfig, native: bool, profile: bool = False,
     return out
 
 
-def timed(config: TrainConfig, native: bool) -> dict:
-    """On every rank, one thread: this side's median tokens/s (after WARMUP steps) and
-    its profiled step."""
+def timed(config: TrainConfig, native: bool, profile: bool = True) -> dict:
+    """On every rank, one thread: this side's median tokens/s (after WARMUP steps) and,
+    with `profile`, its profiled step."""
     torch.set_num_threads(1)
-    out = run_steps(config, native, profile=True)
+    out = run_steps(config, native, profile=profile)
     speed = statistics.median(r["tokens_per_s"] for r in out["records"][WARMUP:])
-    return {"tokens_per_s": speed, **out["profile"]}
+    return {"tokens_per_s": speed, **out.get("profile", {})}
 
 
 def measure(steps: int = 10, rounds: int = 5, preset: str = "small",
@@ -162,7 +162,9 @@ def measure(steps: int = 10, rounds: int = 5, preset: str = "small",
                 for side, parallel in (("minipar", ROWS[row][0]), ("torch", ROWS[row][1])):
                     progress(f"{row}, {side}, round {round_index + 1}/{rounds}")
                     config = race_config(parallel, steps, preset)
-                    result = clusters[_ranks(parallel)].run(timed, config, side == "torch")
+                    # the table shows the last round's profiled step: only that round profiles
+                    result = clusters[_ranks(parallel)].run(timed, config, side == "torch",
+                                                            round_index == rounds - 1)
                     runs[row, side].append(min(result, key=lambda r: r["tokens_per_s"]))
     finally:
         for cluster in clusters.values():
