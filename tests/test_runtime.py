@@ -81,6 +81,27 @@ def test_timeline_collects_every_rank(cluster2):
     assert all(e.label == "matmul" and e.step == 3 and e.end >= e.start >= 0 for e in timeline)
 
 
+def _threads_after_making_groups(n: int) -> int:
+    """Make `n` groups (all ranks, as torch requires), use them, and count this rank's threads."""
+    for _ in range(n):
+        group = dist.new_group([0, 1])
+        dist.all_reduce(torch.ones(1), group=group)
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_groups_a_run_made_end_with_it(cluster2):
+    """A gloo group keeps threads that poll its sockets: groups left behind by earlier runs
+    would pile up in a long-lived Cluster (a session's, a notebook's) and eat the CPU."""
+    baseline = cluster2.run(_threads_after_making_groups, 0)
+    inside = cluster2.run(_threads_after_making_groups, 10)
+    after = cluster2.run(_threads_after_making_groups, 0)
+    assert all(i > b for i, b in zip(inside, baseline, strict=True))  # they had threads
+    assert after == baseline
+    # the next run still makes and uses groups (names and tags stay in step across ranks)
+    assert cluster2.run(lambda: _threads_after_making_groups(1) > 0) == [True, True]
+
+
 def test_start_method_spawn_works():
     with minipar.Cluster(2, backend="gloo", start_method="spawn", timeout=30) as cluster:
         assert cluster.run(lambda: minipar.rank() * 5) == [0, 5]
