@@ -90,7 +90,7 @@ def _threads_after_making_groups(n: int) -> int:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_groups_a_run_made_end_with_it(cluster2):
+def test_groups_a_run_made_end_as_the_next_run_starts(cluster2):
     """A gloo group keeps threads that poll its sockets: groups left behind by earlier runs
     would pile up in a long-lived Cluster (a session's, a notebook's) and eat the CPU."""
     baseline = cluster2.run(_threads_after_making_groups, 0)

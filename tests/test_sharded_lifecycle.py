@@ -33,7 +33,12 @@ def test_at_most_one_unit_whole_without_prefetch_and_two_with():
     assert max(len(m.whole) for m in unit_lifecycle(5)) == 1
     assert max(len(m.whole) for m in unit_lifecycle(5, prefetch=True)) == 2
     assert unit_lifecycle(3)[-1].whole == frozenset()
-    render_lifecycle(unit_lifecycle(3, prefetch=True))  # draws without error
+
+
+def test_the_drawing_names_every_moment_above_its_column():
+    moments = unit_lifecycle(3, prefetch=True)
+    ax = render_lifecycle(moments).axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == [m.label for m in moments]
 
 
 def test_bad_units_is_one_line():

@@ -58,6 +58,9 @@ class Cluster:
     Each `run` sends the function to every rank and returns the per-rank results in
     rank order. If a run fails (a rank raises, dies or times out) every rank is
     stopped and the next `run` starts fresh ones (state kept in the ranks is lost).
+    Process groups a run creates (a mesh's, `dist.new_group`'s) are destroyed as the next
+    run starts (each gloo group keeps threads polling its sockets): a run makes the groups
+    it uses.
     """
 
     def __init__(self, world_size: int, backend: str = "auto", *,

@@ -91,32 +91,28 @@ def _user_traceback(err: BaseException) -> str:
     return "".join(traceback.format_exception(type(err), err, tb))
 
 
-def _run_task(task: bytes) -> tuple:
+def _run_task(task: bytes, kept: set) -> tuple:
     fn, args, kwargs, path = cloudpickle.loads(task)
     for entry in path:
         if entry not in sys.path:
             sys.path.append(entry)
+    _end_groups_of_the_last_task(kept)
     dist.barrier()  # a common t=0 for every rank's events
-    before = set(c10d._world.pg_map)
     with trace.capture(rank()) as captured:
         result = fn(*args, **kwargs)
-    _end_groups_made_since(before)
     return result, captured.events
 
 
-def _end_groups_made_since(before: set) -> None:
-    """Destroy the process groups a task created, as it ends. Each gloo group keeps threads
-    of its own that wake many times a second to poll its sockets, and a group is of no use
-    once its task has returned: a Cluster that ran a few hundred meshes otherwise spent a
-    large share of the CPU on these idle threads, and every later run on the machine slowed.
-    """
+def _end_groups_of_the_last_task(kept: set) -> None:
+    """Destroy the process groups the last task created (all but `kept`, the default group).
+    Each gloo group keeps threads of its own that wake many times a second to poll its
+    sockets: a Cluster that had run a few hundred meshes spent a large share of the CPU on
+    idle threads, and everything else on the machine slowed. Safe with no barrier: the
+    launcher sends a task only once every rank has replied to the last one, so no peer is
+    still using them; and not at the end of a task, where a peer may still be reading."""
     # torch's registry of this process's groups (private, but the one complete list: meshes,
     # DeviceMesh and FSDP make groups through several public calls)
-    made = [g for g in c10d._world.pg_map if g not in before]
-    if not made:
-        return
-    dist.barrier()  # no rank closes a group's sockets while a peer may still be reading them
-    for group in made:
+    for group in [g for g in c10d._world.pg_map if g not in kept]:
         dist.destroy_process_group(group)
 
 
@@ -153,6 +149,7 @@ def _worker_main(rank_: int, size: int, backend: str, port: int, io_dir: str,
         # waits) fires first, not gloo's terse one
         dist.init_process_group(backend, store=store, rank=rank_, world_size=size,
                                 timeout=datetime.timedelta(hours=1))
+        kept = set(c10d._world.pg_map)  # the groups every task may use: the default one
         conn.send_bytes(cloudpickle.dumps(("ready", None)))
     except BaseException:
         # the launcher reports a failed start with this traceback, not just an exit code
@@ -166,7 +163,7 @@ def _worker_main(rank_: int, size: int, backend: str, port: int, io_dir: str,
         except (EOFError, OSError):
             break
         try:
-            result, events = _run_task(task)
+            result, events = _run_task(task, kept)
             try:
                 reply = cloudpickle.dumps(("ok", (result, events)))
             except Exception as err:

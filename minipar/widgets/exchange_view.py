@@ -51,18 +51,21 @@ def _draw_holds(ax, stages: list[dict], stage: int, nodes: int, per_node: int) -
     holds = stages[stage]["holds"]
     tallest = max(max(len(h) for h in s["holds"]) for s in stages)
     for b in range(nodes):
-        ax.add_patch(Rectangle((b * per_node - 0.45, -0.6), per_node - 0.1, tallest + 1.4,
+        # the node's label sits inside its box, above the tallest pile
+        ax.add_patch(Rectangle((b * per_node - 0.45, -0.6), per_node - 0.1, tallest + 2.3,
                                facecolor="#F2F2F2", edgecolor="#BBBBBB"))
-        ax.text(b * per_node + (per_node - 1) / 2, tallest + 0.5, f"node {b}",
-                ha="center", fontsize=9, color="#555555")
+        ax.text(b * per_node + (per_node - 1) / 2, tallest + 0.6, f"node {b}",
+                ha="center", va="bottom", fontsize=9, color="#555555")
     side = 0.8
     for r, held in enumerate(holds):
         for i, (_, dst) in enumerate(held):
             ax.add_patch(Rectangle((r - side / 2, i), side, 0.85, facecolor=PALETTE[dst],
                                    edgecolor="white", linewidth=0.6))
     ax.set_xlim(-0.7, k - 0.3)
-    ax.set_ylim(-0.8, tallest + 1.2)
+    ax.set_ylim(-0.8, tallest + 1.9)
     ax.set_xticks(range(k), [f"rank {r}" for r in range(k)], fontsize=8)
+    for r, label in enumerate(ax.get_xticklabels()):
+        label.set_color(PALETTE[r])  # the key: a square bound for rank r has rank r's colour
     ax.set_yticks([])
 
 

@@ -195,16 +195,21 @@ def render_lifecycle(moments: list, title: str = "") -> Figure:
             ax.add_patch(Rectangle((col, u), 0.92, 0.85, facecolor="#2F4B7C" if held
                                    else "#E3E8F0", edgecolor=colors[m.action] if acting
                                    else "white", linewidth=2.2 if acting else 0.5))
-        ax.text(col + 0.46, -0.25, m.label, rotation=60, ha="left", va="bottom", fontsize=7,
-                color=colors[m.action])
         ax.text(col + 0.46, units + 0.45, str(len(m.whole)), ha="center", va="center",
                 fontsize=8)
     ax.text(-0.2, units + 0.45, "units whole", ha="right", va="center", fontsize=8)
     ax.set_xlim(-0.1, len(moments))
-    ax.set_ylim(units + 0.9, -3.2)
+    ax.set_ylim(units + 0.9, -0.1)
     ax.set_yticks([u + 0.42 for u in range(units)], [f"unit {u}" for u in range(units)],
                   fontsize=8)
-    ax.set_xticks([])
+    # the moments name the columns from above, as tick labels, so that the layout leaves
+    # them exactly the room they need
+    ax.xaxis.tick_top()
+    ax.set_xticks([col + 0.46 for col in range(len(moments))], [m.label for m in moments],
+                  rotation=60, ha="left", rotation_mode="anchor", fontsize=7)
+    for m, label in zip(moments, ax.get_xticklabels(), strict=True):
+        label.set_color(colors[m.action])
+    ax.tick_params(length=0)
     for side in ("top", "right", "bottom", "left"):
         ax.spines[side].set_visible(False)
     ax.set_title(title or "dark: the unit's whole parameters; light: only this rank's slice",
