@@ -356,15 +356,14 @@ def test_network_lab_runs_real_ranks_and_survives_a_kill():
 
 
 def test_exchange_strip_draws_both_exchanges_and_refuses_too_many_ranks():
+    from matplotlib.colors import same_color
+
     from minipar.widgets import render_exchange_strip
-    from minipar.widgets.exchange_view import routed_counts
+    from minipar.widgets.exchange_view import PALETTE, routed_counts
 
     fig = render_exchange_strip(routed_counts(4, 4), 2, 2)
     titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
     assert len(titles) == 5 and titles[-1].startswith("hierarchical: after step 2")
-    from matplotlib.colors import same_color
-
-    from minipar.widgets.exchange_view import PALETTE
     labels = fig.axes[0].get_xticklabels()  # the key: rank r's label in rank r's colour
     assert all(same_color(t.get_color(), PALETTE[r]) for r, t in enumerate(labels))
     with pytest.raises(ValueError, match="at most 12 ranks"):
