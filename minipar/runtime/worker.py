@@ -91,20 +91,20 @@ def _user_traceback(err: BaseException) -> str:
     return "".join(traceback.format_exception(type(err), err, tb))
 
 
-def _run_task(task: bytes, kept: set) -> tuple:
+def _run_task(task: bytes) -> tuple:
     fn, args, kwargs, path = cloudpickle.loads(task)
     for entry in path:
         if entry not in sys.path:
             sys.path.append(entry)
-    _end_groups_of_the_last_task(kept)
+    _end_groups_of_the_last_task()
     dist.barrier()  # a common t=0 for every rank's events
     with trace.capture(rank()) as captured:
         result = fn(*args, **kwargs)
     return result, captured.events
 
 
-def _end_groups_of_the_last_task(kept: set) -> None:
-    """Destroy the process groups the last task created (all but `kept`, the default group).
+def _end_groups_of_the_last_task() -> None:
+    """Destroy the process groups the last task created: every group but the default one.
     Each gloo group keeps threads of its own that wake many times a second to poll its
     sockets: a Cluster that had run a few hundred meshes spent a large share of the CPU on
     idle threads, and everything else on the machine slowed. Safe with no barrier: the
@@ -112,7 +112,7 @@ def _end_groups_of_the_last_task(kept: set) -> None:
     still using them; and not at the end of a task, where a peer may still be reading."""
     # torch's registry of this process's groups (private, but the one complete list: meshes,
     # DeviceMesh and FSDP make groups through several public calls)
-    for group in [g for g in c10d._world.pg_map if g not in kept]:
+    for group in [g for g in c10d._world.pg_map if g is not dist.group.WORLD]:
         dist.destroy_process_group(group)
 
 
@@ -149,7 +149,6 @@ def _worker_main(rank_: int, size: int, backend: str, port: int, io_dir: str,
         # waits) fires first, not gloo's terse one
         dist.init_process_group(backend, store=store, rank=rank_, world_size=size,
                                 timeout=datetime.timedelta(hours=1))
-        kept = set(c10d._world.pg_map)  # the groups every task may use: the default one
         conn.send_bytes(cloudpickle.dumps(("ready", None)))
     except BaseException:
         # the launcher reports a failed start with this traceback, not just an exit code
@@ -163,7 +162,7 @@ def _worker_main(rank_: int, size: int, backend: str, port: int, io_dir: str,
         except (EOFError, OSError):
             break
         try:
-            result, events = _run_task(task, kept)
+            result, events = _run_task(task)
             try:
                 reply = cloudpickle.dumps(("ok", (result, events)))
             except Exception as err:
