@@ -158,11 +158,12 @@ class DataParallel(nn.Module):
     FIRST_BUCKET_BYTES, as DDP does, so communication starts early); overlap=False
     all-reduces everything after backward. Buckets are launched in the same order on
     every rank. Replicas start equal: rank 0's parameters and buffers are broadcast at
-    construction.
+    construction. `group`: the ranks that hold replicas (a mesh's data-parallel
+    dimension; default every rank).
     """
 
     def __init__(self, module: nn.Module, bucket_bytes: int | None = 1 << 20,
-                 overlap: bool = True, algorithm: str = "ring") -> None:
+                 overlap: bool = True, algorithm: str = "ring", group=None) -> None:
         super().__init__()
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool)
                                          or not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
@@ -172,11 +173,12 @@ class DataParallel(nn.Module):
             raise ValueError(f"algorithm must be one of {collectives.ALL_REDUCE_ALGORITHMS}; "
                              f"got {algorithm!r}")
         self.module, self.overlap, self.algorithm = module, overlap, algorithm
+        self.group = group
         with torch.no_grad():
             for tensor in list(module.parameters()) + list(module.buffers()):
                 # rank 0's values into every replica, as torch's DDP does at construction; buffers
                 # too (BatchNorm's running statistics), and in place on .data, outside autograd
-                collectives.broadcast(tensor.data, src=0)
+                collectives.broadcast(tensor.data, src=0, group=group)
         trainable = [p for p in module.parameters() if p.requires_grad]
         # backward produces gradients from the last layer to the first: bucket in that order
         groups = bucket_parameters(list(reversed(trainable)), bucket_bytes, FIRST_BUCKET_BYTES)
@@ -244,7 +246,8 @@ class DataParallel(nn.Module):
                     * bucket.flat.element_size()), collectives.validation(False):
             # avg, torch DDP's convention: the loss-scaling rule in the module docstring relies on
             # it
-            collectives.all_reduce(bucket.flat, op="avg", algorithm=self.algorithm)
+            collectives.all_reduce(bucket.flat, op="avg", algorithm=self.algorithm,
+                                   group=self.group)
 
     def _finish(self) -> None:
         """End of backward: launch what is left (unused parameters count as zero

@@ -7,7 +7,7 @@ one layer per block and the head, each holding this rank's part of the twin's we
 - **sequence parallelism**: the embedding's output is cut along the sequence (each tp
   rank keeps its slice; backward gathers the slices), the blocks run on slices, and the
   head gathers the sequence back (backward keeps each rank's slice). The blocks' norms
-  then see only their slice: `sync_sequence_parallel_grads` sums their gradients.
+  then see only their slice: `sum_block_norms_in_backward` sums their gradients over tp.
 - **cp**: each rank holds the tokens of the balanced (zig-zag) layout of every sequence;
   attention runs ring attention (`context_parallel.ring_core`) and RoPE rotates by the
   tokens' global positions.
@@ -28,7 +28,7 @@ from ..runtime import rank, world_size
 from ..tensor_parallel import (
     gather_from_parallel_region,
     scatter_to_parallel_region,
-    sync_sequence_parallel_grads,
+    sum_sequence_parallel_grads_in_backward,
 )
 from ..tensor_parallel.decoder import SEQUENCE_DIM, ParallelDecoderBlock
 from .mesh import MeshGroups
@@ -148,9 +148,10 @@ def decoder_layers(twin: Decoder, groups: MeshGroups, sequence_parallel: bool = 
     return [("", embedding), *blocks, ("", head)]
 
 
-def sync_block_norms(layers: nn.Module, tp_group) -> None:
-    """Sequence parallelism: sum over tp the gradients of the blocks' norms, which each
-    saw only this rank's slice (not the head's norm: it ran on the gathered sequence)."""
+def sum_block_norms_in_backward(layers: nn.Module, tp_group) -> None:
+    """Sequence parallelism: sum over tp, inside backward, the gradients of the blocks'
+    norms, which each saw only this rank's slice (not the head's norm: it ran on the
+    gathered sequence). Call once, when the layers are built."""
     for layer in layers.modules():
         if isinstance(layer, DecoderLayer):
-            sync_sequence_parallel_grads(layer.block, tp_group)
+            sum_sequence_parallel_grads_in_backward(layer.block, tp_group)

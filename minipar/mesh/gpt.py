@@ -6,9 +6,10 @@ Each technique is the one its own package teaches, given its mesh dimension's gr
   (Megatron's column/row split; embeddings, norms and the head replicated);
 - **pp**: the layers [embedding, blocks..., head] are cut into `pp` stages and run by
   `Pipeline(..., group=groups.pp)` under a schedule (1F1B by default);
-- **dp**: each data-parallel replica takes its rows of the batch (`shard`), and after
-  backward the gradients are averaged over `groups.dp` (or, with `zero=True`, ZeRO-1
-  shards the optimizer state over `groups.dp`).
+- **dp**: each data-parallel replica takes its rows of the batch (`shard`), and the
+  gradients are averaged over `groups.dp` by lesson 02's DDP inside the pipeline's
+  backward (or, with `zero=True`, ZeRO-1 shards the optimizer state over `groups.dp`):
+  `StageDataParallel`, the one data parallelism the trainer uses too.
 
 The pipeline, the stage cuts and the tied embedding's gradient are `model.MeshModel`'s,
 the composition the trainer's decoder shares.
@@ -23,13 +24,13 @@ import torch
 from torch import nn
 
 from .. import collectives
-from ..data_parallel import average_gradients, shard
+from ..data_parallel import shard
 from ..models import TinyGPT
 from ..runtime import rank, world_size
-from ..sharded import ZeroDataParallel
 from ..tensor_parallel import ParallelTransformerBlock
 from .mesh import MeshGroups
 from .model import MeshModel
+from .stage_data_parallel import StageDataParallel
 
 
 class Embedding(nn.Module):
@@ -93,14 +94,15 @@ class MeshGPT:
                  microbatches: int = 2, schedule_name: str = "1f1b", zero: bool = False) -> None:
         self.groups, self.zero = groups, zero
 
-        def shard(local: nn.ModuleList) -> ZeroDataParallel | None:
+        def data_parallel(stages: dict[int, nn.Module], tied: nn.Parameter | None
+                          ) -> StageDataParallel:
             # ZeRO makes the parameters views of its flat buffer: before the pipeline sees them
-            return ZeroDataParallel(local, optimizer, stage=1, group=groups.dp) if zero else None
+            return StageDataParallel(stages, int(zero), optimizer, groups.dp, tied)
 
         self.model = MeshModel(gpt_layers(twin, groups.tp), groups, microbatches,
-                               schedule_name, shard=shard)
-        self.trainer = self.model.sharded
-        self.optimizer = (self.trainer.optimizer if zero
+                               schedule_name, data_parallel=data_parallel)
+        self.data_parallel = self.model.data_parallel
+        self.optimizer = (self.data_parallel.optimizer if zero
                           else optimizer(list(self.model.local.parameters())))
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
@@ -108,15 +110,15 @@ class MeshGPT:
         return self.model.named_parameters()
 
     def forward_backward(self, ids: torch.Tensor, targets: torch.Tensor) -> float | None:
-        """Gradients of the whole batch's mean loss on this rank's parameters (averaged over
-        dp, unless ZeRO-1 will do it in the step); returns the loss on last-stage ranks."""
+        """Gradients of the whole batch's mean loss on this rank's parameters, averaged over
+        dp (DDP during backward; ZeRO-1 reduce-scatters after it into its slices); returns
+        the loss on last-stage ranks."""
         dp = self.groups.dp
         local_ids = shard(ids, rank(dp), world_size(dp))
         local_targets = shard(targets, rank(dp), world_size(dp))
         loss = self.model.forward_backward(local_ids, local_targets, gpt_loss)
-        self.model.sum_tied_gradients()
-        if not self.zero:
-            average_gradients(list(self.model.local.parameters()), dp)
+        self.data_parallel.reduce_gradients()
+        self.model.sum_tied_gradients()  # after the reduction: the sum is of averages
         if loss is None:
             return None
         # each dp replica's loss is the mean over its own rows: their mean is the batch's
@@ -124,9 +126,9 @@ class MeshGPT:
                                       group=dp).item()
 
     def step(self) -> None:
-        """The optimizer step (ZeRO-1: reduce-scatter, update this rank's slice, gather)."""
+        """The optimizer step (ZeRO-1: update this rank's slice, gather)."""
         if self.zero:
-            self.trainer.step()
+            self.data_parallel.update()
         else:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)

@@ -70,15 +70,20 @@ class Mesh:
             r = r * size + coords[name]
         return r
 
-    def groups(self, name: str) -> list[list[int]]:
+    def groups(self, *names: str) -> list[list[int]]:
         """Every group along dimension `name`: ranks that agree on all other coordinates,
-        in order of their index along `name`. Each rank is in exactly one."""
-        self._axis(name)
+        in order of their index along `name`. Each rank is in exactly one. Several names
+        join their dimensions into one group (`groups("dp", "cp")`: the ranks that differ
+        only in dp and cp, as data parallelism over context-parallel ranks needs)."""
+        if not names:
+            raise ValueError(f"name at least one dimension of {self.names}")
+        for name in names:
+            self._axis(name)
         found: dict[tuple, list[int]] = {}
         for r in range(self.size):
             c = self.coords(r)
-            # key: every coordinate but `name`'s; ranks come in increasing order, so index order
-            found.setdefault(tuple(v for n, v in c.items() if n != name), []).append(r)
+            # key: every other coordinate; ranks come in increasing order, so index order
+            found.setdefault(tuple(v for n, v in c.items() if n not in names), []).append(r)
         return list(found.values())
 
     def group_of(self, name: str, rank_: int) -> list[int]:
@@ -94,20 +99,22 @@ class Mesh:
                    *[(f"{n} group", f"{n} group") for n in self.names]]
         return format_table(rows, columns)
 
-    def connect(self) -> MeshGroups:
+    def connect(self, *joined: tuple[str, ...]) -> MeshGroups:
         """Create every dimension's process groups (each rank must call this, in the same
-        order: torch creates a group collectively) and return this rank's."""
+        order: torch creates a group collectively) and return this rank's. Each tuple of
+        names in `joined` also gets a group over those dimensions together, named by the
+        names joined with "_" (`connect(("dp", "cp"))` -> `groups.dp_cp`)."""
         if world_size() != self.size:
             raise ValueError(f"{self} has {self.size} ranks but this run has {world_size()}; "
                              f"launch {self.size} ranks or change the dimensions")
         me, mine = rank(), {}
         # torch's new_group is collective: every process calls it for every group, members or
         # not, in the same order, or the group ids disagree across ranks
-        for name in self.names:
-            for ranks in self.groups(name):
+        for names in [(name,) for name in self.names] + [tuple(j) for j in joined]:
+            for ranks in self.groups(*names):
                 group = dist.new_group(ranks)  # every rank creates every group
                 if me in ranks:
-                    mine[name] = group
+                    mine["_".join(names)] = group
         return MeshGroups(self, me, mine)
 
 
@@ -125,7 +132,8 @@ class MeshGroups:
         # at once: the lookup below reads self.mesh, which would re-enter __getattr__ forever
         if name.startswith("__") or name in ("mesh", "rank", "by_name"):
             raise AttributeError(name)
-        self.mesh._axis(name)
+        if name not in self.by_name:  # a joined group (connect's `joined`) or a dimension
+            self.mesh._axis(name)
         return self.by_name[name]
 
     @property

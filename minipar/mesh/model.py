@@ -5,8 +5,10 @@ only because techniques meet.
 
 `MeshModel` is the composition every model on a mesh shares: the tiny GPT of lesson 07
 (`gpt.MeshGPT`) and the trainer's decoder (`decoder.decoder_layers`, `minipar train`).
-What runs over `dp` (averaging, ZeRO) is its owner's choice: the owner wraps the local
-stages (`shard`) before the pipeline sees their parameters.
+What runs over `dp` is its owner's choice: the owner wraps the local stages
+(`data_parallel`, e.g. a `StageDataParallel`: DDP, ZeRO-1/2 or ZeRO-3 over each stage)
+before the pipeline sees their parameters, and the pipeline then reduces each stage's
+gradients inside its last backward of the step.
 
 The head is tied to the token embedding, and with pp > 1 the first and last stages hold
 separate copies of that weight. As Megatron-LM does, their gradients are summed between
@@ -24,8 +26,11 @@ from .. import collectives
 from ..pipeline import Pipeline, Stage, schedule, split_model
 from ..runtime import rank, world_size
 from .mesh import MeshGroups
+from .stage_data_parallel import StageDataParallel
 
 NamedLayers = list[tuple[str, nn.Module]]  # (the twin's name prefix, layer)
+# this rank's stages (index -> module) and the tied weight -> their data parallelism
+WrapStages = Callable[[dict[int, nn.Module], nn.Parameter | None], StageDataParallel | None]
 
 
 def stage_boundaries(layers: int, stages: int) -> list[int]:
@@ -42,13 +47,15 @@ def stage_boundaries(layers: int, stages: int) -> list[int]:
 class MeshModel:
     """This rank's stages of [embedding, blocks..., head] on a mesh with a `pp` dimension
     (of size 1 when there is no pipeline). The first and last layers name the weight they
-    share as `tied_weight` (None when untied). `shard(local_stages)` runs before the
-    pipeline is built (ZeRO makes parameters views of its flat buffer); `make_stage` is the
-    engine's extension point (e.g. a stage that computes in another precision)."""
+    share as `tied_weight` (None when untied). `data_parallel(stages, tied)` wraps this
+    rank's stages before the pipeline is built (ZeRO makes parameters views of its flat
+    buffer) and, when it returns a wrapper, the pipeline reduces through it
+    (`Pipeline.reduce_gradients_with`); `make_stage` is the engine's extension point (e.g.
+    a stage that computes in another precision)."""
 
     def __init__(self, named: NamedLayers, groups: MeshGroups, microbatches: int = 1,
                  schedule_name: str = "1f1b", virtual: int = 1,
-                 shard: Callable[[nn.ModuleList], object] | None = None,
+                 data_parallel: WrapStages | None = None,
                  make_stage: Callable[[nn.Module, int], Stage] | None = None) -> None:
         self.groups = groups
         self.pp_rank, self.pp = rank(groups.pp), world_size(groups.pp)
@@ -59,12 +66,14 @@ class MeshModel:
         self._prefixes = {s: [p for p, _ in named[cuts[s]:cuts[s + 1]]] for s in mine}
         self.local = nn.ModuleList(stages[s] for s in mine)
         self.first_stage, self.last_stage = 0 in mine, plan.stages - 1 in mine
-        self.sharded = shard(self.local) if shard is not None else None
-        self.pipe = Pipeline(stages, plan, group=groups.pp, make_stage=make_stage)
         # the weight the embedding and the head share, on ranks holding either end
         ends = [stages[0][0]] if self.first_stage else []
         ends += [stages[-1][-1]] if self.last_stage else []
         self.tied = ends[0].tied_weight if ends else None
+        self.data_parallel = (data_parallel({s: stages[s] for s in mine}, self.tied)
+                              if data_parallel is not None else None)
+        self.pipe = Pipeline(stages, plan, group=groups.pp, make_stage=make_stage)
+        self.pipe.reduce_gradients_with(self.data_parallel)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters under the twin's names (the tied weight once). A layer
@@ -80,13 +89,14 @@ class MeshModel:
                         yield prefix + name, p
 
     def forward_backward(self, ids: torch.Tensor, targets: torch.Tensor,
-                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-                         ) -> float | None:
-        """One pipeline step: gradients of the batch's mean `loss_fn` added into .grad; the
-        loss on ranks holding the last stage, else None. Call `sum_tied_gradients` once
-        after the last step of an optimizer step (not per step: accumulated gradients
-        would be summed again)."""
-        return self.pipe.train_step(ids, targets, loss_fn)
+                         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                         sync: bool = True) -> float | None:
+        """One pipeline step: gradients of the batch's mean `loss_fn` added into .grad (and
+        reduced over dp in backward, unless `sync=False`: an accumulation step before the
+        optimizer step's last); the loss on ranks holding the last stage, else None. Call
+        `sum_tied_gradients` once after the last step of an optimizer step (not per step:
+        accumulated gradients would be summed again)."""
+        return self.pipe.train_step(ids, targets, loss_fn, sync=sync)
 
     def evaluate(self, ids: torch.Tensor, targets: torch.Tensor,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> float | None:
@@ -95,18 +105,21 @@ class MeshModel:
 
     def sum_tied_gradients(self) -> None:
         """The embedding and the head share a weight; with pp > 1 the first and last stage
-        each hold a copy, whose gradients add up to the twin's. Call it before any
-        averaging or step, so both copies then step alike."""
+        each hold a copy, whose gradients add up to the twin's. Call it after the data
+        parallelism's reduction and before the step, so both copies then step alike (the
+        sum and the average over dp commute: both are linear). Under ZeRO what is summed
+        is the reduced slice (`StageDataParallel.tied_holder`)."""
         if self.pp == 1 or self.tied is None:
             return
+        holder = self.tied if self.data_parallel is None else self.data_parallel.tied_holder()
         # Megatron-LM's embedding group: the first and the last pipeline rank
         partner = self.pp - 1 if self.pp_rank == 0 else 0
-        grad = self.tied.grad if self.tied.grad is not None else torch.zeros_like(self.tied)
+        grad = holder.grad if holder.grad is not None else torch.zeros_like(holder)
         # isend, then recv: both ends send first, so neither blocks the other
         pending = collectives.isend(grad.contiguous(), partner, self.groups.pp)
         theirs = collectives.recv(torch.empty_like(grad), partner, self.groups.pp)
         pending.wait()
-        self.tied.grad = grad + theirs
+        holder.grad = grad + theirs
 
     def holds_tied_copy(self, p: nn.Parameter) -> bool:
         """Whether `p` is the last stage's copy of the tied weight (pp > 1): the same entries

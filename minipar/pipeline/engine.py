@@ -9,6 +9,13 @@ each F, B, I and W computes. The schedule's family builds the stages, so a varia
 (PipeDream's stashed weights, TeraPipe's carried state) lives in its own file; extra
 work between actions (PipeFisher's K-FAC) comes in through `fill_bubbles`.
 
+Data parallelism inside the pipeline (`reduce_gradients_with`): a stage's backward adds
+into .grad, so a data-parallel wrapper's hooks fire in it. Each stage's gradients are
+reduced once per optimizer step: every B or W of the stage runs under the wrapper's
+`no_sync(stage)` except the stage's last one in a step called with `sync=True`, where
+the reduction starts inside that backward (Megatron-LM and picotron do the same per
+model chunk). Zero-bubble's I computes no weight gradient, so it needs no such care.
+
 Loss-scaling convention (as in data_parallel): the batch is split into micro-batches
 with torch.tensor_split, and micro-batch i's mean loss is weighted by n_i / N, so the
 summed loss is the mean over the whole batch and every gradient equals the
@@ -24,6 +31,7 @@ gradients, both from the same retained graph.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -93,6 +101,13 @@ class ExtraWork(Protocol):
     def before(self, index: int, action: Action) -> None: ...
 
 
+class GradientSync(Protocol):
+    """A data-parallel wrapper over each stage (`mesh.StageDataParallel`): under
+    `no_sync(stage)` a backward of that stage accumulates without reducing."""
+
+    def no_sync(self, stage: int) -> AbstractContextManager: ...
+
+
 @dataclass
 class StepState:
     """What one train_step keeps between actions, keyed by (stage, micro-batch), named by
@@ -110,6 +125,7 @@ class StepState:
     output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # d loss / d output
     grads_to_send: dict[Key, torch.Tensor] = field(default_factory=dict)  # d loss / d input
     loss_values: list[float] = field(default_factory=list)
+    reduce_at: set[int] = field(default_factory=set)  # actions whose backward reduces (dp)
 
 
 class Pipeline:
@@ -144,6 +160,7 @@ class Pipeline:
                                                  for p in self.parameters()})
         self.post_ahead = post_receives_ahead
         self.extra_work: ExtraWork | None = None
+        self.gradient_sync: GradientSync | None = None
         self._shapes: dict = {}  # (batch shape, dtype, sizes) -> message shapes (Messages)
 
     def fill_bubbles(self, work: ExtraWork | None) -> None:
@@ -151,18 +168,24 @@ class Pipeline:
         in the time the rank would otherwise wait (PipeFisher). None turns it off."""
         self.extra_work = work
 
+    def reduce_gradients_with(self, sync: GradientSync | None) -> None:
+        """Let `sync` (data parallelism over each stage) reduce each stage's gradients in
+        the stage's last backward of a step called with sync=True (module docstring)."""
+        self.gradient_sync = sync
+
     def parameters(self) -> list[nn.Parameter]:
         return [p for s in sorted(self.modules) for p in self.modules[s].parameters()]
 
     def train_step(self, batch: torch.Tensor, target: torch.Tensor,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                   sizes: Sequence[int] | None = None) -> float | None:
+                   sizes: Sequence[int] | None = None, sync: bool = True) -> float | None:
         """Run this rank's actions for one batch; gradients accumulate into .grad (unless
         the stages update the weights themselves, as PipeDream's do with lr). `sizes` cuts
         the batch (dim 0) into micro-batches of those lengths instead of tensor_split's
-        even ones. Returns the batch's mean loss on the rank holding the last stage, else
-        None."""
-        return self._step(batch, target, loss_fn, sizes, forward_only=False)
+        even ones. `sync=False` holds the data-parallel reduction (an accumulation step
+        before the optimizer's last one; see `reduce_gradients_with`). Returns the batch's
+        mean loss on the rank holding the last stage, else None."""
+        return self._step(batch, target, loss_fn, sizes, forward_only=False, sync=sync)
 
     @torch.no_grad()
     def evaluate(self, batch: torch.Tensor, target: torch.Tensor,
@@ -176,11 +199,11 @@ class Pipeline:
         if not all(stage.pure_forward for stage in self.stages.values()):
             raise ValueError(f"{self.plan.name!r} stages change state in forward; evaluate "
                              "runs synchronous schedules' plain stages only")
-        return self._step(batch, target, loss_fn, None, forward_only=True)
+        return self._step(batch, target, loss_fn, None, forward_only=True, sync=False)
 
     def _step(self, batch: torch.Tensor, target: torch.Tensor,
               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-              sizes: Sequence[int] | None, forward_only: bool) -> float | None:
+              sizes: Sequence[int] | None, forward_only: bool, sync: bool) -> float | None:
         m = self.plan.microbatches
         if batch.shape[0] < m:
             raise ValueError(f"a batch of {batch.shape[0]} samples cannot make {m} micro-batches")
@@ -195,6 +218,11 @@ class Pipeline:
         if forward_only:
             actions = [a for a in actions if a.kind in (ActionKind.F, ActionKind.SEND_F,
                                                         ActionKind.RECV_F)]
+        if sync and self.gradient_sync is not None:
+            # each stage's last weight-gradient action: where its reduction starts
+            last = {a.stage: i for i, a in enumerate(actions)
+                    if a.kind in (ActionKind.B, ActionKind.W)}
+            state.reduce_at = set(last.values())
         # the message shapes learnt depend on the batch and on which actions run
         key = (tuple(batch.shape), batch.dtype, tuple(sizes) if sizes else None, forward_only)
         messages = Messages(self.plan, self.group, self.dtype, self._shapes.get(key))
@@ -203,11 +231,11 @@ class Pipeline:
                 messages.post_ahead(actions, index)
             if self.extra_work is not None and not forward_only:
                 self.extra_work.before(index, action)
-            self._run(action, state, messages, loss_fn)
+            self._run(index, action, state, messages, loss_fn)
         self._shapes[key] = messages.finish()
         return sum(state.loss_values) if state.loss_values else None
 
-    def _run(self, a: Action, st: StepState, messages: Messages,
+    def _run(self, index: int, a: Action, st: StepState, messages: Messages,
              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         key = (a.stage, a.microbatch)
         if a.kind == ActionKind.RECV_F:
@@ -222,7 +250,10 @@ class Pipeline:
             with record(a.kind.value, str(a), stage=a.stage, microbatch=a.microbatch):
                 self._forward(a, st, loss_fn)
         else:
-            with record(a.kind.value, str(a), stage=a.stage, microbatch=a.microbatch):
+            hold = (self.gradient_sync.no_sync(a.stage)
+                    if self.gradient_sync is not None and index not in st.reduce_at
+                    else nullcontext())
+            with record(a.kind.value, str(a), stage=a.stage, microbatch=a.microbatch), hold:
                 self._backward(a, st)
 
     def _forward(self, a: Action, st: StepState,

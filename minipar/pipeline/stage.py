@@ -3,6 +3,11 @@
 The engine (engine.py) moves tensors between actions and ranks; a Stage decides what F,
 B, I and W do with them. `Stage` itself is plain synchronous training: forward calls the
 module, backward adds the weight gradients into `.grad` and returns the input gradient.
+
+Backward accumulates into `.grad` the way `loss.backward()` does for a plain model
+(`torch.autograd.backward(..., inputs=...)`, not `autograd.grad`), so every gradient
+hook fires inside a pipeline step: data parallelism's buckets (DDP, ZeRO-2's
+reduce-scatter, FSDP's) start their communication during the pipeline's backward.
 A variant subclasses it in its own file beside its schedule (pipedream.py stashes
 weights, terapipe.py back-propagates state shared between micro-batches) and its
 schedule family builds it (`ScheduleFamily.stage`). Recomputation or mixed precision
@@ -45,18 +50,15 @@ class Stage:
         """B: back-propagate `grad_out` from `root` (the output; the loss on the last stage,
         with grad_out None); add the weight gradients into .grad; return d root / d x
         (None when x is None: stage 0's input is data)."""
-        params = self.trainable()
-        wrt = ([x] if x is not None else []) + params
-        grads = list(torch.autograd.grad([root], wrt, [grad_out], allow_unused=True)) \
-            if wrt else []
-        grad_x = grads.pop(0) if x is not None else None
-        accumulate(params, grads)
-        return grad_x
+        leaves = [x] if x is not None else []
+        grads = backward_into_grad([root], [grad_out], leaves, self.trainable())
+        return grads[0] if leaves else None
 
     def backward_input(self, microbatch: int, root: torch.Tensor,
                        grad_out: torch.Tensor | None, x: torch.Tensor | None
                        ) -> torch.Tensor | None:
-        """I: the input gradient only, keeping the graph for W (the zero-bubble split)."""
+        """I: the input gradient only, keeping the graph for W (the zero-bubble split). No
+        weight gradient is computed, so no parameter's hook fires."""
         if x is None:
             return None
         # retain_graph: W walks the same graph again for the weight gradients
@@ -66,25 +68,28 @@ class Stage:
     def backward_weight(self, microbatch: int, root: torch.Tensor,
                         grad_out: torch.Tensor | None) -> None:
         """W: the weight gradients from the graph I kept, added into .grad."""
-        params = self.trainable()
-        if params:
-            accumulate(params, torch.autograd.grad(root, params, grad_out, allow_unused=True))
+        backward_into_grad([root], [grad_out], [], self.trainable())
 
 
-def accumulate(params: Sequence[nn.Parameter], grads: Sequence[torch.Tensor | None]) -> None:
-    """Add each gradient into .grad in place (as backward() does); a gradient that shares
-    memory with another one of this call is copied first, so no two .grads alias."""
-    taken: set[int] = set()
-    for p, g in zip(params, grads, strict=True):
-        if g is None:
-            continue
-        if p.grad is not None:
-            p.grad.add_(g)
-        else:
-            # autograd may hand the same storage to two parameters (e.g. an expand's
-            # gradient); a later add_ into one .grad would silently change the other
-            p.grad = g.clone() if g.untyped_storage().data_ptr() in taken else g
-            taken.add(g.untyped_storage().data_ptr())
+def backward_into_grad(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+                       leaves: Sequence[torch.Tensor], params: Sequence[nn.Parameter]
+                       ) -> list[torch.Tensor | None]:
+    """Back-propagate `grads` from `roots` as far as `leaves` and `params`: the parameters'
+    gradients are added into .grad by autograd itself (their hooks fire, as in
+    `loss.backward()`); the leaves' gradients (a stage's input, state carried between
+    micro-batches) are returned and left off the leaves."""
+    inputs = [*leaves, *params]
+    if not inputs:
+        return []
+    for leaf in leaves:
+        leaf.grad = None  # what a leaf receives is this call's gradient alone
+    # inputs=: gradients stop at the stage's boundary and reach only these tensors
+    torch.autograd.backward(list(roots), list(grads), inputs=inputs)
+    taken = []
+    for leaf in leaves:
+        taken.append(leaf.grad)
+        leaf.grad = None
+    return taken
 
 
 class _Held:

@@ -14,7 +14,7 @@ from torch import nn
 
 from .family import ScheduleFamily
 from .plan import Action, ActionKind
-from .stage import Stage, accumulate
+from .stage import Stage, backward_into_grad
 
 
 class CarriesState(Protocol):
@@ -56,13 +56,9 @@ class CarriedStateStage(Stage):
         if carried is None:
             return super().backward(microbatch, root, grad_out, x)
         more_roots, more_grads, leaves = carried(microbatch)
-        params = self.trainable()
-        wrt = ([x] if x is not None else []) + params + leaves
-        grads = list(torch.autograd.grad([root, *more_roots], wrt, [grad_out, *more_grads],
-                                         allow_unused=True)) if wrt else []
+        inputs = [x] if x is not None else []
+        grads = backward_into_grad([root, *more_roots], [grad_out, *more_grads],
+                                   inputs + leaves, self.trainable())
         if leaves:
-            self.module.take_gradients(microbatch, grads[-len(leaves):])
-            del grads[-len(leaves):]
-        grad_x = grads.pop(0) if x is not None else None
-        accumulate(params, grads)
-        return grad_x
+            self.module.take_gradients(microbatch, grads[len(inputs):])
+        return grads[0] if inputs else None

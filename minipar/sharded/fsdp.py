@@ -18,8 +18,9 @@ units (tied weights), form the root unit, gathered for the whole step. Frozen pa
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -111,11 +112,19 @@ class FullyShardedDataParallel:
     `param_dtype=torch.bfloat16`: mixed precision as in ZeroDataParallel; no 16-bit shard is
     kept at rest, the float32 master slice is cast when gathered (as FSDP2 does).
     `prefetch=True` runs every collective on a background thread and starts gathering the
-    next unit (forward: the one after, backward: the one before) while this one computes."""
+    next unit (forward: the one after, backward: the one before) while this one computes.
+    `group`: the ranks that share the shards (a mesh's data-parallel dimension; default
+    every rank).
+
+    A unit's gradients are reduce-scattered in every backward that completes them, each
+    micro-batch of an accumulation included (`no_sync` holds nothing): keeping whole
+    gradients until the last one would cost ZeRO-2's gradient memory, and ZeRO-3 pays
+    one more reduce-scatter per micro-batch instead, as FSDP does by default."""
 
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory,
                  units: Iterable[nn.Module] | None = None,
-                 param_dtype: torch.dtype | None = None, prefetch: bool = False) -> None:
+                 param_dtype: torch.dtype | None = None, prefetch: bool = False,
+                 group=None) -> None:
         if not trainable_parameters(module):
             raise ValueError("module has no parameter with requires_grad=True to train")
         self.param_dtype = _check_param_dtype(param_dtype)
@@ -130,7 +139,7 @@ class FullyShardedDataParallel:
             assigned |= {id(p) for p in own}
             if own:
                 # keep_full=False: at rest a rank keeps only its slice (ZeRO-3)
-                unit = _Unit(FlatShard(own, False, param_dtype), len(self.units))
+                unit = _Unit(FlatShard(own, False, param_dtype, group), len(self.units))
                 self.units.append(unit)
                 # gather before the unit's forward; i=unit.index binds this unit, not the loop's
                 # last
@@ -139,7 +148,8 @@ class FullyShardedDataParallel:
                 unit_module.register_forward_hook(
                     lambda _m, _a, out, u=unit: self._after_forward(u, out))
         rest = [p for p in trainable_parameters(module) if id(p) not in assigned]
-        self.root = _Unit(FlatShard(rest, False, param_dtype), len(self.units)) if rest else None
+        self.root = (_Unit(FlatShard(rest, False, param_dtype, group), len(self.units))
+                     if rest else None)
         if self.root is not None:
             # the root unit (tied or unassigned parameters) is gathered for the whole step
             module.register_forward_pre_hook(lambda _m, _a: self.root.gather(self.comm))
@@ -179,10 +189,16 @@ class FullyShardedDataParallel:
             # the next unit to compute: i + 1 in forward, i - 1 in backward
             self.units[following].prefetch(self.comm)
 
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Nothing is held: ZeRO-3 reduce-scatters every micro-batch (class docstring)."""
+        yield
+
     def _arrived(self, unit: _Unit) -> None:
         if unit.shard.arrived():
             unit.send_gradients(self.comm)
-            unit.free()
+            if unit is not self.root:  # the root stays whole for the step: later
+                unit.free()            # micro-batches may still go back through it
 
     def step(self) -> None:
         """Finish the gradient exchange (units that got no gradient send zeros) and update

@@ -20,7 +20,8 @@ parameters too) is `fsdp.py`. Loss scaling follows `ddp.py`: gradients are avera
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -28,6 +29,7 @@ from torch import nn
 from .. import collectives
 from ..data_parallel import bucket_parameters
 from ..runtime import rank, world_size
+from ..trace import record
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
@@ -173,11 +175,18 @@ class ZeroDataParallel:
     so its state is 1/K of data parallelism's. Every rank must start from the same weights.
     `param_dtype=torch.bfloat16` trains in mixed precision: the model computes, and the
     gradients travel, in bf16, while the optimizer updates float32 master slices.
+    `buckets` gives the parameters' groups (each one flat shard) instead of cutting them
+    by `bucket_bytes`: a composition that must lay one parameter out alike on two ranks
+    holding different modules (a tied weight at both ends of a pipeline) gives it a
+    shard of its own.
+
+    Under `no_sync()` stage 2 accumulates full gradients and sends nothing: gradients are
+    reduced once per optimizer step, in the backward of its last micro-batch.
     """
 
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory, stage: int = 1,
                  bucket_bytes: int = 1 << 20, param_dtype: torch.dtype | None = None,
-                 group=None) -> None:
+                 group=None, buckets: list[list[nn.Parameter]] | None = None) -> None:
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (stage 3 is FullyShardedDataParallel); "
                              f"got {stage!r}")
@@ -189,9 +198,13 @@ class ZeroDataParallel:
         self.module, self.stage = module, stage
         # backward produces gradients from the last layer to the first: bucket in that order
         self.param_dtype = _check_param_dtype(param_dtype)
-        self.shards = [FlatShard(b, param_dtype=param_dtype, group=group)
-                       for b in bucket_parameters(params[::-1], bucket_bytes)]
+        if buckets is None:
+            buckets = bucket_parameters(params[::-1], bucket_bytes)
+        elif sorted(map(id, params)) != sorted(id(p) for b in buckets for p in b):
+            raise ValueError("buckets must hold every trainable parameter of the module once")
+        self.shards = [FlatShard(b, param_dtype=param_dtype, group=group) for b in buckets]
         self.optimizer = optimizer([s.master for s in self.shards])
+        self._sync = True
         if stage == 2:
             for shard in self.shards:
                 for p in shard.params:
@@ -201,10 +214,23 @@ class ZeroDataParallel:
     def __call__(self, *args, **kwargs):
         return self.module(*cast_inputs(args, self.param_dtype), **kwargs)
 
-    @staticmethod
-    def _arrived(shard: FlatShard) -> None:
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate full gradients locally (stage 2 holds its reduce-scatter); the next
+        synchronized backward, or `reduce_gradients`, sends the accumulated sum."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _arrived(self, shard: FlatShard) -> None:
         """Stage 2: when a bucket's last gradient is complete, send it at once."""
-        if shard.arrived():
+        if self._sync and shard.arrived():
+            self._send(shard)
+
+    def _send(self, shard: FlatShard) -> None:
+        with record("reduce_scatter", f"reduce-scatter bucket {self.shards.index(shard)}"):
             shard.reduce_scatter_gradients(shard.take_gradients())
 
     def step(self) -> None:
@@ -217,13 +243,18 @@ class ZeroDataParallel:
         (where a trainer may clip them, by a norm summed over the ranks' slices)."""
         for shard in self.shards:
             if shard.unsent():  # stage 1, or gradients a backward left behind
-                shard.reduce_scatter_gradients(shard.take_gradients())
+                self._send(shard)
             shard.hand_gradient_to_optimizer()
 
     def update(self) -> None:
         """The second half of `step`: update this rank's slices, gather the parameters."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)  # no zero-filled gradients kept between steps
+        self.gather_parameters()
+
+    def gather_parameters(self) -> None:
+        """Every parameter whole again from the ranks' slices (after a step, or after the
+        slices were loaded from a checkpoint); a collective: call it on all ranks."""
         with torch.no_grad():
             for shard in self.shards:
                 shard.flat.copy_(shard.gather())  # the parameters are views of flat

@@ -28,6 +28,7 @@ from .layers import (
     ParallelTinyGPT,
     ParallelTransformerBlock,
     RowParallelLinear,
+    sum_sequence_parallel_grads_in_backward,
     sync_sequence_parallel_grads,
 )
 from .mappings import (
@@ -44,4 +45,5 @@ __all__ = ["ColumnParallelLinear", "ParallelAttention", "ParallelDecoderBlock", 
            "ParallelTransformerBlock", "RowParallelLinear", "copy_to_parallel_region",
            "gather_from_parallel_region", "gather_from_sequence_parallel_region",
            "reduce_from_parallel_region", "reduce_scatter_to_sequence_parallel_region",
-           "scatter_to_parallel_region", "sync_sequence_parallel_grads"]
+           "scatter_to_parallel_region", "sum_sequence_parallel_grads_in_backward",
+           "sync_sequence_parallel_grads"]

@@ -208,10 +208,10 @@ class ParallelTinyGPT(nn.Module):
     forward = TinyGPT.forward
 
 
-def sync_sequence_parallel_grads(module: nn.Module, group=None) -> None:
-    """With sequence parallelism, parameters that are replicated but applied to this rank's
-    slice of the sequence (norms, and the biases added after a reduce-scatter) get partial
-    gradients: sum them over the tensor-parallel ranks. Call after backward."""
+def sequence_parallel_shared(module: nn.Module) -> list[nn.Parameter]:
+    """With sequence parallelism, the parameters that are replicated but applied to this
+    rank's slice of the sequence (norms, and the biases added after a reduce-scatter): their
+    gradients are partial, each covering this rank's tokens, and must be summed over tp."""
     shared = []
     for layer in module.modules():
         if isinstance(layer, (nn.LayerNorm, RMSNorm)):
@@ -219,7 +219,26 @@ def sync_sequence_parallel_grads(module: nn.Module, group=None) -> None:
         elif isinstance(layer, RowParallelLinear) and layer.sequence_parallel \
                 and layer.bias is not None:
             shared.append(layer.bias)
-    for p in shared:
+    return shared
+
+
+def sync_sequence_parallel_grads(module: nn.Module, group=None) -> None:
+    """Sum over the tensor-parallel ranks the partial gradients of `module`'s
+    `sequence_parallel_shared` parameters. Call after backward."""
+    for p in sequence_parallel_shared(module):
         if p.grad is not None:
             # a sum, not an average: each rank's partial gradient covers its own slice of tokens
             collectives.all_reduce(p.grad, group=group)
+
+
+def sum_sequence_parallel_grads_in_backward(module: nn.Module, group=None) -> None:
+    """The same sum, done inside backward: each partial gradient is summed over tp as it
+    is computed, before it is added into .grad, so a data-parallel wrapper's hooks (which
+    fire after that addition and may reduce and free .grad) see the whole gradient. It
+    runs once per micro-batch; the norms are vectors, so the extra messages are small."""
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        # a copy: the hook must not change autograd's buffer in place
+        return collectives.all_reduce(grad.clone(), group=group)
+
+    for p in sequence_parallel_shared(module):
+        p.register_hook(summed)

@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from ..moe.decoder import moe_decoder
 from ..runtime import rank, world_size
-from ..sharded import ZeroDataParallel
 from ..slow_networks.checkpoint import commit, latest_step, write_whole
 from .config import TrainConfig, from_dict, to_dict
 from .pieces import Holding, Piece, fill, holdings
@@ -215,10 +214,10 @@ def load_checkpoint(replica: Replica, config: TrainConfig, out: str | Path,
     adam_step = torch.tensor(float(manifest["adam_step"]))
     for state in replica.optimizer.state.values():
         state["step"] = adam_step.clone()
-    if isinstance(replica.sharded, ZeroDataParallel):
-        with torch.no_grad():  # ZeRO-1/2 keep whole parameters: gather the loaded slices
-            for shard in replica.sharded.shards:
-                shard.flat.copy_(shard.gather())
+    if replica.sharded is not None and config.parallel.zero in (1, 2):
+        # ZeRO-1/2 keep whole parameters: gather the loaded slices (ZeRO-3 gathers each
+        # unit from them when it next computes)
+        replica.sharded.gather_parameters()
     scaler.scale, scaler.good_steps = manifest["loss_scale"], manifest["good_steps"]
     return step
 

@@ -8,20 +8,24 @@ model is `mesh.MeshModel` over `mesh.decoder_layers`, the composition lesson 07'
 shares; every step goes through the pipeline engine (one stage when pp = 1), each stage
 computing in the run's precision (`AutocastStage`, the engine's extension point).
 
-After the schedule's backward, gradients meet in this order:
-1. the tied embedding's two copies summed across the pipeline's ends (MeshModel), once
-   per optimizer step, after the last accumulation chunk;
-2. under sequence parallelism, the blocks' norm gradients summed over tp;
-3. every gradient averaged over cp (each cp rank's loss is the mean over its tokens);
-4. with experts over ep (inside dp): the dense weights averaged over ep, the experts'
-   gradients divided by ep (moe/decoder.py says why);
-5. averaged over dp (zero = 0), or reduce-scattered over dp into ZeRO-1/2 slices. The
-   engine computes gradients with autograd.grad, which fires no accumulation hooks, so
-   ZeRO-2 reduce-scatters after backward, as ZeRO-1 does.
+Data parallelism runs inside the pipeline's backward (`mesh.StageDataParallel`: lesson
+02's DDP or lesson 06's ZeRO-1/2/3 over each stage, reduced in the stage's last backward
+of the optimizer step). Its group is every rank holding the same weights:
+
+- dp x cp for the dense weights (each cp rank's loss is the mean over its own tokens, so
+  the average over cp is the mean over the sequence, as Megatron-LM's dp-cp group);
+- x ep as well: an ep rank's tokens are other rows of the batch (ep lives inside dp);
+- a mixture's experts live on one ep rank each: averaged over dp only, their gradients
+  first divided by ep (each rank's loss is a mean over its own rows; moe/decoder.py).
+
+Under sequence parallelism the blocks' norm gradients are summed over tp inside backward
+too, before any data-parallel hook sees them. After backward only the tied embedding's
+two copies are summed across the pipeline's ends, once per optimizer step.
 
 The global norm counts each entry once: a tp-split matrix's slice on every tp rank, a
 tp-replicated tensor on tp rank 0 only, the tied weight on the first stage only, stages
-summed over pp, ZeRO slices over dp.
+summed over pp, and either the replicas counted once (ep rank 0's dense weights) or,
+under ZeRO, every rank's distinct slices.
 """
 
 from __future__ import annotations
@@ -32,16 +36,16 @@ import torch
 from torch import nn
 
 from .. import collectives
-from ..data_parallel import average_gradients, shard_weight
+from ..data_parallel import shard_weight
 from ..decoder import Decoder
 from ..mesh import Mesh
-from ..mesh.decoder import decoder_layers, held_positions, sync_block_norms
+from ..mesh.decoder import decoder_layers, held_positions, sum_block_norms_in_backward
 from ..mesh.model import MeshModel
+from ..mesh.stage_data_parallel import StageDataParallel
 from ..moe.decoder import ExpertParallelBlock, cut_expert_parallel
 from ..runtime import rank, world_size
-from ..sharded import ZeroDataParallel
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from .config import TrainConfig
+from .config import ParallelConfig, TrainConfig
 from .precision import AutocastStage, LossScaler
 from .recompute import apply_recompute
 from .replicas import Replica, adam_factory, cross_entropy, shard_mask
@@ -53,37 +57,53 @@ def trainer_mesh(config: TrainConfig) -> Mesh:
     return Mesh(pp=p.pp, dp=p.dp // p.ep, ep=p.ep, cp=p.cp, tp=p.tp)
 
 
+def replica_dimensions(p: ParallelConfig) -> tuple[str, ...]:
+    """The mesh dimensions over which ranks hold the same dense weights and see other
+    tokens (dp, ep, cp), those above 1; their joined group is data parallelism's."""
+    return tuple(d for d, n in (("dp", p.dp // p.ep), ("ep", p.ep), ("cp", p.cp)) if n > 1)
+
+
 class MeshReplica(Replica):
     """This rank's part of the decoder on the run's mesh, trained by the loop."""
 
     def __init__(self, twin: Decoder, config: TrainConfig) -> None:
         super().__init__(config)
         par = config.parallel
-        self.groups = trainer_mesh(config).connect()
+        joined = replica_dimensions(par)
+        # one group per dimension, and (when two or more are above 1) their joined group
+        self.groups = trainer_mesh(config).connect(*([joined] if len(joined) > 1 else []))
         g = self.groups
+        self.replicas = getattr(g, "_".join(joined)) if joined else g.dp
         # the data-parallel replicas are dp x ep ranks: ep ranks hold different rows too
         self.dp_rank, self.dp = rank(g.dp) * par.ep + rank(g.ep), par.dp
-        self.ep = par.ep
+        self.ep, self.zero = par.ep, par.zero
         self.tp_rank = rank(g.tp)
-        self.sequence_parallel = par.sequence_parallel
         self.positions = held_positions(g, config.model.seq_len)
         adam = adam_factory(config)
+        cut = cut_expert_parallel if config.model.experts else None
+        layers = decoder_layers(twin, g, par.sequence_parallel, cut)
+        # experts live on one ep rank each: replicated over dp only (module docstring)
+        self.experts = {id(p) for _, layer in layers for m in layer.modules()
+                        if isinstance(m, ExpertParallelBlock) for p in m.experts()}
+        if self.ep > 1:
+            for p in (p for _, layer in layers for p in layer.parameters()
+                      if id(p) in self.experts):
+                p.register_hook(lambda grad: grad / self.ep)
 
-        def shard(local: nn.ModuleList) -> ZeroDataParallel | None:
-            # before the pipeline: ZeRO makes the parameters views of its flat buffer
-            return ZeroDataParallel(local, adam, stage=par.zero, group=g.dp) if par.zero \
-                else None
+        def data_parallel(stages: dict[int, nn.Module], tied: nn.Parameter | None
+                          ) -> StageDataParallel:
+            # before the pipeline: ZeRO makes the parameters views of its flat buffers
+            experts = {i: g.dp for i in self.experts} if self.ep > 1 else None
+            return StageDataParallel(stages, par.zero, adam, self.replicas, tied, experts)
 
         precision = config.train.precision
-        cut = cut_expert_parallel if config.model.experts else None
-        self.model = MeshModel(decoder_layers(twin, g, par.sequence_parallel, cut), g,
-                               par.microbatches, par.schedule, par.virtual, shard=shard,
+        self.model = MeshModel(layers, g, par.microbatches, par.schedule, par.virtual,
+                               data_parallel=data_parallel,
                                make_stage=lambda module, i: AutocastStage(module, i, precision))
+        if par.sequence_parallel:
+            sum_block_norms_in_backward(self.model.local, g.tp)
         apply_recompute(self.model.local, config.train.recompute)
-        # experts live on one ep rank each: averaged over dp only (module docstring, step 4)
-        self.experts = {id(p) for m in self.model.local.modules()
-                        if isinstance(m, ExpertParallelBlock) for p in m.experts()}
-        self.sharded = self.model.sharded
+        self.sharded = self.model.data_parallel if par.zero else None
         named = list(self.model.named_parameters())
         self.optimizer = self.sharded.optimizer if self.sharded else adam([p for _, p in named])
         self.masks = self.decay_masks(named)
@@ -100,7 +120,8 @@ class MeshReplica(Replica):
         ep_rank = rank(self.groups.ep)
         counted = {id(p) for _, p in named
                    if (id(p) in split or self.tp_rank == 0)  # replicated over tp: once
-                   and (id(p) in self.experts or ep_rank == 0)  # replicated over ep: once
+                   # replicated over ep: once, unless ZeRO gave each replica its own slice
+                   and (id(p) in self.experts or ep_rank == 0 or self.sharded is not None)
                    and not self.model.holds_tied_copy(p)}  # the tied weight: once
         if self.sharded is not None:
             return [shard_mask(s, counted) for s in self.sharded.shards]
@@ -124,10 +145,10 @@ class MeshReplica(Replica):
                          scaler: LossScaler, last: bool) -> float | None:
         """One pipeline step on this rank's rows and tokens, its loss weighted by the chunk's
         share of the `batch` rows; the weighted loss on last-stage ranks, else None.
-        (`last` is DDP's cue to all-reduce; here gradients meet in reduce_gradients.)"""
+        `last`: the optimizer step's last chunk, whose backward reduces over dp."""
         weight = shard_weight(len(ids), batch, self.dp) * scaler.scale
         loss = self.model.forward_backward(ids[:, self.positions], targets[:, self.positions],
-                                           self._loss_fn(weight))
+                                           self._loss_fn(weight), sync=last)
         return None if loss is None else loss / scaler.scale
 
     def eval_loss(self, ids: torch.Tensor, targets: torch.Tensor, batch: int) -> float | None:
@@ -146,23 +167,10 @@ class MeshReplica(Replica):
         return collectives.all_reduce(total).item()
 
     def reduce_gradients(self) -> None:
-        """Steps 1-5 of the module docstring, once per optimizer step."""
-        g, local = self.groups, self.parameters()
+        """What backward left: ZeRO-1's reduce-scatter (the rest ran inside backward), then
+        the tied weight's two reduced copies summed across the pipeline's ends."""
+        self.model.data_parallel.reduce_gradients()
         self.model.sum_tied_gradients()
-        if self.sequence_parallel:
-            sync_block_norms(self.model.local, g.tp)
-        average_gradients(local, g.cp)
-        if self.ep > 1:
-            average_gradients([p for p in local if id(p) not in self.experts], g.ep)
-            for p in local:
-                if id(p) in self.experts and p.grad is not None:
-                    # its gradient summed what every ep rank's tokens asked of it, each
-                    # rank's loss a mean over its own rows: /ep makes it their mean
-                    p.grad /= self.ep
-        if self.sharded is not None:
-            self.sharded.reduce_gradients()
-        else:
-            average_gradients(local, g.dp)
 
     def norm_gradients(self) -> list[torch.Tensor | None]:
         """The owned gradients, each entry this rank does not count zeroed (a copy)."""
@@ -170,11 +178,15 @@ class MeshReplica(Replica):
                 for g, m in zip(self.owned_gradients(), self.norm_masks, strict=True)]
 
     def norm_groups(self) -> list:
-        """Where ranks hold distinct entries: tp, pp, ep (experts), and dp under ZeRO."""
+        """Where ranks hold distinct entries: tp, pp, and ep (experts) or, under ZeRO, every
+        replica (its own slices)."""
         g = self.groups
-        return [g.tp, g.pp, g.ep] + ([g.dp] if self.sharded is not None else [])
+        return [g.tp, g.pp, self.replicas if self.sharded is not None else g.ep]
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's parameters under the twin's names: tp ranks hold slices (see
-        `mesh.twin_slice`), pp ranks their stages' layers."""
+        `mesh.twin_slice`), pp ranks their stages' layers (ZeRO-3 gathers them: a
+        collective over the replicas)."""
+        if self.zero == 3:
+            self.model.data_parallel.gather_parameters()
         yield from ((n, p.detach()) for n, p in self.model.named_parameters())

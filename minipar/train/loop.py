@@ -7,9 +7,9 @@ One step, as every rank runs it:
    any dp), cut into `accumulation` chunks; each chunk's mean loss is weighted by
    dp x chunk / global rows (the package's loss-scaling convention, `shard_weight`), so
    after the average over dp every token counts once, as in one process;
-3. the gradients reduced as one process's: averaged over dp (DDP during backward; ZeRO
-   in reduce_gradients); on a mesh (composed.py) the pipeline's backward, then the tied
-   embedding, sequence-parallel norms, cp, ep and dp, in that order;
+3. the gradients reduced as one process's: averaged over the data-parallel replicas
+   inside the pipeline's backward (DDP, ZeRO-2 and ZeRO-3 in the last chunk's backward;
+   ZeRO-1 after it), then the tied embedding's two copies summed (composed.py);
 4. the global gradient norm (each entry counted once) and clipping by it;
 5. AdamW's update; the batch's loss, tokens per second and MFU logged.
 In fp16 the loss is scaled before backward and the gradients unscaled after the
@@ -42,8 +42,7 @@ from .memory import memory_rows, save_memory
 from .metrics import MetricsLog, cores_in_use, measured_peak, mfu, read_metrics
 from .optim import clip_, global_norm, learning_rate
 from .precision import COMPUTE_DTYPES, PARAM_DTYPES, LossScaler
-from .recompute import apply_recompute
-from .replicas import Replica, ReplicatedModel
+from .replicas import Replica
 
 TRACED_STEP = 3  # the step saved as step.trace.json: past the first steps' warm-up
 
@@ -80,10 +79,10 @@ def refuse_unbuilt(config: TrainConfig) -> None:
                          "the trainer splits experts over ep inside dp, beside pp; tensor and "
                          "context parallelism of the expert blocks are not built: use tp = "
                          "cp = 1")
-    if par.zero == 3 and max(par.pp, par.tp, par.cp, par.ep) > 1:
-        raise ValueError("parallel.zero=3 shards whole blocks of the one-process model, which "
-                         "the pipeline, tensor-parallel and expert-parallel layers cut "
-                         "differently; with pp, tp, cp or ep > 1 use zero 0, 1 or 2")
+    if par.zero == 3 and par.ep > 1:
+        raise ValueError("parallel.zero=3 with ep > 1 is not built: ZeRO-3 gathers whole "
+                         "blocks, whose experts are replicated over fewer ranks (dp) than "
+                         "their dense weights (dp x ep); use zero 0, 1 or 2 with experts")
 
 
 SYNCHRONOUS = tuple(name for name in SCHEDULES if name not in ("pipedream", "terapipe"))
@@ -149,13 +148,10 @@ def train_step(replica: Replica, scaler: LossScaler, ids: torch.Tensor,
 
 
 def build_replica(config: TrainConfig) -> Replica:
-    """The decoder from its seed, on this rank's part of the run's layout."""
+    """The decoder from its seed, on this rank's part of the run's mesh (data parallelism
+    alone is the mesh with pp = tp = cp = 1)."""
     model = moe_decoder(config.model, config.train.seed, PARAM_DTYPES[config.train.precision])
-    par = config.parallel
-    if max(par.pp, par.tp, par.cp, par.ep) > 1:
-        return MeshReplica(model, config)
-    apply_recompute(model, config.train.recompute)  # before the wrappers: the same modules
-    return ReplicatedModel(model, config)
+    return MeshReplica(model, config)
 
 
 def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool = False,

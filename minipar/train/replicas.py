@@ -1,13 +1,8 @@
 """The trainer's model on its ranks, behind one small interface the loop drives
 (`Replica`): a step's forward and backward on this rank's rows, the gradients reduced,
-the ones this rank owns, AdamW's update. Two layouts implement it:
-
-- `ReplicatedModel` (here): data parallelism alone, over every rank. zero = 0: lesson
-  02's `DataParallel` (buckets all-reduced during backward, `no_sync` while
-  accumulating); zero = 1, 2: `ZeroDataParallel`; zero = 3: `FullyShardedDataParallel`,
-  each block a unit (lesson 06).
-- `MeshReplica` (composed.py): the decoder cut over a mesh, dp x pp x cp x tp (and ep
-  inside dp for a mixture of experts), every step through the pipeline engine.
+the ones this rank owns, AdamW's update. `MeshReplica` (composed.py) implements it for
+every layout: the decoder cut over a mesh, dp x pp x cp x tp (and ep inside dp for a
+mixture of experts), data parallelism alone being the mesh with pp = tp = cp = 1.
 
 Weight decay is AdamW's, decoupled, applied by hand before an Adam step with none
 (`p *= 1 - lr * wd`, exactly what torch's AdamW does first): a ZeRO slice mixes matrices
@@ -18,19 +13,15 @@ run takes the same arithmetic path.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import nullcontext
 
 import torch
 from torch import nn
 
-from .. import collectives
-from ..data_parallel import DataParallel, shard_weight
-from ..decoder import Decoder
-from ..runtime import rank, world_size
-from ..sharded import FlatShard, FullyShardedDataParallel, ZeroDataParallel
+from ..mesh.stage_data_parallel import StageDataParallel
+from ..sharded import FlatShard
 from .config import TrainConfig
 from .optim import set_learning_rate
-from .precision import LossScaler, autocast
+from .precision import LossScaler
 
 
 def decays(name: str, p: nn.Parameter) -> bool:
@@ -64,11 +55,11 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class Replica:
     """What every layout shares: AdamW's masked decay and step over the parameters (or
     ZeRO slices) its optimizer holds. A layout sets optimizer, masks and sharded (the
-    ZeRO wrapper or None), and writes the methods that differ."""
+    ZeRO wrappers or None), and writes the methods that differ."""
 
     optimizer: torch.optim.Optimizer
     masks: list[torch.Tensor]  # per optimizer tensor: 1 where weight decay applies
-    sharded: ZeroDataParallel | FullyShardedDataParallel | None
+    sharded: StageDataParallel | None  # ZeRO's wrappers over the stages, or None
     dp_rank: int  # this rank's index among the data-parallel replicas, and their number
     dp: int
     tp_rank: int = 0  # this rank's index in its tensor-parallel group
@@ -146,84 +137,3 @@ class Replica:
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's parameters under the twin's names, after training."""
         raise NotImplementedError
-
-
-class ReplicatedModel(Replica):
-    """The Decoder on every rank of the run, data parallel in the config's flavour (the
-    lesson 02 and 06 wrappers all-reduce over the whole world)."""
-
-    def __init__(self, model: Decoder, config: TrainConfig) -> None:
-        super().__init__(config)
-        zero, adam = config.parallel.zero, adam_factory(config)
-        self.model, self.zero = model, zero
-        self.dp_rank, self.dp = rank(), world_size()  # every rank is a replica
-        named = list(model.named_parameters())  # a tied weight once
-        if zero == 0:
-            self.wrapper, self.sharded = DataParallel(model), None
-            self.optimizer = adam([p for _, p in named])
-        else:
-            if zero == 3:  # each block a unit; embedding, final norm and head in the root
-                self.wrapper = FullyShardedDataParallel(model, adam, units=list(model.blocks))
-            else:
-                self.wrapper = ZeroDataParallel(model, adam, stage=zero)
-            self.sharded, self.optimizer = self.wrapper, self.wrapper.optimizer
-        self.masks = self.decay_masks(named)
-
-    @property
-    def module(self) -> nn.Module:
-        """The module whose parameters this rank holds: the whole decoder."""
-        return self.model
-
-    def parameters(self) -> list[nn.Parameter]:
-        return list(self.model.parameters())
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.model.named_parameters()
-
-    def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """This rank's mean loss on its rows (the wrapper gathers what it must), the forward
-        in the run's precision."""
-        with autocast(self.precision):
-            logits = self.wrapper(ids)
-        return cross_entropy(logits, targets)
-
-    def forward_backward(self, ids: torch.Tensor, targets: torch.Tensor, batch: int,
-                         scaler: LossScaler, last: bool) -> float:
-        """Backward of this chunk's loss weighted by its share of the `batch` rows (the
-        loss-scaling convention); DDP holds its all-reduce until the `last` chunk (ZeRO-2/3
-        reduce-scatter each chunk as it comes). Returns the weighted loss."""
-        hold = self.wrapper.no_sync() if self.zero == 0 and not last else nullcontext()
-        with hold:
-            loss = self.loss(ids, targets) * shard_weight(len(ids), batch, self.dp)
-            scaler.scaled(loss).backward()
-        return loss.item()
-
-    @torch.no_grad()
-    def eval_loss(self, ids: torch.Tensor, targets: torch.Tensor, batch: int) -> float:
-        """This rank's weighted share of the batch's mean loss, no gradients."""
-        return self.loss(ids, targets).item() * shard_weight(len(ids), batch, self.dp)
-
-    def mean_over_ranks(self, share: float | None) -> float:
-        """The batch's mean from every rank's weighted share: their average."""
-        total = torch.tensor([share], dtype=torch.float64)
-        return collectives.all_reduce(total, op="avg").item() if world_size() > 1 else share
-
-    def reduce_gradients(self) -> None:
-        """Every gradient this rank owns averaged over dp (DDP did it during backward)."""
-        if self.zero:
-            self.wrapper.reduce_gradients()
-
-    def norm_gradients(self) -> list[torch.Tensor | None]:
-        """The entries this rank counts in the global norm: all it owns."""
-        return self.owned_gradients()
-
-    def norm_groups(self) -> list:
-        """The groups whose ranks own distinct entries (a replicated gradient is counted
-        once, not dp times)."""
-        return [None] if self.zero and world_size() > 1 else []
-
-    def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every parameter, whole, under the twin's names (a collective under ZeRO-3)."""
-        if self.zero == 3:
-            self.wrapper.gather_parameters()
-        yield from ((n, p.detach()) for n, p in self.model.named_parameters())
