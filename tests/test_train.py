@@ -145,8 +145,7 @@ def test_the_learning_rate_warms_up_then_decays_to_its_floor():
 @pytest.mark.parametrize("change, words", [
     (dict(schedule="pipedream", pp=2), "every micro-batch"),
     (dict(schedule="terapipe", pp=2), "token slices"),
-    (dict(zero=3, pp=2), "zero 0, 1 or 2"),
-    (dict(zero=3, tp=2), "zero 0, 1 or 2"),
+    (dict(zero=3, dp=2, ep=2, experts=4), "zero 0, 1 or 2 with experts"),
     (dict(tp=2, experts=4), "use tp = cp = 1"),
     (dict(cp=2, experts=4), "use tp = cp = 1"),
 ])

@@ -41,11 +41,12 @@ def _same_steps(resumed, reference, first: int) -> None:
 
 def test_a_run_resumes_on_another_mesh_each_time_as_if_it_never_stopped(
         cluster4, corpus, uninterrupted, tmp_path):  # noqa: F811
-    """The issue's chain: saved at dp2 x tp2, resumed at pp2 x dp2 with ZeRO-1, then on one
-    process, then at tp2 x cp2: Adam's moments reshard with their parameters."""
+    """The issue's chain: saved at dp2 x tp2 with ZeRO-3, resumed under HSDP (ZeRO-3 in two
+    groups of two), at pp2 x dp2 with ZeRO-1, then on one process, then at tp2 x cp2:
+    Adam's moments reshard with their parameters."""
     base = tiny(corpus)
-    chain = [(dict(dp=2, tp=2), 5), (dict(pp=2, dp=2, zero=1), 10), ({}, 15),
-             (dict(tp=2, cp=2), 20)]
+    chain = [(dict(dp=2, tp=2, zero=3), 4), (dict(dp=4, dp_replicate=2, zero=3), 8),
+             (dict(pp=2, dp=2, zero=1), 12), ({}, 16), (dict(tp=2, cp=2), 20)]
     for i, (parallel, stop) in enumerate(chain):
         config = _with(base, **parallel)
         args = (config, tmp_path, True, i > 0, stop)

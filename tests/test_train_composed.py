@@ -1,7 +1,9 @@
-"""The trainer composed over a mesh (dp x pp x cp x tp, sequence parallelism, ZeRO-1/2,
-recomputation, every synchronous schedule) trains exactly as one process: every step's
-loss, global gradient norm and validation loss, and every weight (each rank's slice of
-it), in float64, for 20 steps with accumulation and clipping active."""
+"""The trainer composed over a mesh (dp x pp x cp x tp, sequence parallelism, DDP and
+ZeRO-1/2/3 inside the pipeline, HSDP, recomputation, every synchronous schedule) trains
+exactly as one process: every step's loss, global gradient norm and validation loss, and
+every weight (each rank's slice of it), in float64, for 20 steps with accumulation and
+clipping active. Where data parallelism reduces inside backward, a traced step shows it
+there."""
 
 import math
 from dataclasses import replace
@@ -11,9 +13,11 @@ import torch
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
 
 import minipar
+from minipar import trace
 from minipar.mesh import twin_slice
 from minipar.train.composed import trainer_mesh
 from minipar.train.loop import build_replica, train
+from minipar.train.optim import global_norm
 
 # (parallel degrees and techniques, train.recompute)
 FOUR_RANKS = [
@@ -66,11 +70,86 @@ def test_a_composition_on_4_ranks_trains_as_one_process(cluster4, corpus, one_pr
     _assert_same_run(cluster4.run(train, config, None, True), one_process, config)
 
 
-def test_dp_pp_tp_interleaved_with_zero_and_sequence_parallel_on_8_ranks(corpus):  # noqa: F811
+def _sampler(config, replica):
+    from minipar.train.data import BatchSampler, load_tokens
+
+    tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
+    return BatchSampler(tokens.train, config.model.seq_len, config.train.batch_size, 0,
+                        replica.dp_rank, replica.dp)
+
+
+DP_REDUCTIONS = ("bucket ", "reduce-scatter bucket ", "reduce-scatter unit ")  # DDP, ZeRO, FSDP
+
+
+def _reductions_in_backward(config) -> tuple[int, int]:
+    """On this rank, in one traced optimizer-step chunk: the data-parallel reductions that
+    started inside a pipeline backward (B or W), and all of them."""
+    from minipar.train.precision import LossScaler
+
+    replica = build_replica(config)
+    with trace.capture() as captured:
+        replica.forward_backward(*_sampler(config, replica).next(), config.train.batch_size,
+                                 LossScaler(False), last=True)
+        replica.reduce_gradients()
+    events = captured.events
+    backward = [(e.start, e.end) for e in events if e.kind in ("B", "W")]
+    reductions = [e for e in events if e.label.startswith(DP_REDUCTIONS)]
+    inside = [e for e in reductions if any(a <= e.start <= b for a, b in backward)]
+    return len(inside), len(reductions)
+
+
+def _train_and_trace(config):
+    return train(config, None, True), _reductions_in_backward(config)
+
+
+# data parallelism inside the pipeline's backward: ZeRO-3 composed, DDP and ZeRO-2 under pp
+# (the tied weight's two ends), HSDP
+IN_BACKWARD = [
+    dict(dp=2, tp=2, zero=3),
+    dict(pp=2, dp=2, zero=3, microbatches=2),
+    dict(pp=2, dp=2, microbatches=2),
+    dict(pp=2, dp=2, zero=2, microbatches=2, schedule="zb_h1"),
+    dict(dp=4, dp_replicate=2, zero=3),
+]
+
+
+@pytest.mark.parametrize("parallel", IN_BACKWARD,
+                         ids=[" ".join(f"{k}={v}" for k, v in p.items()) for p in IN_BACKWARD])
+def test_data_parallelism_reduces_inside_the_pipelines_backward(cluster4, corpus,  # noqa: F811
+                                                                one_process, parallel):
+    config = tiny(corpus, **parallel)
+    results = cluster4.run(_train_and_trace, config)
+    _assert_same_run([run for run, _ in results], one_process, config)
+    for r, (_, (inside, total)) in enumerate(results):
+        assert total > 0 and inside == total, (parallel, r, inside, total)
+
+
+def _norms(config) -> tuple[float, float]:
+    """One step's global gradient norm as the trainer counts it, and as it would be summed
+    over every data-parallel rank, the replica groups included (torchtitan#2318's bug)."""
+    from minipar.train.precision import LossScaler
+
+    replica = build_replica(config)
+    replica.forward_backward(*_sampler(config, replica).next(), config.train.batch_size,
+                             LossScaler(False), last=True)
+    replica.reduce_gradients()
+    grads, groups = replica.norm_gradients(), replica.norm_groups()
+    return global_norm(grads, groups), global_norm(grads, [*groups, replica.groups.replicate])
+
+
+def test_hsdp_counts_each_entry_once_in_the_norm(cluster4, corpus):  # noqa: F811
+    """Under HSDP each slice lives once per replica group: summed over the replicas too,
+    the norm would come out sqrt(2) too large."""
+    right, wrong = cluster4.run(_norms, tiny(corpus, dp=4, dp_replicate=2, zero=3))[0]
+    assert math.isclose(wrong, right * math.sqrt(2), rel_tol=1e-12)
+
+
+def test_dp_pp_tp_interleaved_with_zero3_and_sequence_parallel_on_8_ranks(corpus):  # noqa: F811
     """Everything at once: dp2 x pp2 x tp2, interleaved 1F1B with two stages per rank,
-    ZeRO-1, sequence parallelism, an untied head."""
+    ZeRO-3 (FSDP over the dp group of each tensor-parallel stage), sequence parallelism,
+    an untied head."""
     ref = minipar.launch(train, 1, _deep(tiny(corpus)), None, True)[0]
-    config = _deep(tiny(corpus, dp=2, pp=2, tp=2, zero=1, sequence_parallel=True,
+    config = _deep(tiny(corpus, dp=2, pp=2, tp=2, zero=3, sequence_parallel=True,
                         schedule="interleaved_1f1b", virtual=2, microbatches=2))
     _assert_same_run(minipar.launch(train, 8, config, None, True, timeout=60), ref, config)
 
@@ -100,13 +179,10 @@ def test_experts_over_ep_inside_dp_train_as_one_process(cluster2, cluster4, corp
 
 def _saved_activation_peak(config) -> int:
     """Bytes autograd kept for backward at the peak of two steps, on this rank."""
-    from minipar.train.data import BatchSampler, load_tokens
     from minipar.train.precision import LossScaler
 
     replica = build_replica(config)
-    tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
-    sampler = BatchSampler(tokens.train, config.model.seq_len, config.train.batch_size, 0,
-                           replica.dp_rank, replica.dp)
+    sampler = _sampler(config, replica)
     for _ in range(2):
         replica.forward_backward(*sampler.next(), config.train.batch_size,
                                  LossScaler(False), last=True)

@@ -150,6 +150,9 @@ IMPOSSIBLE = [  # (changes to tiny, world size, words the one line must hold)
     ({"parallel": {"dp": 3, "ep": 2}, "model": {"experts": 4}}, None,
      ["parallel.ep=2", "parallel.dp=3", "ep in [1]"]),
     ({"model": {"experts": 4, "top_k": 5}}, None, ["model.experts", "top_k"]),
+    ({"parallel": {"dp": 4, "dp_replicate": 2}}, None, ["dp_replicate=2", "HSDP", "zero 1, 2"]),
+    ({"parallel": {"dp": 4, "dp_replicate": 3, "zero": 3}}, None,
+     ["dp_replicate=3", "dp=4", "[1, 2, 4]"]),
 ]
 
 

@@ -15,7 +15,9 @@ except its last one in the optimizer step (`Pipeline.reduce_gradients_with`):
 
 Parameters whose replicas span different ranks travel in separate wrappers: `groups`
 maps a parameter to the group of its replicas (a mixture's experts are replicated over
-dp only, the dense weights over dp and ep), the rest use `group`.
+dp only, the dense weights over dp and ep), the rest use `group`. With `replicate`
+(HSDP), ZeRO shards inside `group` and averages each slice across `replicate`, the
+ranks holding the same slice in the other groups.
 
 The tied weight at the two ends of a pipeline: each end reduces its own copy over dp,
 then the two reduced gradients are summed (`MeshModel.sum_tied_gradients`), which equals
@@ -91,13 +93,14 @@ class StageDataParallel:
 
     def __init__(self, stages: dict[int, nn.Module], zero: int, optimizer: OptimizerFactory,
                  group: dist.ProcessGroup, tied: nn.Parameter | None = None,
-                 groups: dict[int, dist.ProcessGroup] | None = None) -> None:
+                 groups: dict[int, dist.ProcessGroup] | None = None,
+                 replicate: dist.ProcessGroup | None = None) -> None:
         groups = groups or {}
         if zero == 3 and groups:
             raise ValueError("zero=3 with experts over ep is not built: FSDP gathers whole "
                              "blocks, whose experts are replicated over fewer ranks than "
                              "their dense weights; use zero 0, 1 or 2 with ep > 1")
-        self.zero, self.tied = zero, tied
+        self.zero, self.tied, self.replicate = zero, tied, replicate
         self.wrappers: dict[int, list[Wrapper]] = {}
         for index, module in stages.items():
             parts: dict[int, tuple[dist.ProcessGroup, list[nn.Parameter]]] = {}
@@ -121,12 +124,13 @@ class StageDataParallel:
             return DataParallel(holder, group=group)
         if self.zero == 3:
             return FullyShardedDataParallel(module, optimizer, fsdp_units(module, self.tied),
-                                            group=group)
+                                            group=group, replicate=self.replicate)
         rest = [p for p in params if p is not self.tied]
         # backward produces gradients from the last layer to the first: bucket in that order
         buckets = bucket_parameters(rest[::-1], 1 << 20) + \
             ([[self.tied]] if len(rest) < len(params) else [])
-        return ZeroDataParallel(holder, optimizer, self.zero, group=group, buckets=buckets)
+        return ZeroDataParallel(holder, optimizer, self.zero, group=group, buckets=buckets,
+                                replicate=self.replicate)
 
     @contextmanager
     def no_sync(self, stage: int) -> Iterator[None]:

@@ -114,7 +114,7 @@ class FullyShardedDataParallel:
     `prefetch=True` runs every collective on a background thread and starts gathering the
     next unit (forward: the one after, backward: the one before) while this one computes.
     `group`: the ranks that share the shards (a mesh's data-parallel dimension; default
-    every rank).
+    every rank); `replicate`: HSDP's other groups holding the same shards (FlatShard).
 
     A unit's gradients are reduce-scattered in every backward that completes them, each
     micro-batch of an accumulation included (`no_sync` holds nothing): keeping whole
@@ -124,7 +124,7 @@ class FullyShardedDataParallel:
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory,
                  units: Iterable[nn.Module] | None = None,
                  param_dtype: torch.dtype | None = None, prefetch: bool = False,
-                 group=None) -> None:
+                 group=None, replicate=None) -> None:
         if not trainable_parameters(module):
             raise ValueError("module has no parameter with requires_grad=True to train")
         self.param_dtype = _check_param_dtype(param_dtype)
@@ -139,7 +139,8 @@ class FullyShardedDataParallel:
             assigned |= {id(p) for p in own}
             if own:
                 # keep_full=False: at rest a rank keeps only its slice (ZeRO-3)
-                unit = _Unit(FlatShard(own, False, param_dtype, group), len(self.units))
+                unit = _Unit(FlatShard(own, False, param_dtype, group, replicate),
+                             len(self.units))
                 self.units.append(unit)
                 # gather before the unit's forward; i=unit.index binds this unit, not the loop's
                 # last
@@ -148,8 +149,8 @@ class FullyShardedDataParallel:
                 unit_module.register_forward_hook(
                     lambda _m, _a, out, u=unit: self._after_forward(u, out))
         rest = [p for p in trainable_parameters(module) if id(p) not in assigned]
-        self.root = (_Unit(FlatShard(rest, False, param_dtype, group), len(self.units))
-                     if rest else None)
+        self.root = (_Unit(FlatShard(rest, False, param_dtype, group, replicate),
+                           len(self.units)) if rest else None)
         if self.root is not None:
             # the root unit (tied or unassigned parameters) is gathered for the whole step
             module.register_forward_pre_hook(lambda _m, _a: self.root.gather(self.comm))

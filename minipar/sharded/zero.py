@@ -54,10 +54,14 @@ class FlatShard:
 
     It also counts the gradients backward still owes (`arrived`), so that a trainer can
     reduce-scatter the shard as soon as they are all there.
+
+    `replicate` (HSDP, hybrid sharding): the ranks that hold the same slice in other groups
+    of the same layout; the gradient reduce-scattered inside `group` is then averaged
+    across them too, while gathering stays inside `group`.
     """
 
     def __init__(self, params: list[nn.Parameter], keep_full: bool = True,
-                 param_dtype: torch.dtype | None = None, group=None) -> None:
+                 param_dtype: torch.dtype | None = None, group=None, replicate=None) -> None:
         if not params:
             raise ValueError("a FlatShard needs at least one parameter")
         dtypes = {p.dtype for p in params}
@@ -67,6 +71,8 @@ class FlatShard:
         self.shapes = [p.shape for p in params]  # kept: stage 3 empties the parameters
         self.numel = sum(p.numel() for p in params)
         self.group, self.world, self.rank = group, world_size(group), rank(group)
+        self.replicate = replicate if replicate is not None and world_size(replicate) > 1 \
+            else None
         # ZeRO's padding: round up so all K slices have one length, as all-gather and
         # reduce-scatter of equal pieces need; flatten() pads the tail with zeros
         self.slice = math.ceil(self.numel / self.world)  # padded length / K
@@ -131,6 +137,9 @@ class FlatShard:
         `grad`, in the parameters' dtype, added to what an earlier backward left)."""
         # avg: gradients are averaged over ranks, the package's loss-scaling convention (ddp.py)
         mine = collectives.reduce_scatter(flat, op="avg", group=self.group)
+        if self.replicate is not None:
+            # HSDP: the groups are alike, so the average of their averages is everyone's
+            collectives.all_reduce(mine, op="avg", group=self.replicate)
         self.grad = mine if self.grad is None else self.grad + mine
 
     def hand_gradient_to_optimizer(self) -> None:
@@ -182,11 +191,13 @@ class ZeroDataParallel:
 
     Under `no_sync()` stage 2 accumulates full gradients and sends nothing: gradients are
     reduced once per optimizer step, in the backward of its last micro-batch.
+    `replicate`: HSDP's other groups (FlatShard).
     """
 
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory, stage: int = 1,
                  bucket_bytes: int = 1 << 20, param_dtype: torch.dtype | None = None,
-                 group=None, buckets: list[list[nn.Parameter]] | None = None) -> None:
+                 group=None, buckets: list[list[nn.Parameter]] | None = None,
+                 replicate=None) -> None:
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (stage 3 is FullyShardedDataParallel); "
                              f"got {stage!r}")
@@ -202,7 +213,8 @@ class ZeroDataParallel:
             buckets = bucket_parameters(params[::-1], bucket_bytes)
         elif sorted(map(id, params)) != sorted(id(p) for b in buckets for p in b):
             raise ValueError("buckets must hold every trainable parameter of the module once")
-        self.shards = [FlatShard(b, param_dtype=param_dtype, group=group) for b in buckets]
+        self.shards = [FlatShard(b, param_dtype=param_dtype, group=group, replicate=replicate)
+                       for b in buckets]
         self.optimizer = optimizer([s.master for s in self.shards])
         self._sync = True
         if stage == 2:

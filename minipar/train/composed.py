@@ -52,15 +52,19 @@ from .replicas import Replica, adam_factory, cross_entropy, shard_mask
 
 
 def trainer_mesh(config: TrainConfig) -> Mesh:
-    """The run's mesh, in Megatron-LM's order (pp outermost, tp fastest; ep inside dp)."""
+    """The run's mesh, in Megatron-LM's order (pp outermost, tp fastest; ep inside dp). dp
+    is split in two, as torchtitan's dp_replicate x dp_shard: `replicate` (HSDP's groups,
+    1 otherwise) outside `dp` (the ranks ZeRO shards over)."""
     p = config.parallel
-    return Mesh(pp=p.pp, dp=p.dp // p.ep, ep=p.ep, cp=p.cp, tp=p.tp)
+    return Mesh(pp=p.pp, replicate=p.dp_replicate, dp=p.dp // (p.ep * p.dp_replicate),
+                ep=p.ep, cp=p.cp, tp=p.tp)
 
 
 def replica_dimensions(p: ParallelConfig) -> tuple[str, ...]:
     """The mesh dimensions over which ranks hold the same dense weights and see other
     tokens (dp, ep, cp), those above 1; their joined group is data parallelism's."""
-    return tuple(d for d, n in (("dp", p.dp // p.ep), ("ep", p.ep), ("cp", p.cp)) if n > 1)
+    dp = p.dp // (p.ep * p.dp_replicate)  # under HSDP: one group's ranks
+    return tuple(d for d, n in (("dp", dp), ("ep", p.ep), ("cp", p.cp)) if n > 1)
 
 
 class MeshReplica(Replica):
@@ -73,9 +77,12 @@ class MeshReplica(Replica):
         # one group per dimension, and (when two or more are above 1) their joined group
         self.groups = trainer_mesh(config).connect(*([joined] if len(joined) > 1 else []))
         g = self.groups
+        # data parallelism's group: the ranks holding the same dense weights (under HSDP,
+        # those of one replica group: ZeRO shards over it)
         self.replicas = getattr(g, "_".join(joined)) if joined else g.dp
-        # the data-parallel replicas are dp x ep ranks: ep ranks hold different rows too
-        self.dp_rank, self.dp = rank(g.dp) * par.ep + rank(g.ep), par.dp
+        # the data-parallel replicas are replicate x dp x ep ranks: all take different rows
+        self.dp_rank = (rank(g.replicate) * world_size(g.dp) + rank(g.dp)) * par.ep + rank(g.ep)
+        self.dp = par.dp
         self.ep, self.zero = par.ep, par.zero
         self.tp_rank = rank(g.tp)
         self.positions = held_positions(g, config.model.seq_len)
@@ -94,7 +101,8 @@ class MeshReplica(Replica):
                           ) -> StageDataParallel:
             # before the pipeline: ZeRO makes the parameters views of its flat buffers
             experts = {i: g.dp for i in self.experts} if self.ep > 1 else None
-            return StageDataParallel(stages, par.zero, adam, self.replicas, tied, experts)
+            return StageDataParallel(stages, par.zero, adam, self.replicas, tied, experts,
+                                     replicate=g.replicate)
 
         precision = config.train.precision
         self.model = MeshModel(layers, g, par.microbatches, par.schedule, par.virtual,

@@ -58,6 +58,9 @@ class ParallelConfig:
     ranks (model.experts > 0); ep divides dp and the experts."""
     zero: int = 0
     """ZeRO stage over dp: 0 plain DDP buckets, 1 optimizer, 2 + gradients, 3 + weights."""
+    dp_replicate: int = 1
+    """HSDP: the dp ranks form this many groups holding replicas; ZeRO shards inside each
+    group of dp / dp_replicate ranks (a reduce-scatter inside, an all-reduce across)."""
     schedule: str = "1f1b"
     """Pipeline schedule, a name from minipar.pipeline.SCHEDULES."""
     microbatches: int = 1
@@ -274,7 +277,7 @@ def check(config: TrainConfig, world_size: int | None = None) -> None:
         m.check()
     except ValueError as err:  # DecoderConfig's lines start with the field's name
         raise ValueError(f"model.{err}") from None
-    for name in ("dp", "pp", "tp", "cp", "ep", "microbatches", "virtual"):
+    for name in ("dp", "pp", "tp", "cp", "ep", "dp_replicate", "microbatches", "virtual"):
         _at_least(f"parallel.{name}", getattr(p, name), 1)
     if p.ep > 1 and not m.experts:
         raise ValueError(f"parallel.ep={p.ep} splits experts, but model.experts = 0; set "
@@ -285,6 +288,10 @@ def check(config: TrainConfig, world_size: int | None = None) -> None:
                          f"{_divisors(math.gcd(p.dp, m.experts))} would work")
     if p.zero not in (0, 1, 2, 3):
         raise ValueError(f"parallel.zero must be 0 (plain DDP), 1, 2 or 3; got {p.zero}")
+    if p.dp_replicate > 1 and (p.dp % p.dp_replicate or not p.zero or p.ep > 1):
+        raise ValueError(f"parallel.dp_replicate={p.dp_replicate} (HSDP) needs ZeRO (zero 1, 2 "
+                         f"or 3) to shard inside each group, ep = 1, and a divisor of "
+                         f"dp={p.dp}: dp_replicate in {_divisors(p.dp)}")
     if p.schedule not in SCHEDULES:
         raise ValueError(f"parallel.schedule must be one of {', '.join(SCHEDULES)}; got "
                          f"{p.schedule!r}")
@@ -366,9 +373,10 @@ def describe(config: TrainConfig) -> str:
     ranks = p.dp * p.pp * p.tp * p.cp
     per_micro = t.batch_size // max(1, p.dp * p.microbatches * t.accumulation)
     mesh = f"dp {p.dp} x pp {p.pp} x tp {p.tp} x cp {p.cp} = {ranks} rank(s)"
-    composed = max(p.pp, p.tp, p.cp, p.ep) > 1  # the pipeline engine: gradients after backward
-    mesh += (f", ZeRO-{p.zero}" if p.zero else "" if p.dp == 1 else
-             ", gradients averaged over dp after backward" if composed else ", DDP buckets")
+    mesh += (f", ZeRO-{p.zero}" if p.zero else "" if p.dp == 1 else ", DDP buckets")
+    if p.dp_replicate > 1:
+        mesh += (f" in groups of {p.dp // p.dp_replicate}, replicated {p.dp_replicate} "
+                 "times (HSDP)")
     if p.pp > 1:
         mesh += f", schedule {p.schedule} with {p.microbatches} micro-batch"
         mesh += "es" if p.microbatches > 1 else ""

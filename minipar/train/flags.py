@@ -41,6 +41,7 @@ FLAGS: dict[str, tuple[str, dict]] = {
     "--cp": ("parallel.cp", {"type": positive_int}),
     "--ep": ("parallel.ep", {"type": positive_int}),
     "--zero": ("parallel.zero", {"type": int, "choices": (0, 1, 2, 3)}),
+    "--dp-replicate": ("parallel.dp_replicate", {"type": positive_int}),
     "--schedule": ("parallel.schedule", {"choices": tuple(SCHEDULES)}),
     "--microbatches": ("parallel.microbatches", {"type": positive_int}),
     "--virtual": ("parallel.virtual", {"type": positive_int}),
