@@ -108,12 +108,12 @@ def test_experts_over_ep_inside_dp_train_like_one_process(cluster4, dims):
 def _experts_averaged_like_dense(dims):
     from minipar.moe import on_mesh
 
-    kept = on_mesh.sync_gradients
-    on_mesh.sync_gradients = lambda layer, dp_group, ep_size: kept(layer, dp_group, 1)
+    kept = on_mesh.data_parallel
+    on_mesh.data_parallel = lambda layer, dp_group, ep_size: kept(layer, dp_group, 1)
     try:
         return check_moe_against_twin(dims, steps=1)
     finally:
-        on_mesh.sync_gradients = kept
+        on_mesh.data_parallel = kept
 
 
 def test_expert_gradients_need_dividing_by_the_ep_size(cluster4):

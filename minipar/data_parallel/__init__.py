@@ -18,12 +18,11 @@ or to fewer peers, and surviving a dead rank, is `minipar.slow_networks` (lesson
 from .ddp import (
     FIRST_BUCKET_BYTES,
     DataParallel,
-    average_gradients,
     bucket_parameters,
     shard,
     shard_weight,
     single_process_sgd,
 )
 
-__all__ = ["FIRST_BUCKET_BYTES", "DataParallel", "average_gradients", "bucket_parameters",
+__all__ = ["FIRST_BUCKET_BYTES", "DataParallel", "bucket_parameters",
            "shard", "shard_weight", "single_process_sgd"]

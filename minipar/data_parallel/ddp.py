@@ -52,27 +52,6 @@ def shard_weight(local: int, global_: int, world: int | None = None) -> float:
     return world * local / global_
 
 
-def average_gradients(params: list[nn.Parameter], group=None) -> None:
-    """Average the gradients of `params` over the ranks of `group` in one flat all-reduce:
-    data parallelism applied after backward, for trainers whose backward does not pass
-    through DataParallel's hooks (a pipeline computes gradients with autograd.grad). A
-    parameter with no gradient counts as zeros, so every rank sends the same shapes."""
-    # frozen parameters have no gradient to average
-    params = [p for p in params if p.requires_grad]
-    if not params or world_size(group) == 1:
-        return
-    # one flat buffer, one all-reduce (one message per step, not one per parameter); a missing
-    # gradient is zeros, so every rank sends the same number of elements
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                      for p in params])
-    collectives.all_reduce(flat, op="avg", group=group)
-    start = 0
-    for p in params:
-        # clone: a .grad of its own, not a view that keeps the whole flat buffer alive
-        p.grad = flat[start:start + p.numel()].view_as(p).clone()
-        start += p.numel()
-
-
 def single_process_sgd(model: nn.Module, batches, loss_fn, lr: float, momentum: float = 0.0
                        ) -> tuple[list[float], torch.Tensor]:
     """The reference every data-parallel method is held to: one process, whole batches,

@@ -3,14 +3,16 @@ The MoE composition sits above the mesh (moe imports mesh, never the reverse).
 
 On `Mesh(dp=2, ep=2)` the two ranks of an ep group split the experts between them and
 exchange tokens by all-to-all; the two ep groups are data-parallel replicas. Gradients
-then meet in two ways, as DeepSpeed-MoE and Megatron-LM arrange them:
+then meet in two ways, as DeepSpeed-MoE and Megatron-LM arrange them, through the one
+data parallelism the trainer uses too (`mesh.StageDataParallel`: lesson 02's DDP, inside
+backward):
 
-- the dense parameters (the gate, a shared expert) are on every rank: average them over
-  all ranks, as plain data parallelism does;
-- an expert lives on one rank of each ep group: average its gradient over `dp` only. Its
-  gradient already sums what the tokens of every rank of its ep group asked of it, each
-  rank's loss a mean over its own tokens; to be the mean over all ranks' tokens, divide
-  by the ep size as well.
+- the dense parameters (the gate, a shared expert) are on every rank: averaged over all
+  ranks, as plain data parallelism does;
+- an expert lives on one rank of each ep group: averaged over `dp` only. Its gradient
+  already sums what the tokens of every rank of its ep group asked of it, each rank's
+  loss a mean over its own tokens; to be the mean over all ranks' tokens, it is divided
+  by the ep size as well (a hook, before it is added into .grad).
 
 Capacity is counted per ep group (the tokens that meet in one all-to-all), so the
 one-process reference runs the layer once per dp replica on that replica's tokens.
@@ -21,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from .. import collectives
-from ..data_parallel import average_gradients
 from ..mesh import Mesh
+from ..mesh.stage_data_parallel import StageDataParallel
 from ..runtime import rank
 from .expert_parallel import ExpertParallelMoE
 from .layer import MoELayer
@@ -45,17 +47,15 @@ def _loss(layer: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Ten
     return ((x + layer(x) - y) ** 2).mean()
 
 
-def sync_gradients(layer: ExpertParallelMoE, dp_group, ep_size: int) -> None:
-    """Dense parameters: mean over every rank. Experts: mean over dp (`dp_group`; None
-    when the mesh has no dp dimension), divided by ep."""
-    experts = {id(p) for p in layer.experts.parameters()}
+def data_parallel(layer: ExpertParallelMoE, dp_group, ep_size: int) -> StageDataParallel:
+    """Dense parameters: mean over every rank. Experts: mean over dp (`dp_group`), each
+    gradient divided by ep first. Its hooks do both inside backward."""
+    experts = list(layer.experts.parameters())
+    for p in experts:  # its gradient sums the ep group's tokens: make it their mean
+        p.register_hook(lambda grad: grad / ep_size)
     # DeepSpeed-MoE / Megatron: replicated parameters average over every rank
-    average_gradients([p for p in layer.parameters() if id(p) not in experts])
-    expert_params = list(layer.experts.parameters())
-    if dp_group is not None:
-        average_gradients(expert_params, dp_group)
-    for p in expert_params:  # its gradient summed the ep group's tokens: make it their mean
-        p.grad /= ep_size
+    return StageDataParallel({0: layer}, 0, None, None,
+                             groups={id(p): dp_group for p in experts})
 
 
 def check_moe_against_twin(mesh_dims: dict[str, int], steps: int = 2, seed: int = 5) -> dict:
@@ -63,14 +63,15 @@ def check_moe_against_twin(mesh_dims: dict[str, int], steps: int = 2, seed: int 
     train an expert-parallel MoE layer for `steps` Adam steps, and the one-process layer
     beside it on every replica's tokens; return the loss gap and the names of gradients
     (first step) and parameters (after the last) that differ from the twin's."""
-    mesh = Mesh(**mesh_dims)
-    if "ep" not in mesh.names or set(mesh.names) - {"dp", "ep"}:
+    if "ep" not in mesh_dims or set(mesh_dims) - {"dp", "ep"}:
         raise ValueError(f"mesh_dims must name ep (and may name dp); got {mesh_dims}")
+    # no dp named: one replica (a dimension of 1); named, in the caller's order
+    mesh = Mesh(**mesh_dims) if "dp" in mesh_dims else Mesh(dp=1, **mesh_dims)
     groups = mesh.connect()
     ep_size, me = mesh["ep"], rank()
-    dp_group = groups.dp if "dp" in mesh.names else None
     layer = ExpertParallelMoE(_twin(seed), groups.ep)
     twin = _twin(seed)
+    data_parallel(layer, groups.dp, ep_size)  # its hooks average inside backward
     optimizer = torch.optim.Adam(layer.parameters(), lr=1e-2)
     reference = torch.optim.Adam(twin.parameters(), lr=1e-2)
     first = rank(groups.ep) * layer.per_rank  # this rank's experts in the twin's numbering
@@ -86,7 +87,6 @@ def check_moe_against_twin(mesh_dims: dict[str, int], steps: int = 2, seed: int 
         x, y = _batch(step, me)
         loss = _loss(layer, x, y)
         loss.backward()
-        sync_gradients(layer, dp_group, ep_size)
         run_loss = collectives.all_reduce(loss.detach().reshape(1), op="avg").item()
         ref_loss = 0.0
         for ep_ranks in mesh.groups("ep"):  # each replica's tokens meet in one layer call

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parameters_to_vector
 
-from ..data_parallel import average_gradients, shard, shard_weight
+from ..data_parallel import DataParallel, shard, shard_weight
 from ..runtime import rank, world_size
 from ..trace import record
 
@@ -101,6 +101,8 @@ def train_resumable(model_fn: Callable[[], nn.Module],
     model = model_fn()
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     start = load(directory, model, optimizer)
+    # lesson 02's DDP, after the load: every rank resumed from the same files
+    replicated = DataParallel(model)
     losses = []
     for step in range(start, len(batches)):
         if kill_at == (rank(), step):
@@ -110,10 +112,10 @@ def train_resumable(model_fn: Callable[[], nn.Module],
         with record("compute", "step", step=step):
             optimizer.zero_grad()
             lx, ly = shard(x), shard(y)
-            loss = loss_fn(model(lx), ly)
-            (loss * shard_weight(len(lx), len(x))).backward()  # every sample counts once
-        # after backward, before step: the momentum buffer must see the averaged gradient
-        average_gradients(list(model.parameters()))
+            loss = loss_fn(replicated(lx), ly)
+            # every sample counts once; backward leaves the averaged gradient in .grad, which
+            # the momentum buffer must see
+            (loss * shard_weight(len(lx), len(x))).backward()
         optimizer.step()
         losses.append(loss.item())
         if (step + 1) % every == 0:
