@@ -182,6 +182,7 @@ def _saved_activation_peak(config) -> int:
     from minipar.train.precision import LossScaler
 
     replica = build_replica(config)
+    replica.model.pipe.measure_activations = True  # the trainer's timed steps leave it off
     sampler = _sampler(config, replica)
     for _ in range(2):
         replica.forward_backward(*sampler.next(), config.train.batch_size,

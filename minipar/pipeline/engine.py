@@ -158,6 +158,9 @@ class Pipeline:
                           torch.float32)
         self.activations = SavedActivationMeter({p.untyped_storage().data_ptr()
                                                  for p in self.parameters()})
+        # the meter's hooks run on every tensor autograd saves: a trainer's timed steps turn
+        # it off and its memory step on
+        self.measure_activations = True
         self.post_ahead = post_receives_ahead
         self.extra_work: ExtraWork | None = None
         self.gradient_sync: GradientSync | None = None
@@ -263,7 +266,7 @@ class Pipeline:
             x = st.inputs[a.microbatch]
         else:  # a leaf: backward stops here, and its gradient is what travels back
             x = st.activations_in.pop(key).requires_grad_(True)
-        with self.activations.recording():
+        with self.activations.recording() if self.measure_activations else nullcontext():
             out = self.stages[a.stage].forward(x, a.microbatch)
             if a.stage == last:
                 loss = loss_fn(out, st.targets[a.microbatch]) * st.loss_weights[a.microbatch]

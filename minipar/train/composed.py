@@ -108,6 +108,7 @@ class MeshReplica(Replica):
         self.model = MeshModel(layers, g, par.microbatches, par.schedule, par.virtual,
                                data_parallel=data_parallel,
                                make_stage=lambda module, i: AutocastStage(module, i, precision))
+        self.model.pipe.measure_activations = False  # on for the memory step only (memory.py)
         if par.sequence_parallel:
             sum_block_norms_in_backward(self.model.local, g.tp)
         apply_recompute(self.model.local, config.train.recompute)
@@ -189,7 +190,8 @@ class MeshReplica(Replica):
         """Where ranks hold distinct entries: tp, pp, and ep (experts) or, under ZeRO, every
         replica (its own slices)."""
         g = self.groups
-        return [g.tp, g.pp, self.replicas if self.sharded is not None else g.ep]
+        groups = [g.tp, g.pp, self.replicas if self.sharded is not None else g.ep]
+        return [group for group in groups if world_size(group) > 1]  # a sum over 1: nothing
 
     def full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's parameters under the twin's names: tp ranks hold slices (see

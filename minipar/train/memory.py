@@ -21,7 +21,7 @@ from .. import cost
 from ..report import format_table
 from ..runtime import rank, world_size
 from ..sharded.memory import KINDS, MemoryTracker
-from .composed import MeshReplica, trainer_mesh
+from .composed import trainer_mesh
 from .config import TrainConfig
 from .precision import LossScaler
 from .replicas import Replica
@@ -37,22 +37,22 @@ def memory_by_kind(replica: Replica, ids: torch.Tensor, targets: torch.Tensor,
     above). A collective: every rank of the run calls it together."""
     shards = replica.sharded.shards if replica.sharded is not None else ()
     tracker = MemoryTracker(replica.module, replica.optimizer, shards)
-    meter = replica.model.pipe.activations if isinstance(replica, MeshReplica) else None
-    if meter is not None:
-        meter.peak = meter.now  # the pipeline's meter keeps the run's peak: from here on
+    pipe = replica.model.pipe
+    meter = pipe.activations
+    meter.peak = meter.now  # the pipeline's meter keeps the run's peak: from here on
+    pipe.measure_activations = True  # for this step only: its hooks cost time
     with tracker.watch():
         replica.forward_backward(ids, targets, batch, LossScaler(False), last=True)
-        # the pipeline computes gradients with autograd.grad: no accumulation hook samples
         tracker.sample("after backward")
         replica.reduce_gradients()
         tracker.sample("after the reduction")
+    pipe.measure_activations = False
     replica.skip()  # the gradients dropped, no update: the run goes on as if unmeasured
     peak = {kind: max(getattr(s, kind) for s in tracker.samples) for kind in KINDS}
-    if meter is not None:
-        # Inside the engine a stage's forward runs under the meter's own saved-tensor hooks,
-        # which hide what autograd saves from the tracker's (the innermost hooks win): the
-        # meter is the one that sees a pipeline's activations, every micro-batch in flight.
-        peak["activations"] = meter.peak
+    # Inside the engine a stage's forward runs under the meter's own saved-tensor hooks,
+    # which hide what autograd saves from the tracker's (the innermost hooks win): the
+    # meter is the one that sees a pipeline's activations, every micro-batch in flight.
+    peak["activations"] = meter.peak
     return peak
 
 
