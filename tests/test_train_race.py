@@ -36,7 +36,7 @@ def _both(ours: dict, parallel: dict) -> dict:
 @pytest.mark.parametrize("row", list(ROWS))
 def test_torch_composition_reaches_the_trainers_losses_and_weights(row, request):
     """dp: FSDP2 against ZeRO-3; tp: DTensor Colwise/RowwiseParallel; pp: torch's
-    Schedule1F1B; dp x tp: FSDP2 over DTensor against ZeRO-1 over tp, the pairs the race
+    Schedule1F1B; dp x tp: FSDP2 over DTensor against ZeRO-3 over tp, the pairs the race
     times. The same 10 losses and gradient norms as the trainer's loop, and the same
     weights after them, in float64."""
     ours, parallel = ROWS[row][:2]
@@ -66,11 +66,14 @@ def test_what_torchs_composition_does_not_cover_is_one_line(overrides, words):
 
 
 def test_the_race_bench_runs_and_reports(tmp_path):
-    rows = measure(steps=3, rounds=1, preset="tiny", rows=("tp=2",))
+    """Two rounds of the 2-D row on one Cluster: the second round's DTensor run must not
+    find the first one's mesh (its groups destroyed) in DTensor's sharding cache."""
+    rows = measure(steps=3, rounds=2, preset="tiny", rows=("dp=2 tp=2",))
     table = report(rows, tmp_path)
+    assert len(rows[0]["ratios"]) == 2
     assert rows[0]["minipar_tokens_per_s"] > 0 and rows[0]["torch_tokens_per_s"] > 0
     assert rows[0]["minipar_profile"]["messages"] > 0 and rows[0]["torch_profile"]["ops"] > 0
-    assert "tp=2" in table and "minipar / torch" in table
+    assert "dp=2 tp=2" in table and "minipar / torch" in table
     assert (tmp_path / "bench_train_vs_torch.json").exists()
     with pytest.raises(ValueError, match="rows must be among"):
         measure(rows=("dp=3",))

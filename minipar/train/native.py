@@ -106,6 +106,7 @@ class NativeRun:
     def _fsdp_and_tp(self, model: Decoder) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
             RowwiseParallel,
@@ -113,6 +114,13 @@ class NativeRun:
         )
 
         p = self.config.parallel
+        # DTensor caches each op's output sharding by mesh (in C++, and in Python where C++
+        # cannot make the key), and a mesh compares equal by its layout: the previous run's
+        # mesh on the same Cluster, whose groups were destroyed as this run started, would
+        # come back from the cache and its groups be looked up by name ("could not resolve
+        # the process group": every second race round failed)
+        torch._C._clear_DTensor_sharding_propagator_cache()
+        DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
         # dp outer, tp inner (tp ranks adjacent), as minipar's Mesh orders them
         mesh = init_device_mesh(device().type, (p.dp, p.tp), mesh_dim_names=("dp", "tp"))
         self.dp_rank = mesh.get_local_rank("dp")

@@ -4,11 +4,10 @@ the same run (native.py: FSDP2, DTensor tensor parallelism, torch's pipelining),
 
 For each composition the two take turns for `rounds` rounds; a row keeps the median
 tokens/s of each and the per-round ratio (minipar / torch), whose spread is the noise.
-The layouts are the closest each side offers: torch's data parallelism is FSDP2
-(torchtitan's choice), so minipar's dp row is its ZeRO-3; with tp, minipar composes
-ZeRO-1 at most (ZeRO-3 with a mesh is refused), so that row compares ZeRO-1 + tp with
-FSDP2 + tp, which also shards the parameters and gradients over dp (ZeRO-3): less
-memory per rank, for 1.5x the bytes (the weights gathered again for backward).
+The layouts are the same on both sides: torch's data parallelism is FSDP2 (torchtitan's
+choice), so minipar's dp rows are its ZeRO-3, and with tp both run FSDP over the dp group
+of a tensor-parallel model (torchtitan's "2D": minipar's `StageDataParallel` with
+ZeRO-3 over the decoder cut for tp).
 
 Why one side is slower is measured, not guessed: three more steps of each, after the
 timed ones, run under torch's profiler, which splits the step's wall time into torch's
@@ -44,8 +43,8 @@ ROWS = {
              "Megatron tp (mesh/decoder.py)", "DTensor Colwise/RowwiseParallel"),
     "pp=2 1f1b m=4": (dict(pp=2, microbatches=4), dict(pp=2, microbatches=4),
                       "pipeline engine, 1F1B", "torch.distributed.pipelining Schedule1F1B"),
-    "dp=2 tp=2": (dict(dp=2, tp=2, zero=1), dict(dp=2, tp=2),
-                  "ZeRO-1 over dp, Megatron tp", "FSDP2 over dp, DTensor tp"),
+    "dp=2 tp=2": (dict(dp=2, tp=2, zero=3), dict(dp=2, tp=2),
+                  "ZeRO-3 over dp, Megatron tp", "FSDP2 over dp, DTensor tp"),
 }
 WARMUP = 2  # steps left out of the median: the first ones pay for allocation
 PROFILED = ("wall", "ops", "messages")
