@@ -347,3 +347,31 @@ def test_pipelined_ring_matches_torch(world_size, request):
         results = minipar.launch(_pipelined_ring_cases, world_size, backend="gloo", timeout=60)
     failures = [f"rank {r}: {f}" for r, fs in enumerate(results) for f in fs]
     assert failures == [], "\n".join(failures[:20])
+
+
+def _two_threads_at_once() -> int:
+    """A thread all-reduces over dp while the main thread all-reduces over tp (as DDP's
+    communication thread runs beside tensor parallelism's backward): wrong entries seen."""
+    import threading
+
+    from minipar.mesh import Mesh
+
+    mesh = Mesh(dp=2, tp=2)
+    groups, me, wrong = mesh.connect(), minipar.rank(), []
+
+    def reduce_many(name: str) -> None:
+        expected = sum(r + 1 for r in mesh.group_of(name, me))
+        for i in range(60):
+            t = torch.full((3000 + i,), float(me + 1), dtype=torch.float64)
+            C.all_reduce(t, group=getattr(groups, name))
+            wrong.append(int((t != expected).sum()))
+
+    other = threading.Thread(target=reduce_many, args=("dp",))
+    other.start()
+    reduce_many("tp")
+    other.join()
+    return sum(wrong)
+
+
+def test_collectives_on_two_threads_at_once_stay_exact(cluster4):
+    assert cluster4.run(_two_threads_at_once) == [0, 0, 0, 0]

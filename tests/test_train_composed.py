@@ -15,6 +15,8 @@ from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
 import minipar
 from minipar import trace
 from minipar.mesh import twin_slice
+from minipar.mesh.stage_data_parallel import REDUCTIONS, hidden_and_exposed
+from minipar.trace import Event
 from minipar.train.composed import trainer_mesh
 from minipar.train.loop import build_replica, train
 from minipar.train.optim import global_norm
@@ -78,12 +80,10 @@ def _sampler(config, replica):
                         replica.dp_rank, replica.dp)
 
 
-DP_REDUCTIONS = ("bucket ", "reduce-scatter bucket ", "reduce-scatter unit ")  # DDP, ZeRO, FSDP
-
-
 def _reductions_in_backward(config) -> tuple[int, int]:
     """On this rank, in one traced optimizer-step chunk: the data-parallel reductions that
-    started inside a pipeline backward (B or W), and all of them."""
+    were launched inside a pipeline backward (B or W), and all of them. A reduction on
+    ZeRO-2's communication thread counts where backward queued it (it may start after)."""
     from minipar.train.precision import LossScaler
 
     replica = build_replica(config)
@@ -93,8 +93,10 @@ def _reductions_in_backward(config) -> tuple[int, int]:
         replica.reduce_gradients()
     events = captured.events
     backward = [(e.start, e.end) for e in events if e.kind in ("B", "W")]
-    reductions = [e for e in events if e.label.startswith(DP_REDUCTIONS)]
-    inside = [e for e in reductions if any(a <= e.start <= b for a, b in backward)]
+    reductions = [e for e in events if e.label.startswith(REDUCTIONS)]
+    queued = [e for e in events if e.kind == "queue"]
+    launches = queued + [e for e in reductions if e.thread == 0 or not queued]
+    inside = [e for e in launches if any(a <= e.start <= b for a, b in backward)]
     return len(inside), len(reductions)
 
 
@@ -122,6 +124,17 @@ def test_data_parallelism_reduces_inside_the_pipelines_backward(cluster4, corpus
     _assert_same_run([run for run, _ in results], one_process, config)
     for r, (_, (inside, total)) in enumerate(results):
         assert total > 0 and inside == total, (parallel, r, inside, total)
+
+
+def test_hidden_and_exposed_splits_a_reduction_by_the_compute_under_it():
+    """A DDP bucket on the communication thread under a B is hidden where they overlap;
+    a reduce-scatter on the main thread, even inside a B, pauses it: exposed."""
+    events = [Event(0, "B", "0B1", 0.0, 10.0),
+              Event(0, "all_reduce", "bucket 0", 6.0, 14.0, thread=1),  # 4 hidden, 4 after
+              Event(0, "reduce_scatter", "reduce-scatter bucket 0", 2.0, 3.0),  # inside B
+              Event(0, "all_reduce", "bucket 1", 2.5, 3.5, thread=1)]  # under the pause
+    hidden, exposed = hidden_and_exposed(events)
+    assert math.isclose(hidden, 4.0 + 0.5) and math.isclose(exposed, 4.0 + 1.0 + 0.0)
 
 
 def _norms(config) -> tuple[float, float]:

@@ -266,17 +266,21 @@ def split_bounds(n: int, parts: int) -> list[int]:
     return [i * base + min(i, extra) for i in range(parts + 1)]
 
 
-# one per (dtype, device), grown when too small; a call must be done with it before the next
-_scratch_buffers: dict[tuple, torch.Tensor] = {}
+# one per (dtype, device) and thread, grown when too small; a call must be done with it
+# before the next on its thread. Per thread: a data-parallel communication thread runs
+# collectives while the main thread runs tensor parallelism's, and one shared buffer mixed
+# their sums
+_scratch_buffers = threading.local()
 
 
 def _scratch(like: torch.Tensor, numel: int) -> torch.Tensor:
     """A reusable receive buffer: fresh pages for every call cost page faults on big tensors."""
+    mine = _scratch_buffers.__dict__  # this thread's buffers (gone with the thread)
     key = (like.dtype, like.device)
-    buffer = _scratch_buffers.get(key)
+    buffer = mine.get(key)
     if buffer is None or buffer.numel() < numel:
         buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
-        _scratch_buffers[key] = buffer
+        mine[key] = buffer
     return buffer[:numel]
 
 

@@ -138,11 +138,14 @@ class DataParallel(nn.Module):
     all-reduces everything after backward. Buckets are launched in the same order on
     every rank. Replicas start equal: rank 0's parameters and buffers are broadcast at
     construction. `group`: the ranks that hold replicas (a mesh's data-parallel
-    dimension; default every rank).
+    dimension; default every rank). `comm`: the communication thread to use, shared by
+    wrappers whose collectives over one group must keep one order; default a thread of
+    its own.
     """
 
     def __init__(self, module: nn.Module, bucket_bytes: int | None = 1 << 20,
-                 overlap: bool = True, algorithm: str = "ring", group=None) -> None:
+                 overlap: bool = True, algorithm: str = "ring", group=None,
+                 comm: CommThread | None = None) -> None:
         super().__init__()
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool)
                                          or not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
@@ -167,7 +170,7 @@ class DataParallel(nn.Module):
         self._started = False
         self._next = 0
         self._ready: set[int] = set()
-        self._comm = CommThread("minipar-dp-comm")
+        self._comm = comm if comm is not None else CommThread("minipar-dp-comm")
         for p in trainable:
             # fires after the gradient is added into .grad (torch >= 2.1): the bucket sees the final
             # gradient, even for a parameter used twice in the forward

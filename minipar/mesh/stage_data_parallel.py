@@ -9,7 +9,9 @@ except its last one in the optimizer step (`Pipeline.reduce_gradients_with`):
 
 - zero 0: DDP's buckets are all-reduced during the last micro-batch's backward;
 - zero 1: the reduce-scatter waits for `reduce_gradients`, after backward;
-- zero 2: each bucket is reduce-scattered as soon as the last micro-batch completes it;
+- zero 2: each bucket is reduce-scattered as soon as the last micro-batch completes it,
+  on one communication thread while backward goes on (`hidden_and_exposed` measures
+  how much of it the compute hides);
 - zero 3: each unit (a block) is gathered for its forward and again for its backward,
   and reduce-scattered in every micro-batch's backward (fsdp.py says why).
 
@@ -36,12 +38,32 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..collectives.background import CommThread
 from ..data_parallel import DataParallel, bucket_parameters
 from ..runtime import world_size
 from ..sharded import FlatShard, FullyShardedDataParallel, ZeroDataParallel
 from ..sharded.zero import OptimizerFactory, trainable_parameters
+from ..trace import Event, overlap_length, subtract, union_length
 
 Wrapper = DataParallel | ZeroDataParallel | FullyShardedDataParallel
+# the labels of the events each wrapper records for its reductions over dp
+REDUCTIONS = ("bucket ", "reduce-scatter bucket ", "reduce-scatter unit ")
+
+
+def hidden_and_exposed(events: list[Event]) -> tuple[float, float]:
+    """One rank's data-parallel reductions in a step, split into the seconds hidden under
+    compute and the seconds exposed. Compute is the main thread's F, B and W actions, less
+    the time the main thread itself spends in a reduction (a reduce-scatter run inside a
+    hook pauses the backward: it is exposed even though it happens during backward); a
+    reduction on a communication thread (DDP's buckets) is hidden where it overlaps that
+    compute."""
+    reductions = [(e.start, e.end) for e in events if e.label.startswith(REDUCTIONS)]
+    blocking = [(e.start, e.end) for e in events
+                if e.label.startswith(REDUCTIONS) and e.thread == 0]
+    compute = subtract([(e.start, e.end) for e in events
+                        if e.kind in ("F", "B", "W") and e.thread == 0], blocking)
+    hidden = overlap_length(reductions, compute)
+    return hidden, union_length(reductions) - hidden
 
 
 class ChainedOptimizer:
@@ -101,6 +123,9 @@ class StageDataParallel:
                              "blocks, whose experts are replicated over fewer ranks than "
                              "their dense weights; use zero 0, 1 or 2 with ep > 1")
         self.zero, self.tied, self.replicate = zero, tied, replicate
+        # DDP's all-reduces or ZeRO-2's reduce-scatters, every stage's, on one thread: the
+        # stages' wrappers share a group, whose collectives must come in one order
+        self.comm = CommThread("minipar-dp-comm") if zero in (0, 2) else None
         self.wrappers: dict[int, list[Wrapper]] = {}
         for index, module in stages.items():
             parts: dict[int, tuple[dist.ProcessGroup, list[nn.Parameter]]] = {}
@@ -121,7 +146,7 @@ class StageDataParallel:
         # a wrapper takes a module: a subset of the stage's parameters comes as a list module
         holder = module if whole else nn.ParameterList(params)
         if self.zero == 0:
-            return DataParallel(holder, group=group)
+            return DataParallel(holder, group=group, comm=self.comm)
         if self.zero == 3:
             return FullyShardedDataParallel(module, optimizer, fsdp_units(module, self.tied),
                                             group=group, replicate=self.replicate)
@@ -130,7 +155,7 @@ class StageDataParallel:
         buckets = bucket_parameters(rest[::-1], 1 << 20) + \
             ([[self.tied]] if len(rest) < len(params) else [])
         return ZeroDataParallel(holder, optimizer, self.zero, group=group, buckets=buckets,
-                                replicate=self.replicate)
+                                replicate=self.replicate, comm=self.comm)
 
     @contextmanager
     def no_sync(self, stage: int) -> Iterator[None]:

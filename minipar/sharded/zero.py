@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from .. import collectives
+from ..collectives.background import CommThread
 from ..data_parallel import bucket_parameters
 from ..runtime import rank, world_size
 from ..trace import record
@@ -191,13 +192,16 @@ class ZeroDataParallel:
 
     Under `no_sync()` stage 2 accumulates full gradients and sends nothing: gradients are
     reduced once per optimizer step, in the backward of its last micro-batch.
-    `replicate`: HSDP's other groups (FlatShard).
+    `replicate`: HSDP's other groups (FlatShard). `comm`: a `CommThread` on which stage 2
+    runs each bucket's reduce-scatter while backward goes on computing (otherwise the
+    hook runs it and backward waits); wrappers that share a group share one thread, so
+    their collectives keep one order on every rank.
     """
 
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory, stage: int = 1,
                  bucket_bytes: int = 1 << 20, param_dtype: torch.dtype | None = None,
                  group=None, buckets: list[list[nn.Parameter]] | None = None,
-                 replicate=None) -> None:
+                 replicate=None, comm: CommThread | None = None) -> None:
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2 (stage 3 is FullyShardedDataParallel); "
                              f"got {stage!r}")
@@ -216,7 +220,7 @@ class ZeroDataParallel:
         self.shards = [FlatShard(b, param_dtype=param_dtype, group=group, replicate=replicate)
                        for b in buckets]
         self.optimizer = optimizer([s.master for s in self.shards])
-        self._sync = True
+        self._sync, self.comm = True, comm
         if stage == 2:
             for shard in self.shards:
                 for p in shard.params:
@@ -239,11 +243,21 @@ class ZeroDataParallel:
     def _arrived(self, shard: FlatShard) -> None:
         """Stage 2: when a bucket's last gradient is complete, send it at once."""
         if self._sync and shard.arrived():
-            self._send(shard)
+            self._send(shard, background=True)
 
-    def _send(self, shard: FlatShard) -> None:
+    def _send(self, shard: FlatShard, background: bool = False) -> None:
+        # the full gradients are taken here, on the caller's thread (backward's, in a hook)
+        flat = shard.take_gradients()
+        if background and self.comm is not None:
+            # the moment backward hands the bucket over (it runs when the thread gets to it)
+            with record("queue", f"queue reduce-scatter bucket {self.shards.index(shard)}"):
+                self.comm.submit(self._reduce, shard, flat)
+        else:
+            self._reduce(shard, flat)
+
+    def _reduce(self, shard: FlatShard, flat: torch.Tensor) -> None:
         with record("reduce_scatter", f"reduce-scatter bucket {self.shards.index(shard)}"):
-            shard.reduce_scatter_gradients(shard.take_gradients())
+            shard.reduce_scatter_gradients(flat)
 
     def step(self) -> None:
         """Finish the gradient exchange, update this rank's slices, gather the parameters."""
@@ -253,6 +267,8 @@ class ZeroDataParallel:
     def reduce_gradients(self) -> None:
         """The first half of `step`: every slice's averaged gradient in its master's .grad
         (where a trainer may clip them, by a norm summed over the ranks' slices)."""
+        if self.comm is not None:
+            self.comm.join()  # every reduce-scatter backward started has landed
         for shard in self.shards:
             if shard.unsent():  # stage 1, or gradients a backward left behind
                 self._send(shard)

@@ -178,6 +178,8 @@ def measure(steps: int = 10, rounds: int = 5, preset: str = "small",
             "torch_tokens_per_s": statistics.median(r["tokens_per_s"] for r in theirs),
             "ratios": [a["tokens_per_s"] / b["tokens_per_s"]
                        for a, b in zip(mine, theirs, strict=True)],
+            "rounds": [(a["tokens_per_s"], b["tokens_per_s"])  # (minipar, torch) in turns
+                       for a, b in zip(mine, theirs, strict=True)],
             "minipar_profile": {k: mine[-1][k] for k in PROFILED},
             "torch_profile": {k: theirs[-1][k] for k in PROFILED}})
     return out
