@@ -26,6 +26,7 @@ BENCHMARKS = {"launch": "minipar.runtime.bench",
               "atom": "minipar.slow_networks.atom_bench",
               "train": "minipar.train.bench",
               "train-vs-torch": "minipar.train.race",
+              "dp-overlap": "minipar.train.overlap_bench",
               "cluster": "minipar.train.cluster_bench"}
 
 

@@ -212,3 +212,18 @@ def test_recomputation_inside_the_pipeline_keeps_less(cluster2, corpus):  # noqa
         for policy in ("none", "selective", "full")}
     assert peaks["full"] * 3 < peaks["none"], peaks
     assert peaks["selective"] < peaks["none"], peaks
+
+
+def test_the_overlap_bench_splits_each_reduction_into_hidden_and_exposed(tmp_path):
+    """ZeRO-1 reduces after backward on the main thread: nothing of it can be hidden;
+    every layout reduces something."""
+    from minipar.train.overlap_bench import MESHES, MOMENTS, measure, report
+
+    rows = measure(steps=3, rounds=1, preset="tiny")
+    assert len(rows) == len(MESHES) * len(MOMENTS)
+    for row in rows:
+        assert row["hidden"] + row["exposed"] > 0, row
+        if row["moment"].startswith("ZeRO-1"):
+            assert row["hidden"] == 0 and row["vs_zero1"] == [1.0], row
+    assert "step vs ZeRO-1" in report(rows, tmp_path)
+    assert (tmp_path / "bench_dp_overlap.json").exists()
