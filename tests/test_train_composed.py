@@ -6,7 +6,11 @@ clipping active. Where data parallelism reduces inside backward, a traced step s
 there."""
 
 import math
+import re
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -227,3 +231,18 @@ def test_the_overlap_bench_splits_each_reduction_into_hidden_and_exposed(tmp_pat
             assert row["hidden"] == 0 and row["vs_zero1"] == [1.0], row
     assert "step vs ZeRO-1" in report(rows, tmp_path)
     assert (tmp_path / "bench_dp_overlap.json").exists()
+
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "composition.md"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", re.findall(r"^\.venv/bin/(minipar train .+)$",
+                                               DOCS.read_text(), re.MULTILINE))
+def test_every_train_command_in_the_composition_page_runs(command, tmp_path):
+    """The page's commands, as a reader types them (without its virtual environment; in a
+    folder of their own: they write runs/latest)."""
+    done = subprocess.run([sys.executable, "-m", *command.split()], capture_output=True,
+                          text=True, timeout=170, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "step     5/5" in done.stdout, done.stdout[-2000:]

@@ -69,6 +69,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.block, self.positions = block, positions
         self.head_dim, self.rope_base = head_dim, rope_base
+        self._rope: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # by dtype, device
 
     def twin_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The block's parameters under the twin's names after its `blocks.i.` (MeshModel
@@ -77,8 +78,13 @@ class DecoderLayer(nn.Module):
         return named()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # built per call (a few hundred numbers): they follow x's dtype, as the twin's do
-        cos, sin = rope_tables(self.head_dim, self.positions, self.rope_base, x.dtype)
+        # the positions are fixed: the tables are built once per dtype (they follow x's, as
+        # the twin's do) and device
+        key = (x.dtype, x.device)
+        if key not in self._rope:
+            self._rope[key] = rope_tables(self.head_dim, self.positions.to(x.device),
+                                          self.rope_base, x.dtype)
+        cos, sin = self._rope[key]
         return self.run_block(self.block, x, cos, sin, None)
 
 

@@ -117,6 +117,7 @@ class MeshReplica(Replica):
         self.optimizer = self.sharded.optimizer if self.sharded else adam([p for _, p in named])
         self.masks = self.decay_masks(named)
         self.norm_masks = self._norm_masks(named)
+        self._counted_whole = [bool(m.all()) for m in self.norm_masks]  # no copy needed
 
     def _norm_masks(self, named: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
         """Per optimizer tensor, 1 where this rank counts the entry in the global norm."""
@@ -182,9 +183,10 @@ class MeshReplica(Replica):
         self.model.sum_tied_gradients()
 
     def norm_gradients(self) -> list[torch.Tensor | None]:
-        """The owned gradients, each entry this rank does not count zeroed (a copy)."""
-        return [None if g is None else g * m
-                for g, m in zip(self.owned_gradients(), self.norm_masks, strict=True)]
+        """The owned gradients, each entry this rank does not count zeroed (a copy; a
+        gradient this rank counts whole is passed as it is)."""
+        return [g if g is None or whole else g * m for g, m, whole
+                in zip(self.owned_gradients(), self.norm_masks, self._counted_whole, strict=True)]
 
     def norm_groups(self) -> list:
         """Where ranks hold distinct entries: tp, pp, and ep (experts) or, under ZeRO, every

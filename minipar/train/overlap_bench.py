@@ -108,9 +108,9 @@ def report(rows: list[dict], out_dir: Path) -> str:
     ax.barh(labels, [r["exposed"] * 1e3 for r in rows], left=[r["hidden"] * 1e3 for r in rows],
             label="exposed")
     ax.set_xlabel("data-parallel reduction per step (ms, slowest rank)")
-    ax.legend()
+    ax.legend(loc="lower right", fontsize=8)
     ax.tick_params(axis="y", labelsize=7)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.92))  # room for the title save_results puts on top
     save_results(rows, fig, out_dir, "dp_overlap",
                  title="data parallelism's reduction per step: hidden under compute or exposed")
     return (f"{table}\nhidden: reduction time under the main thread's compute (F, B, W); "
