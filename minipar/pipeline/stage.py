@@ -3,15 +3,15 @@
 The engine (engine.py) moves tensors between actions and ranks; a Stage decides what F,
 B, I and W do with them. `Stage` itself is plain synchronous training: forward calls the
 module, backward adds the weight gradients into `.grad` and returns the input gradient.
+A variant subclasses it in its own file beside its schedule (pipedream.py stashes
+weights, terapipe.py back-propagates state shared between micro-batches) and its
+schedule family builds it (`ScheduleFamily.stage`). Recomputation or mixed precision
+wrap `forward` the same way: it is the one place a stage's module is called.
 
 Backward accumulates into `.grad` the way `loss.backward()` does for a plain model
 (`torch.autograd.backward(..., inputs=...)`, not `autograd.grad`), so every gradient
 hook fires inside a pipeline step: data parallelism's buckets (DDP, ZeRO-2's
 reduce-scatter, FSDP's) start their communication during the pipeline's backward.
-A variant subclasses it in its own file beside its schedule (pipedream.py stashes
-weights, terapipe.py back-propagates state shared between micro-batches) and its
-schedule family builds it (`ScheduleFamily.stage`). Recomputation or mixed precision
-wrap `forward` the same way: it is the one place a stage's module is called.
 
 `SavedActivationMeter` measures the activation memory a schedule really holds.
 """

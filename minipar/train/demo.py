@@ -37,7 +37,7 @@ def tour(ctx: Context) -> list[Row]:
         same = all(math.isclose(a, b, rel_tol=1e-10) for run in runs
                    for a, b in zip(run.losses, one.losses, strict=True))
         rows.append(Row(title, ranks, same, seconds,
-                        note=f"float64, every step's loss vs one process; loss "
-                             f"{one.losses[0]:.2f} -> {one.losses[-1]:.2f} in {STEPS} steps; "
-                             f"minipar train --config tiny {flags}"))
+                        note=f"float64, every loss = one process's ({one.losses[0]:.2f}"
+                             f" -> {one.losses[-1]:.2f}, {STEPS} steps); minipar train "
+                             f"--config tiny {flags}"))
     return rows
