@@ -62,18 +62,26 @@ def timed_steps(overrides: dict, steps: int, preset: str) -> dict:
             (("seconds", seconds), ("hidden", hidden), ("exposed", exposed))}
 
 
-def measure(steps: int = 8, rounds: int = 3, preset: str = "small") -> list[dict]:
+def _ranks(mesh: str) -> int:
+    return 4 if "parallel.pp" in MESHES[mesh] else 2  # pp x dp, or dp alone
+
+
+def measure(steps: int = 8, rounds: int = 3, preset: str = "small",
+            meshes: tuple[str, ...] = tuple(MESHES)) -> list[dict]:
     """Every mesh x moment in turns for `rounds` rounds (the slowest rank's step)."""
-    clusters = {k: Cluster(k, backend="gloo", timeout=300) for k in (2, 4)}
+    unknown = [m for m in meshes if m not in MESHES]
+    if unknown:
+        raise ValueError(f"meshes must be among {', '.join(MESHES)}; got {unknown}")
+    clusters = {k: Cluster(k, backend="gloo", timeout=300)
+                for k in sorted({_ranks(m) for m in meshes})}
     runs: dict[tuple[str, str], list[dict]] = {}
     try:
         for r in range(rounds):
-            for mesh, degrees in MESHES.items():
-                ranks = 4 if "parallel.pp" in degrees else 2
+            for mesh in meshes:
                 for moment, zero in MOMENTS.items():
                     progress(f"{mesh}, {moment}, round {r + 1}/{rounds}")
-                    result = clusters[ranks].run(timed_steps, {**degrees, "parallel.zero": zero},
-                                                 steps, preset)
+                    result = clusters[_ranks(mesh)].run(
+                        timed_steps, {**MESHES[mesh], "parallel.zero": zero}, steps, preset)
                     runs.setdefault((mesh, moment), []).append(
                         max(result, key=lambda x: x["seconds"]))
     finally:
