@@ -15,6 +15,7 @@ one-process gradient.
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -34,6 +35,15 @@ def experts_per_rank(num_experts: int, group=None) -> int:
         raise ValueError(f"{num_experts} experts cannot be split evenly over {size} ranks; "
                          f"use a number of experts divisible by {size}")
     return num_experts // size
+
+
+def average_experts_over_ep(experts: Iterable[nn.Parameter], ep: int) -> None:
+    """Divide each expert parameter's gradient by `ep` as backward computes it (a hook,
+    before it is added into .grad). An expert's gradient sums what the tokens of every
+    rank of its ep group asked of it, each rank's loss a mean over its own tokens; divided
+    by ep it is their mean, and data parallelism then averages it over dp only."""
+    for p in experts:
+        p.register_hook(lambda grad: grad / ep)
 
 
 class ExpertParallelMoE(nn.Module):

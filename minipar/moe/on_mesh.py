@@ -26,7 +26,7 @@ from .. import collectives
 from ..mesh import Mesh
 from ..mesh.stage_data_parallel import StageDataParallel
 from ..runtime import rank
-from .expert_parallel import ExpertParallelMoE
+from .expert_parallel import ExpertParallelMoE, average_experts_over_ep
 from .layer import MoELayer
 
 _HIDDEN, _TOKENS = 8, 6  # per rank
@@ -51,8 +51,7 @@ def data_parallel(layer: ExpertParallelMoE, dp_group, ep_size: int) -> StageData
     """Dense parameters: mean over every rank. Experts: mean over dp (`dp_group`), each
     gradient divided by ep first. Its hooks do both inside backward."""
     experts = list(layer.experts.parameters())
-    for p in experts:  # its gradient sums the ep group's tokens: make it their mean
-        p.register_hook(lambda grad: grad / ep_size)
+    average_experts_over_ep(experts, ep_size)
     # DeepSpeed-MoE / Megatron: replicated parameters average over every rank
     return StageDataParallel({0: layer}, 0, None, None,
                              groups={id(p): dp_group for p in experts})

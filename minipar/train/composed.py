@@ -43,6 +43,7 @@ from ..mesh.decoder import decoder_layers, held_positions, sum_block_norms_in_ba
 from ..mesh.model import MeshModel
 from ..mesh.stage_data_parallel import StageDataParallel
 from ..moe.decoder import ExpertParallelBlock, cut_expert_parallel
+from ..moe.expert_parallel import average_experts_over_ep
 from ..runtime import rank, world_size
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .config import ParallelConfig, TrainConfig
@@ -93,9 +94,8 @@ class MeshReplica(Replica):
         self.experts = {id(p) for _, layer in layers for m in layer.modules()
                         if isinstance(m, ExpertParallelBlock) for p in m.experts()}
         if self.ep > 1:
-            for p in (p for _, layer in layers for p in layer.parameters()
-                      if id(p) in self.experts):
-                p.register_hook(lambda grad: grad / self.ep)
+            average_experts_over_ep((p for _, layer in layers for p in layer.parameters()
+                                     if id(p) in self.experts), self.ep)
 
         def data_parallel(stages: dict[int, nn.Module], tied: nn.Parameter | None
                           ) -> StageDataParallel:
@@ -114,7 +114,8 @@ class MeshReplica(Replica):
         apply_recompute(self.model.local, config.train.recompute)
         self.sharded = self.model.data_parallel if par.zero else None
         named = list(self.model.named_parameters())
-        self.optimizer = self.sharded.optimizer if self.sharded else adam([p for _, p in named])
+        self.optimizer = (self.sharded.optimizer if self.sharded is not None
+                          else adam([p for _, p in named]))
         self.masks = self.decay_masks(named)
         self.norm_masks = self._norm_masks(named)
         self._counted_whole = [bool(m.all()) for m in self.norm_masks]  # no copy needed
