@@ -351,10 +351,15 @@ class Decoder(nn.Module):
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy over every token of the batch."""
-        logits = self(ids)
-        # low-precision logits are widened first: the log-softmax over the vocabulary is a sum
-        wide = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
-        return nn.functional.cross_entropy(wide.flatten(0, 1), targets.flatten())
+        return cross_entropy(self(ids), targets)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits [batch, seq, vocab] against targets [batch, seq]: the
+    one loss every model, stage and trainer layout computes."""
+    # low-precision logits are widened first: the log-softmax over the vocabulary is a sum
+    wide = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
+    return nn.functional.cross_entropy(wide.flatten(0, 1), targets.flatten())
 
 
 def decoder(config: DecoderConfig, seed: int = 0, dtype: torch.dtype = torch.float32

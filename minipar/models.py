@@ -1,11 +1,10 @@
 """Tiny models and data sets that lessons, tests and benchmarks train, deterministic by seed.
 
-Each is a single-process twin that the parallel versions (pipeline stages,
-tensor-parallel layers, MoE experts) are cut from and tested against."""
+Each is a single-process twin that the parallel versions (pipeline stages, data-parallel
+replicas, MoE experts) are cut from and tested against. The transformer that lessons
+04 onwards cut up is one model, the decoder (`minipar.decoder`)."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
@@ -40,8 +39,8 @@ def linear_stack(width: int, blocks: int, seed: int = 0,
 
 
 class FFN(nn.Module):
-    """A transformer's feed-forward block: hidden -> ffn -> GELU -> hidden. It is the
-    tensor-parallel lesson's MLP twin and each expert of an MoE layer."""
+    """A transformer's feed-forward block: hidden -> ffn -> GELU -> hidden, as GPT-2's:
+    each expert of an MoE layer."""
 
     def __init__(self, hidden: int, ffn: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -50,77 +49,6 @@ class FFN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(nn.functional.gelu(self.up(x)))
-
-
-class SelfAttention(nn.Module):
-    """The single-process twin: causal multi-head attention on [seq, batch, hidden]."""
-
-    def __init__(self, hidden: int, heads: int, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        if hidden % heads:
-            raise ValueError(f"hidden={hidden} must be a multiple of heads={heads}")
-        self.heads = heads
-        self.qkv = nn.Linear(hidden, 3 * hidden, dtype=dtype)
-        self.proj = nn.Linear(hidden, hidden, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(attend(self.qkv(x), self.heads))
-
-
-def attend(qkv: torch.Tensor, heads: int) -> torch.Tensor:
-    """Causal attention given [s, b, 3 * heads * d] packed as (head, q|k|v, d): each head's
-    q, k and v sit together, so a column split of the packed projection keeps whole heads."""
-    s, b, width = qkv.shape
-    d = width // (3 * heads)
-    q, k, v = qkv.view(s, b, heads, 3, d).permute(3, 1, 2, 0, 4)  # each [b, heads, s, d]
-    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
-    # above the diagonal: keys later than the query; -inf there leaves them zero weight
-    mask = torch.ones(s, s, dtype=torch.bool, device=qkv.device).triu(1)
-    weights = scores.masked_fill(mask, float("-inf")).softmax(-1)
-    return (weights @ v).permute(2, 0, 1, 3).reshape(s, b, heads * d)
-
-
-class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attn(ln(x)), then + mlp(ln(x)). The single-process twin."""
-
-    def __init__(self, hidden: int, heads: int, ffn: int, seed: int = 0,
-                 dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.ln1 = nn.LayerNorm(hidden, dtype=dtype)
-        self.attn = SelfAttention(hidden, heads, dtype)
-        self.ln2 = nn.LayerNorm(hidden, dtype=dtype)
-        self.mlp = FFN(hidden, ffn, dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # pre-norm, as GPT-2: an untouched residual path trains stably (Xiong et al. 2020)
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class TinyGPT(nn.Module):
-    """The single-process twin: token + position embeddings, blocks, a final norm and an
-    output head tied to the token embedding; input [sequence, batch] token ids."""
-
-    def __init__(self, vocab: int = 64, hidden: int = 32, heads: int = 4, layers: int = 2,
-                 seq_len: int = 16, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.tokens = nn.Embedding(vocab, hidden, dtype=dtype)
-        self.positions = nn.Embedding(seq_len, hidden, dtype=dtype)
-        # a seed per block: block i's weights do not depend on which blocks were built before it,
-        # so a block built alone from its seed equals the twin's
-        self.blocks = nn.ModuleList(TransformerBlock(hidden, heads, 4 * hidden, seed + 1 + i,
-                                                     dtype) for i in range(layers))
-        self.norm = nn.LayerNorm(hidden, dtype=dtype)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        # learned positions as GPT-2's; [:, None, :] broadcasts them over the batch
-        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[0]))[:, None, :]
-        for block in self.blocks:
-            x = block(x)
-        # the output head is the token embedding transposed (weight tying, Press and Wolf 2017)
-        return self.norm(x) @ self.tokens.weight.t()  # logits [sequence, batch, vocab]
 
 
 class TiedAutoencoder(nn.Module):

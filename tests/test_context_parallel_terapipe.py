@@ -18,7 +18,7 @@ def _assert_equal_to_twin(results):
     got = {}
     for r in results:
         for name, g in r["grads"].items():
-            name = "tokens.weight" if name == "head_weight" else name
+            name = "embed.weight" if name == "head_weight" else name
             got[name] = g if name not in got else got[name] + g  # the tied copies add up
     assert set(got) == set(twin)
     for name, g in got.items():

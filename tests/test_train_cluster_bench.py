@@ -1,6 +1,6 @@
 """`minipar bench cluster`'s structural facts on 2 emulated nodes x 2 ranks, counted by the
 emulated network (never timed): the hierarchical all-to-all sends half the flat one's
-messages across the nodes, the same bytes, and is charged less for them; the GPT step
+messages across the nodes, the same bytes, and is charged less for them; the decoder step
 with tp inside the nodes sends fewer messages and bytes across than with tp across, and
 the planner predicts it faster."""
 

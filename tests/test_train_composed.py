@@ -18,8 +18,8 @@ from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
 
 import minipar
 from minipar import trace
-from minipar.mesh import twin_slice
 from minipar.mesh.stage_data_parallel import REDUCTIONS, hidden_and_exposed
+from minipar.tensor_parallel import twin_slice
 from minipar.trace import Event
 from minipar.train.composed import trainer_mesh
 from minipar.train.loop import build_replica, train

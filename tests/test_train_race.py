@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import minipar
-from minipar.mesh import twin_slice
+from minipar.tensor_parallel import twin_slice
 from minipar.train.config import load_config
 from minipar.train.loop import train
 from minipar.train.native import refuse_native

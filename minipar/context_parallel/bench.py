@@ -202,7 +202,7 @@ def format_placement(rows: list[dict]) -> str:
               "predicted": f"{r['predicted'] * 1e3:.0f} ms",
               "measured": f"{r['measured'] * 1e3:.0f} ms",
               "vs": ratio_cell(r["vs_even_rounds"])} for r in rows]
-    return ("variable-length sequences (forward + backward of a transformer block) on 2 ranks "
+    return ("variable-length sequences (forward + backward of a decoder block) on 2 ranks "
             "of speed 1 and 1/2 (the slow rank computes twice); step = slowest rank\n"
             + format_table(shown, [("placement", "placement"), ("seqs", "sequences per rank"),
                                    ("tokens", "tokens per rank"), ("predicted", "predicted"),

@@ -21,7 +21,7 @@ import time
 import torch
 
 from .. import collectives
-from ..models import TransformerBlock
+from ..decoder import DecoderConfig, decoder, rope_tables
 from ..runtime import rank, world_size
 
 
@@ -84,7 +84,7 @@ def variable_lengths(count: int, seed: int = 0, shortest: int = 16, longest: int
 def run_assignment(assignment: list[list[int]], lengths: list[int], speeds: list[float],
                    hidden: int = 64, seed: int = 0, dtype: torch.dtype = torch.float32
                    ) -> tuple[float, torch.Tensor]:
-    """On every rank: forward + backward of a transformer block over this rank's sequences
+    """On every rank: forward + backward of a decoder block over this rank's sequences
     (repeated 1/speed times to emulate a slower device), then the gradient all-reduce that
     ends a synchronous step. Returns (seconds until this rank's gradients are summed, the
     summed gradient, flattened)."""
@@ -92,9 +92,14 @@ def run_assignment(assignment: list[list[int]], lengths: list[int], speeds: list
     if len(assignment) != k or len(speeds) != k:
         raise ValueError(f"assignment and speeds need one entry per rank ({k}); got "
                          f"{len(assignment)} and {len(speeds)}")
-    block = TransformerBlock(hidden, 4, 4 * hidden, seed=seed, dtype=dtype)
+    config = DecoderConfig(layers=1, hidden=hidden, heads=4, kv_heads=2,
+                           seq_len=max(lengths, default=1))
+    block = decoder(config, seed, dtype).blocks[0]
     gen = torch.Generator().manual_seed(seed + 1)
-    data = [torch.randn(n, 1, hidden, generator=gen, dtype=dtype) for n in lengths]
+    data = [torch.randn(1, n, hidden, generator=gen, dtype=dtype) for n in lengths]
+    # each sequence's rotary tables, by length (positions 0..n-1)
+    rope = {n: rope_tables(config.head_dim, torch.arange(n), config.rope_base, dtype)
+            for n in set(lengths)}
     repeats = round(1 / speeds[me])
     if repeats < 1 or abs(repeats * speeds[me] - 1) > 1e-9:
         raise ValueError(f"speeds must be 1/n for a whole n (a rank of speed 1/n computes "
@@ -105,7 +110,7 @@ def run_assignment(assignment: list[list[int]], lengths: list[int], speeds: list
     start = time.perf_counter()
     for i in assignment[me]:
         for repeat in range(repeats):
-            loss = block(data[i]).pow(2).mean()
+            loss = block(data[i], *rope[lengths[i]]).pow(2).mean()
             if repeat == repeats - 1:  # the extra passes are the emulated slowness only
                 loss.backward()
             else:

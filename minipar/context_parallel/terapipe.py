@@ -20,25 +20,34 @@ import math
 import torch
 from torch import nn
 
-from ..models import TinyGPT
-from .attention import attention
+from ..decoder import (
+    Decoder,
+    DecoderConfig,
+    cross_entropy,
+    decoder,
+    grouped_query_attention,
+    rope_tables,
+)
 
 
 class TokenStage(nn.Module):
-    """Blocks `first..last-1` of a TinyGPT twin, fed one slice of a sequence at a time
-    ([slice, batch, hidden]; token ids on the first stage, which embeds them at their
-    global positions), with a key/value cache per block; the last stage adds the norm
-    and the tied head. Call `reset()` before each sequence."""
+    """Blocks `first..last-1` of a decoder twin, fed one slice of a sequence at a time,
+    with a key/value cache per block. The first stage takes token ids [slice, batch] (the
+    sequence first, so the pipeline engine cuts slices along dim 0) and embeds them; the
+    stages pass activations [batch, slice, hidden], the twin's layout, each slice rotated
+    by its global positions; the last stage adds the norm and the head. Call `reset()`
+    before each sequence."""
 
-    def __init__(self, twin: TinyGPT, first: int, last: int, embed: bool, head: bool) -> None:
+    def __init__(self, twin: Decoder, first: int, last: int, embed: bool, head: bool) -> None:
         super().__init__()
-        self.embed, self.head = embed, head
+        self.first, self.last = embed, head
+        self.head_dim, self.rope_base = twin.config.head_dim, twin.config.rope_base
         if embed:
-            self.tokens = copy.deepcopy(twin.tokens)
-            self.positions = copy.deepcopy(twin.positions)
+            self.embed = copy.deepcopy(twin.embed)
         if head:
             self.norm = copy.deepcopy(twin.norm)
-            self.head_weight = copy.deepcopy(twin.tokens.weight)  # the tied copy, as MeshGPT
+            # a copy of its own: tied to the embedding, the pipeline's two ends each hold one
+            self.head_weight = copy.deepcopy(twin.head.weight)
         self.blocks = nn.ModuleList(copy.deepcopy(twin.blocks[i]) for i in range(first, last))
         self.reset()
 
@@ -50,34 +59,38 @@ class TokenStage(nn.Module):
         self.cache_grads: list[list[list[torch.Tensor | None]]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s, start = x.shape[0], self.seen
-        span = torch.arange(start, start + s)
-        if self.embed:
-            # global positions: slice j's tokens start at `seen`, not at 0
-            x = self.tokens(x) + self.positions(span)[:, None, :]
-        kept, cached = [], []
+        if self.first:
+            x = self.embed(x.t())  # ids [slice, batch] -> [batch, slice, hidden]
+        start, s = self.seen, x.shape[1]
+        # global positions: slice j's tokens start at `seen`, not at 0
+        cos, sin = rope_tables(self.head_dim, torch.arange(start, start + s, device=x.device),
+                               self.rope_base, x.dtype)
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
         for i, block in enumerate(self.blocks):
-            heads = block.attn.heads
-            qkv = block.attn.qkv(block.ln1(x))
-            b, d = qkv.shape[1], qkv.shape[2] // (3 * heads)
-            q, k, v = qkv.view(s, b, heads, 3, d).permute(3, 1, 2, 0, 4)  # each [b, h, s, d]
-            # earlier slices' keys are detached leaves: their gradient is collected here and handed
-            # to their own slice's backward later (take_gradients), not pushed through now
-            keys = torch.cat([c[i][0] for c in self.cached] + [k], dim=2)
-            values = torch.cat([c[i][1] for c in self.cached] + [v], dim=2)
-            # causal on global positions: the slice's queries see every cached key and their past
-            out = attention(q, keys, values, True, span, torch.arange(start + s))
-            x = x + block.attn.proj(out.permute(2, 0, 1, 3).reshape(s, b, heads * d))
-            x = x + block.mlp(block.ln2(x))
-            kept.append((k, v))
-            # detach + requires_grad_: a new leaf over the same values, cutting later slices' graphs
-            # from this one, so each slice's backward runs on its own (TeraPipe's order, last first)
-            cached.append((k.detach().requires_grad_(), v.detach().requires_grad_()))
+            def with_cache(k: torch.Tensor, v: torch.Tensor, i: int = i
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                # this slice's rotated keys and values [batch, kv_heads, s, d] after the
+                # earlier slices': those are detached leaves, whose gradient is collected here
+                # and handed to their own slice's backward later (take_gradients)
+                kept.append((k, v))
+                return (torch.cat([c[i][0] for c in self.cached] + [k], dim=2),
+                        torch.cat([c[i][1] for c in self.cached] + [v], dim=2))
+
+            attn, h = block.attn, block.attn_norm(x)
+            # the twin's attention with a cache: the slice's queries are the last of the keys,
+            # so they see every earlier slice and, causally, their own
+            out = grouped_query_attention(attn.q_proj(h), attn.k_proj(h), attn.v_proj(h),
+                                          cos, sin, attn.head_dim, keep=with_cache)
+            x = x + attn.o_proj(out)
+            x = x + block.mlp(block.mlp_norm(x))
         self.kept.append(kept)
-        self.cached.append(cached)
+        # detach + requires_grad_: a new leaf over the same values, cutting later slices' graphs
+        # from this one, so each slice's backward runs on its own (TeraPipe's order, last first)
+        self.cached.append([(k.detach().requires_grad_(), v.detach().requires_grad_())
+                            for k, v in kept])
         self.cache_grads.append([[None, None] for _ in self.blocks])
         self.seen += s
-        return self.norm(x) @ self.head_weight.t() if self.head else x
+        return nn.functional.linear(self.norm(x), self.head_weight) if self.last else x
 
     def carried_state(self, slice_: int) -> tuple[list, list, list]:
         """For the pipeline engine's backward of slice `slice_`: its keys and values (extra
@@ -104,7 +117,7 @@ class TokenStage(nn.Module):
                         self.cache_grads[earlier][i][j] = g if held is None else held + g
 
 
-def token_stages(twin: TinyGPT, stages: int) -> list[TokenStage]:
+def token_stages(twin: Decoder, stages: int) -> list[TokenStage]:
     """The twin's blocks shared evenly over `stages` TokenStages (embedding on the first,
     norm and head on the last)."""
     n = len(twin.blocks)
@@ -117,8 +130,9 @@ def token_stages(twin: TinyGPT, stages: int) -> list[TokenStage]:
 
 
 def token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over a slice's [slice, batch] tokens."""
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Mean cross-entropy of a slice's logits [batch, slice, vocab] against its targets
+    [slice, batch] (cut along the sequence, as the ids were)."""
+    return cross_entropy(logits, targets.t())
 
 
 def slice_cost(start: int, length: int, per_token: float, per_pair: float,
@@ -181,17 +195,17 @@ def best_slices(seq_len: int, stages: int, per_token: float, per_pair: float,
 
 def check_terapipe_against_twin(sizes: list[int], batch: int = 2, seed: int = 7) -> dict:
     """Run on every rank of a launched pipeline (one stage per rank): one TeraPipe step of a
-    float64 TinyGPT on a sequence cut into slices of `sizes`, beside the one-process twin.
+    float64 decoder on a sequence cut into slices of `sizes`, beside the one-process twin.
     Returns the loss (last stage), this rank's parameter gradients by the twin's names
-    (the tied head's as "head_weight"), and the twin's."""
+    (the tied head's copy as "head_weight"), and the twin's."""
     from ..pipeline import Pipeline, schedule
     from ..runtime import rank, world_size
 
     seq_len = sum(sizes)
-    kwargs = dict(vocab=32, hidden=16, heads=4, layers=2 * world_size(), seq_len=seq_len,
-                  seed=seed, dtype=torch.float64)
-    twin = TinyGPT(**kwargs)
-    stages = token_stages(TinyGPT(**kwargs), world_size())
+    config = DecoderConfig(vocab_size=32, layers=2 * world_size(), hidden=16, heads=4,
+                           kv_heads=2, seq_len=seq_len)
+    twin = decoder(config, seed, torch.float64)
+    stages = token_stages(twin, world_size())  # copies: the twin stays the reference
     pipe = Pipeline(stages, schedule("terapipe", world_size(), len(sizes)))
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 32, (seq_len, batch), generator=gen)
@@ -199,7 +213,7 @@ def check_terapipe_against_twin(sizes: list[int], batch: int = 2, seed: int = 7)
     stage = stages[rank()]
     stage.reset()
     loss = pipe.train_step(ids, targets, token_loss, sizes)
-    reference = token_loss(twin(ids), targets)
+    reference = token_loss(twin(ids.t()), targets)
     reference.backward()
     first = len(twin.blocks) * rank() // world_size()
     mine = {}

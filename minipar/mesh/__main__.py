@@ -1,4 +1,4 @@
-"""A mesh of techniques: the tiny GPT trained on a data x pipeline x tensor mesh (Adam,
+"""A mesh of techniques: the tiny decoder trained on a data x pipeline x tensor mesh (Adam,
 then ZeRO-1 over dp), each rank's loss, gradients and parameters checked against one
 process (an MoE layer's experts over an ep dimension: the MoE package's demo). Without
 --dp, --pp and --tp the mesh is chosen for --ranks; a degree left out beside the others

@@ -2,8 +2,7 @@
 one layer per block and the head, each holding this rank's part of the twin's weights.
 
 - **tp**: blocks are `ParallelDecoderBlock`s (query and kv heads split together, SwiGLU
-  split by its width); the embedding, the final norm and the head are replicated, as
-  MeshGPT's are.
+  split by its width); the embedding, the final norm and the head are replicated.
 - **sequence parallelism**: the embedding's output is cut along the sequence (each tp
   rank keeps its slice; backward gathers the slices), the blocks run on slices, and the
   head gathers the sequence back (backward keeps each rank's slice). The blocks' norms
@@ -26,11 +25,12 @@ from ..context_parallel.decoder import ring_core
 from ..decoder import Decoder, rope_tables, run_block
 from ..runtime import rank, world_size
 from ..tensor_parallel import (
+    SEQUENCE_DIM,
     gather_from_parallel_region,
     scatter_to_parallel_region,
     sum_sequence_parallel_grads_in_backward,
 )
-from ..tensor_parallel.decoder import SEQUENCE_DIM, ParallelDecoderBlock
+from ..tensor_parallel.decoder import ParallelDecoderBlock
 from .mesh import MeshGroups
 from .model import NamedLayers
 

@@ -1,4 +1,4 @@
-"""The mesh demo: the tiny GPT trained on a DP x PP x TP mesh (and with ZeRO-1 over dp),
+"""The mesh demo: the tiny decoder trained on a DP x PP x TP mesh (and with ZeRO-1 over dp),
 each rank checking its loss, gradients and parameters against one process (MoE experts over
 an ep dimension are the MoE demo's: the MoE package sits above the mesh). `python -m minipar.mesh`,
 `minipar tour` and the tests run `demo`."""
@@ -10,7 +10,7 @@ import time
 from .. import collectives
 from ..demo import Check, Context, Row, start_clock
 from ..runtime import world_size
-from .gpt import check_against_twin
+from .twin_check import check_against_twin
 
 
 def default_dims(ranks: int) -> dict[str, int]:
@@ -55,13 +55,13 @@ def _check(title: str, fn, *args) -> Check:
 
 
 def demo(dp: int = 0, pp: int = 0, tp: int = 0) -> list[Check]:
-    """On every rank: the GPT on a dp x pp x tp mesh (0s: `default_dims`) with Adam, then
+    """On every rank: the decoder on a dp x pp x tp mesh (0s: `default_dims`) with Adam, then
     with ZeRO-1 over dp."""
     k = world_size()
     dims = mesh_dims(k, dp, pp, tp)
-    checks = [_check(f"GPT on a mesh, {_label(dims)}, Adam", check_against_twin, dims)]
+    checks = [_check(f"decoder on a mesh, {_label(dims)}, Adam", check_against_twin, dims)]
     if dims["dp"] > 1:
-        checks.append(_check(f"GPT on a mesh, {_label(dims)}, ZeRO-1 over dp",
+        checks.append(_check(f"decoder on a mesh, {_label(dims)}, ZeRO-1 over dp",
                              check_against_twin, dims, True))
     return checks
 

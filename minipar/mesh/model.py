@@ -3,8 +3,9 @@
 its builder made it), one step through the schedule, and the one gradient that exists
 only because techniques meet.
 
-`MeshModel` is the composition every model on a mesh shares: the tiny GPT of lesson 07
-(`gpt.MeshGPT`) and the trainer's decoder (`decoder.decoder_layers`, `minipar train`).
+`MeshModel` is the composition every model on a mesh shares: lesson 07's decoder
+(`twin_check.MeshDecoder`) and the trainer's (`minipar train`), both cut into layers by
+`decoder.decoder_layers`.
 What runs over `dp` is its owner's choice: the owner wraps the local stages
 (`data_parallel`, e.g. a `StageDataParallel`: DDP, ZeRO-1/2 or ZeRO-3 over each stage)
 before the pipeline sees their parameters, and the pipeline then reduces each stage's

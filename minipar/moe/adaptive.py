@@ -145,7 +145,7 @@ class AdaptiveMoE(nn.Module):
         [experts, parts, ...]."""
         gather, group = over
         if gather:
-            shard = gather_from_sequence_parallel_region(shard, group)
+            shard = gather_from_sequence_parallel_region(shard, group, dim=0)
         return shard.reshape(experts, -1, *shard.shape[1:])
 
     def weights(self, degree: int) -> tuple[torch.Tensor, ...]:

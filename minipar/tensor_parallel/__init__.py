@@ -8,14 +8,14 @@ For Y = act(X A):
 
 Megatron's MLP does column then row: one all-reduce in the forward pass (operator
 g, after the row-parallel layer) and one in the backward (operator f, in front of
-the column-parallel layer). Attention splits Q, K, V by heads (columns) and the
-output projection by rows, with the same f and g. Sequence parallelism replaces each
-all-reduce by a reduce-scatter and an all-gather of the same volume, so the norm and
-dropout regions between them hold only their slice of the sequence.
+the column-parallel layer). The decoder's SwiGLU splits gate and up by columns and
+down by rows; its attention splits Q, K, V by heads (columns, whole kv heads with their
+query heads) and the output projection by rows, with the same f and g. Sequence
+parallelism replaces each all-reduce by a reduce-scatter and an all-gather of the same
+volume, so the norm regions between them hold only their slice of the sequence.
 
-Activations are [sequence, batch, hidden], so the sequence is dim 0, which minipar's
-all_gather and reduce_scatter split and join; the decoder's block (`decoder.py`) keeps
-its twin's [batch, sequence, hidden] and passes dim 1 to the sequence-parallel pair.
+Activations are the decoder's [batch, sequence, hidden] (`minipar.decoder`): the
+sequence-parallel pair works on dim 1 (`mappings.SEQUENCE_DIM`).
 Weights are shards of one master weight: `from_linear` cuts a single-process
 `nn.Linear`, so a parallel model and its one-process twin start identical.
 """
@@ -23,15 +23,13 @@ Weights are shards of one master weight: `from_linear` cuts a single-process
 from .decoder import ParallelAttention, ParallelDecoderBlock, ParallelSwiGLU
 from .layers import (
     ColumnParallelLinear,
-    ParallelMLP,
-    ParallelSelfAttention,
-    ParallelTinyGPT,
-    ParallelTransformerBlock,
     RowParallelLinear,
     sum_sequence_parallel_grads_in_backward,
     sync_sequence_parallel_grads,
+    twin_slice,
 )
 from .mappings import (
+    SEQUENCE_DIM,
     copy_to_parallel_region,
     gather_from_parallel_region,
     gather_from_sequence_parallel_region,
@@ -40,10 +38,9 @@ from .mappings import (
     scatter_to_parallel_region,
 )
 
-__all__ = ["ColumnParallelLinear", "ParallelAttention", "ParallelDecoderBlock", "ParallelMLP",
-           "ParallelSelfAttention", "ParallelSwiGLU", "ParallelTinyGPT",
-           "ParallelTransformerBlock", "RowParallelLinear", "copy_to_parallel_region",
+__all__ = ["SEQUENCE_DIM", "ColumnParallelLinear", "ParallelAttention",
+           "ParallelDecoderBlock", "ParallelSwiGLU", "RowParallelLinear", "copy_to_parallel_region",
            "gather_from_parallel_region", "gather_from_sequence_parallel_region",
            "reduce_from_parallel_region", "reduce_scatter_to_sequence_parallel_region",
            "scatter_to_parallel_region", "sum_sequence_parallel_grads_in_backward",
-           "sync_sequence_parallel_grads"]
+           "sync_sequence_parallel_grads", "twin_slice"]

@@ -1,4 +1,4 @@
-"""Tensor parallelism: the Megatron MLP and a transformer block (with and without
+"""Tensor parallelism: the decoder's SwiGLU and block (with and without
 sequence parallelism) split over the ranks, each rank's output checked against the
 one-process twin. Any --ranks runs (the heads and the sequence are rounded up to split
 evenly). Runs on CPU processes it spawns, or under torchrun."""

@@ -1,5 +1,6 @@
-"""`minipar bench tensor-parallel`: the Megatron MLP and a transformer block split over two
-ranks, against the whole block on one, at growing hidden sizes."""
+"""`minipar bench tensor-parallel`: the decoder's SwiGLU (Megatron's MLP split) and its
+whole block split over two ranks, against the same layer on one, at growing hidden
+sizes."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from pathlib import Path
 import torch
 
 from .. import trace
-from ..models import FFN, TransformerBlock
+from ..decoder import DecoderBlock, DecoderConfig, SwiGLU, rope_tables
 from ..report import format_table, progress, ratio_cell, save_results
 from ..runtime import Cluster, world_size
-from .layers import ParallelMLP, ParallelTransformerBlock
+from .decoder import ParallelDecoderBlock, ParallelSwiGLU
 
 TP_HIDDEN = (256, 512, 1024, 1536)
 
@@ -22,21 +23,25 @@ def _tp_step_seconds(kind: str, hidden: int, tokens: int, steps: int) -> float:
     """Median forward+backward seconds of one block (parallel if world_size > 1)."""
 
     torch.manual_seed(0)
+    # heads of 64, two query heads per kv head, SwiGLU's 8/3 x hidden: Llama's proportions
+    config = DecoderConfig(hidden=hidden, heads=hidden // 64, kv_heads=hidden // 128,
+                           seq_len=tokens // 4)
+    rope: tuple = ()
     if kind == "mlp":
-        twin = FFN(hidden, 4 * hidden)
-        block = ParallelMLP(twin) if world_size() > 1 else twin
+        twin = SwiGLU(hidden, config.ffn)
+        block = ParallelSwiGLU(twin) if world_size() > 1 else twin
     else:
-        # heads of 64 and an FFN of 4 x hidden: GPT-2's proportions
-        twin = TransformerBlock(hidden, hidden // 64, 4 * hidden)
-        block = ParallelTransformerBlock(twin) if world_size() > 1 else twin
-    x = torch.randn(tokens // 4, 4, hidden)
+        twin = DecoderBlock(config)
+        block = ParallelDecoderBlock(twin) if world_size() > 1 else twin
+        rope = rope_tables(config.head_dim, torch.arange(config.seq_len))
+    x = torch.randn(4, tokens // 4, hidden)  # [batch, seq, hidden]
     times = []
     for step in range(steps + 1):
         # both ranks start the clock together: the slower rank's time is the step's
         torch.distributed.barrier()
         start = time.perf_counter()
         with trace.record("compute", f"{kind} step", step=step):
-            block(x).sum().backward()
+            block(x, *rope).sum().backward()
         # step 0 is a warm-up (allocator, first-call overheads): not timed
         if step:
             times.append(time.perf_counter() - start)
@@ -45,7 +50,7 @@ def _tp_step_seconds(kind: str, hidden: int, tokens: int, steps: int) -> float:
 
 def measure(hidden_sizes: tuple[int, ...] = TP_HIDDEN, tokens: int = 256,
             steps: int = 3, rounds: int = 3) -> list[dict]:
-    """TP = 2 vs one process for the MLP and the transformer block at several hidden sizes,
+    """TP = 2 vs one process for the SwiGLU MLP and the decoder block at several hidden sizes,
     taking turns for `rounds` rounds; each round's speedup is one ratio of the spread."""
     rows = []
     with Cluster(1, backend="gloo") as one, Cluster(2, backend="gloo") as two:

@@ -18,18 +18,12 @@ from ..decoder import Attention, DecoderBlock, SwiGLU, grouped_query_attention
 from .layers import ColumnParallelLinear, RowParallelLinear, sync_sequence_parallel_grads
 from .mappings import _tp, copy_to_parallel_region, gather_from_sequence_parallel_region
 
-# The sequence is dim 1 of [batch, seq, hidden]. The sequence-parallel pair takes it as a
-# `dim` argument rather than the block transposing to [seq, batch, hidden] at its edges:
-# the twin's attention and RoPE read [batch, seq, ...], so a transpose would have to be undone
-# inside every half of the block, while the mappings only move the dim around their collective.
-SEQUENCE_DIM = 1
-
 
 def _enter_parallel_region(x: torch.Tensor, group, sequence_parallel: bool) -> torch.Tensor:
     """Once for all the column-parallel layers that read x: f (identity forward,
     all-reduce backward) or, sequence parallel, the all-gather of the sequence."""
     if sequence_parallel:
-        return gather_from_sequence_parallel_region(x, group, SEQUENCE_DIM)
+        return gather_from_sequence_parallel_region(x, group)
     return copy_to_parallel_region(x, group)
 
 
@@ -68,8 +62,7 @@ class ParallelAttention(nn.Module):
                                                  column(twin.v_proj))
         self.o_proj = RowParallelLinear.from_linear(twin.o_proj, input_is_parallel=True,
                                                     group=group,
-                                                    sequence_parallel=sequence_parallel,
-                                                    sequence_dim=SEQUENCE_DIM)
+                                                    sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 explicit: bool | None = None) -> torch.Tensor:
@@ -92,8 +85,7 @@ class ParallelSwiGLU(nn.Module):
         self.gate = ColumnParallelLinear.from_linear(twin.gate, group=group, shared_input=True)
         self.up = ColumnParallelLinear.from_linear(twin.up, group=group, shared_input=True)
         self.down = RowParallelLinear.from_linear(twin.down, input_is_parallel=True, group=group,
-                                                  sequence_parallel=sequence_parallel,
-                                                  sequence_dim=SEQUENCE_DIM)
+                                                  sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _enter_parallel_region(x, self.group, self.sequence_parallel)

@@ -1,21 +1,19 @@
-"""Tensor-parallel layers cut from single-process twins: column- and row-parallel linear
-layers, Megatron's MLP and attention, a transformer block and a tiny GPT.
+"""Tensor-parallel linear layers cut from a single-process `nn.Linear`: column- and
+row-parallel, the two pieces every Megatron split is made of (the decoder's attention,
+SwiGLU and block are built from them in `decoder.py`), and the sums that sequence
+parallelism adds for replicated parameters.
 
-Each parallel layer is built from its twin in `minipar.models` (`from_linear` cuts a
-one-process `nn.Linear`), so a parallel model and its twin start identical and tests
-hold every output and gradient equal.
+`from_linear` cuts a one-process layer, so a parallel model and its twin start identical
+and tests hold every output and gradient equal.
 """
 
 from __future__ import annotations
-
-import copy
 
 import torch
 from torch import nn
 
 from .. import collectives
 from ..decoder import RMSNorm
-from ..models import FFN, SelfAttention, TinyGPT, TransformerBlock, attend
 from .mappings import (
     _tp,
     copy_to_parallel_region,
@@ -39,22 +37,21 @@ class ColumnParallelLinear(nn.Module):
 
     Input: the full X (f copies it in, and all-reduces its gradient). Output: this
     rank's slice of Y's features, or all of Y with gather_output=True. The bias is
-    split with the output features. `sequence_dim` is where the sequence-parallel
-    all-gather joins the sequence (0: [seq, batch, hidden]; 1: the decoder's layout).
-    shared_input=True: the caller has already passed X through f (or the all-gather) once
-    for several column layers that read it (q, k and v; gate and up), so X's gradient is
-    all-reduced once, as with Megatron's fused QKV and fc1 weights.
+    split with the output features. Under sequence parallelism X arrives as this rank's
+    slice of the sequence and is all-gathered first. shared_input=True: the caller has
+    already passed X through f (or the all-gather) once for several column layers that
+    read it (q, k and v; gate and up), so X's gradient is all-reduced once, as with
+    Megatron's fused QKV and fc1 weights.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  gather_output: bool = False, group=None, sequence_parallel: bool = False,
-                 dtype: torch.dtype = torch.float32, sequence_dim: int = 0,
-                 shared_input: bool = False) -> None:
+                 dtype: torch.dtype = torch.float32, shared_input: bool = False) -> None:
         super().__init__()
         me, size = _tp(group)
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, \
             sequence_parallel
-        self.sequence_dim, self.shared_input = sequence_dim, shared_input
+        self.shared_input = shared_input
         local = _divide("out_features", out_features, size)
         self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(local, dtype=dtype)) if bias else None
@@ -62,12 +59,12 @@ class ColumnParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, gather_output: bool = False, group=None,
-                    sequence_parallel: bool = False, sequence_dim: int = 0,
-                    shared_input: bool = False) -> ColumnParallelLinear:
+                    sequence_parallel: bool = False, shared_input: bool = False
+                    ) -> ColumnParallelLinear:
         """This rank's shard of a single-process layer (same values as the twin)."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
                     gather_output, group, sequence_parallel, linear.weight.dtype,
-                    sequence_dim, shared_input)
+                    shared_input)
         _, size = _tp(group)
         with torch.no_grad():
             # nn.Linear's weight is [out, in]: a column split of Y = X A^T cuts A's rows (dim 0)
@@ -80,7 +77,7 @@ class ColumnParallelLinear(nn.Module):
         # sequence parallel: x arrives as this rank's slice of the sequence, so the all-gather
         # stands where f would (Korthikanti et al. 2022)
         if not self.shared_input:
-            x = gather_from_sequence_parallel_region(x, self.group, self.sequence_dim) \
+            x = gather_from_sequence_parallel_region(x, self.group) \
                 if self.sequence_parallel else copy_to_parallel_region(x, self.group)
         y = nn.functional.linear(x, self.weight, self.bias)
         return gather_from_parallel_region(y, self.group) if self.gather_output else y
@@ -92,18 +89,17 @@ class RowParallelLinear(nn.Module):
     Input: this rank's slice of X's features (input_is_parallel=True, as after a
     column-parallel layer) or the full X, which is then split. Each rank's product is
     a partial sum; g all-reduces it (or, sequence parallel, reduce-scatters it along
-    the sequence, dimension `sequence_dim`). The bias is not split: it is added once,
+    the sequence). The bias is not split: it is added once,
     after the reduction.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  input_is_parallel: bool = False, group=None, sequence_parallel: bool = False,
-                 dtype: torch.dtype = torch.float32, sequence_dim: int = 0) -> None:
+                 dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         me, size = _tp(group)
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, \
             sequence_parallel
-        self.sequence_dim = sequence_dim
         local = _divide("in_features", in_features, size)
         self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
@@ -111,11 +107,9 @@ class RowParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, input_is_parallel: bool = False, group=None,
-                    sequence_parallel: bool = False, sequence_dim: int = 0
-                    ) -> RowParallelLinear:
+                    sequence_parallel: bool = False) -> RowParallelLinear:
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    input_is_parallel, group, sequence_parallel, linear.weight.dtype,
-                    sequence_dim)
+                    input_is_parallel, group, sequence_parallel, linear.weight.dtype)
         _, size = _tp(group)
         with torch.no_grad():
             # a row split of the product cuts the input features: dim 1 of the [out, in] weight
@@ -130,82 +124,9 @@ class RowParallelLinear(nn.Module):
             x = scatter_to_parallel_region(x, self.group)
         # no bias here: each rank's product is a partial sum, and K biases would add up to K x b
         partial = nn.functional.linear(x, self.weight)
-        y = reduce_scatter_to_sequence_parallel_region(partial, self.group, self.sequence_dim) \
+        y = reduce_scatter_to_sequence_parallel_region(partial, self.group) \
             if self.sequence_parallel else reduce_from_parallel_region(partial, self.group)
         return y + self.bias if self.bias is not None else y
-
-
-class ParallelMLP(nn.Module):
-    """Column-parallel up projection, GELU on the local slice, row-parallel down projection:
-    one all-reduce forward (g), one backward (f)."""
-
-    def __init__(self, twin: FFN, group=None, sequence_parallel: bool = False) -> None:
-        super().__init__()
-        self.up = ColumnParallelLinear.from_linear(twin.up, group=group,
-                                                   sequence_parallel=sequence_parallel)
-        self.down = RowParallelLinear.from_linear(twin.down, input_is_parallel=True, group=group,
-                                                  sequence_parallel=sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # GELU is elementwise, so it runs on the column slice with no communication: the reason
-        # Megatron (Shoeybi et al. 2019) splits the first matrix by columns and the second by rows
-        return self.down(nn.functional.gelu(self.up(x)))
-
-
-class ParallelSelfAttention(nn.Module):
-    """Heads split over ranks: a column-parallel QKV gives each rank whole heads (the
-    packed layout keeps each head's q, k, v together), attention runs locally, and a
-    row-parallel output projection sums the heads' contributions (g)."""
-
-    def __init__(self, twin: SelfAttention, group=None, sequence_parallel: bool = False) -> None:
-        super().__init__()
-        _, size = _tp(group)
-        self.heads = _divide("heads", twin.heads, size)
-        self.qkv = ColumnParallelLinear.from_linear(twin.qkv, group=group,
-                                                    sequence_parallel=sequence_parallel)
-        self.proj = RowParallelLinear.from_linear(twin.proj, input_is_parallel=True,
-                                                  group=group, sequence_parallel=sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(attend(self.qkv(x), self.heads))
-
-
-class ParallelTransformerBlock(nn.Module):
-    """The same block, tensor parallel. With sequence_parallel=True, x is this rank's
-    slice of the sequence and the norms run on that slice only; the norms' weight
-    gradients are then partial and `sync_sequence_parallel_grads` all-reduces them."""
-
-    def __init__(self, twin: TransformerBlock, group=None, sequence_parallel: bool = False
-                 ) -> None:
-        super().__init__()
-        self.group, self.sequence_parallel = group, sequence_parallel
-        # the norms are replicated, not split: each rank needs the full hidden vector's mean and
-        # variance, which it has (whole features, or whole rows under sequence parallelism)
-        self.ln1, self.ln2 = copy.deepcopy(twin.ln1), copy.deepcopy(twin.ln2)
-        self.attn = ParallelSelfAttention(twin.attn, group, sequence_parallel)
-        self.mlp = ParallelMLP(twin.mlp, group, sequence_parallel)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-    def sync_sequence_parallel_grads(self) -> None:
-        sync_sequence_parallel_grads(self, self.group)
-
-
-class ParallelTinyGPT(nn.Module):
-    """The same GPT with tensor-parallel blocks; embeddings, final norm and the tied head
-    stay replicated (their gradients come out equal on every rank, since every rank sees
-    the full activations after each block's g)."""
-
-    def __init__(self, twin: TinyGPT, group=None) -> None:
-        super().__init__()
-        self.tokens, self.positions = copy.deepcopy(twin.tokens), copy.deepcopy(twin.positions)
-        self.blocks = nn.ModuleList(ParallelTransformerBlock(b, group) for b in twin.blocks)
-        self.norm = copy.deepcopy(twin.norm)
-
-    # the twin's forward itself: it only reads tokens, positions, blocks and norm
-    forward = TinyGPT.forward
 
 
 def sequence_parallel_shared(module: nn.Module) -> list[nn.Parameter]:
@@ -242,3 +163,14 @@ def sum_sequence_parallel_grads_in_backward(module: nn.Module, group=None) -> No
 
     for p in sequence_parallel_shared(module):
         p.register_hook(summed)
+
+
+def twin_slice(full: torch.Tensor, local: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+    """The part of a twin's tensor that a tensor-parallel rank holds: whole if the shapes
+    agree, else the tp_rank-th chunk along the dimension that was split."""
+    if full.shape == local.shape:
+        return full
+    # column-parallel weights are split along dim 0 (output features), row-parallel ones along
+    # the last (input features)
+    dim = 0 if full.shape[0] != local.shape[0] else full.dim() - 1
+    return full.chunk(tp, dim)[tp_rank]

@@ -4,8 +4,8 @@ forward, and its mirror backward.
 f = `copy_to_parallel_region`: identity forward, all-reduce backward.
 g = `reduce_from_parallel_region`: all-reduce forward, identity backward.
 scatter / gather split and join the last dimension; the sequence-parallel pair
-all-gathers and reduce-scatters along the sequence: dim 0 ([seq, batch, hidden], the
-default) or any `dim` (1 for the decoder's [batch, seq, hidden]).
+all-gathers and reduce-scatters along the sequence, `SEQUENCE_DIM` of the decoder's
+[batch, seq, hidden] (any other `dim` when a caller's tokens lie elsewhere).
 """
 
 from __future__ import annotations
@@ -15,6 +15,12 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..runtime import rank, world_size
+
+# The sequence is dim 1 of [batch, seq, hidden], the decoder's layout. The sequence-parallel
+# pair takes it as a dimension rather than transposing to [seq, batch, hidden] at a block's
+# edges: attention and RoPE read [batch, seq, ...], so a transpose would have to be undone
+# inside every half of the block, while the pair only moves the dim around its collective.
+SEQUENCE_DIM = 1
 
 
 def _tp(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -86,16 +92,11 @@ class _GatherFromParallel(torch.autograd.Function):
 
 def _gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     # all_gather and reduce_scatter work on dim 0: bring `dim` to the front and back again
-    # (dim 0 itself needs no move, so the [seq, batch, hidden] path is as before)
-    if dim == 0:
-        return collectives.all_gather(x.contiguous(), group=group)
     gathered = collectives.all_gather(x.movedim(dim, 0).contiguous(), group=group)
     return gathered.movedim(0, dim).contiguous()
 
 
 def _reduce_scatter_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    if dim == 0:
-        return collectives.reduce_scatter(x.contiguous(), group=group)
     mine = collectives.reduce_scatter(x.movedim(dim, 0).contiguous(), group=group)
     return mine.movedim(0, dim).contiguous()
 
@@ -154,15 +155,13 @@ def gather_from_parallel_region(x: torch.Tensor, group=None, dim: int = -1) -> t
     return _GatherFromParallel.apply(x, group, dim)
 
 
-def gather_from_sequence_parallel_region(x: torch.Tensor, group=None, dim: int = 0
-                                         ) -> torch.Tensor:
-    """All-gather along the sequence (dimension `dim`, 0 by default); backward
-    reduce-scatters."""
+def gather_from_sequence_parallel_region(x: torch.Tensor, group=None,
+                                         dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """All-gather along the sequence (dimension `dim`); backward reduce-scatters."""
     return _GatherSequence.apply(x, group, dim)
 
 
-def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None, dim: int = 0
-                                               ) -> torch.Tensor:
-    """Reduce-scatter along the sequence (dimension `dim`, 0 by default); backward
-    all-gathers."""
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group=None,
+                                               dim: int = SEQUENCE_DIM) -> torch.Tensor:
+    """Reduce-scatter along the sequence (dimension `dim`); backward all-gathers."""
     return _ReduceScatterSequence.apply(x, group, dim)

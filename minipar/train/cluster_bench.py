@@ -7,7 +7,7 @@ crossing the nodes:
 
 - MoE's all-to-all: flat (every rank sends K - per_node messages across) against Tutel's
   hierarchical one (one aggregated message across, per remote node);
-- a GPT training step laid out dp=2 x tp=2: tp inside the nodes (the planner's layout,
+- a decoder training step laid out dp=2 x tp=2: tp inside the nodes (the planner's layout,
   Megatron's order: only dp's gradient all-reduce crosses, once per step) against tp
   across them (tp's 4 all-reduces per layer and micro-batch cross).
 
@@ -23,6 +23,8 @@ import dataclasses
 import itertools
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -77,12 +79,20 @@ def exchanges(rows_per_peer: int, rounds: int, across: Link = ACROSS) -> list[di
 
 
 def layout_steps(dims: dict[str, int], steps: int, across: Link = ACROSS) -> dict:
-    """`mesh.bench.time_steps` (the mesh bench's GPT, one warm-up step) on the emulated
+    """`mesh.bench.time_steps` (the mesh bench's decoder, one warm-up step) on the emulated
     cluster: this rank's seconds per step and its traffic across nodes per step (a free
-    `across` link only counts it)."""
-    with slow_network(per_node=PER_NODE, across=across) as network:
-        times = time_steps(dims, steps)
-    return {"times": times, **{k: v / (steps + 1) for k, v in _traffic(network).items()}}
+    `across` link only counts it). Building the model is not counted: its first
+    broadcast of the weights is not a step's traffic."""
+    networks = []
+
+    @contextmanager
+    def network() -> Iterator[None]:
+        with slow_network(per_node=PER_NODE, across=across) as emulated:
+            networks.append(emulated)
+            yield
+
+    times = time_steps(dims, steps, network)
+    return {"times": times, **{k: v / (steps + 1) for k, v in _traffic(networks[0]).items()}}
 
 
 def _rates():
@@ -95,7 +105,7 @@ def _rates():
 def measure(sizes: tuple[int, ...] = (1, 256, 4096), latencies: tuple[float, ...] = (2e-3, 20e-3),
             rounds: int = 3, steps: int = 2) -> list[dict]:
     """The all-to-alls for every size and latency between the nodes (ACROSS's bandwidth),
-    then the GPT step's two layouts on ACROSS."""
+    then the decoder step's two layouts on ACROSS."""
     rows = []
     with Cluster(4, backend="gloo", timeout=300) as ranks:
         progress("fitting alpha and beta (ping-pong) and the compute rates")
@@ -132,7 +142,7 @@ def measure(sizes: tuple[int, ...] = (1, 256, 4096), latencies: tuple[float, ...
         found: dict[str, list] = {name: [] for name in LAYOUTS}
         for i in range(rounds):
             for name, dims in LAYOUTS.items():
-                progress(f"GPT step, {name}, round {i + 1} of {rounds}")
+                progress(f"decoder step, {name}, round {i + 1} of {rounds}")
                 per_rank = ranks.run(layout_steps, dims, steps)
                 slowest = statistics.median(max(s) for s in zip(*(r["times"] for r in per_rank),
                                                                 strict=True))
@@ -143,7 +153,7 @@ def measure(sizes: tuple[int, ...] = (1, 256, 4096), latencies: tuple[float, ...
             last = found[name][-1][1]
             plan = estimate(model, machine, BATCH, layout, bytes_per_value=4,
                             order=ORDERS[name])
-            rows.append({"part": "GPT step", "case": name, "size": BATCH,
+            rows.append({"part": "decoder step", "case": name, "size": BATCH,
                          "measured": statistics.median(slowest), "rounds": slowest,
                          "ratios": [s / b for s, b in zip(slowest, inside, strict=True)],
                          "messages_across": max(r["messages"] for r in last),
@@ -158,7 +168,7 @@ def report(rows: list[dict], out_dir: Path) -> str:
     fig = Figure(figsize=(8, 3.2), layout="constrained")
     axes = fig.subplots(1, 2)
     shown = []
-    for ax, part in zip(axes, ("all-to-all", "GPT step"), strict=True):
+    for ax, part in zip(axes, ("all-to-all", "decoder step"), strict=True):
         mine = [r for r in rows if r["part"] == part]
         for r in mine:
             label = (f"{r['case']}, N={r['size']}, {r['latency'] * 1e3:g} ms"
@@ -178,13 +188,13 @@ def report(rows: list[dict], out_dir: Path) -> str:
                  "between them: measured vs predicted")
     header = ("4 ranks as 2 nodes x 2 on this machine (slow_network(per_node=2, across=...)): "
               f"{ACROSS.bandwidth / 1e6:g} MB/s between the nodes and the latency a row names "
-              f"(the GPT's: {ACROSS.latency * 1e3:g} ms). all-to-all: N rows per peer, 64 floats "
-              f"each; GPT: the mesh bench's (hidden {SHAPE['hidden']}, {SHAPE['layers']} layers, "
-              f"batch {BATCH}, {MICROBATCHES} micro-batches) at dp=2 x tp=2. measured: slowest "
-              "rank, median round (min-max); vs: per-round ratio to the flat exchange of the "
-              "same N and latency, or to tp inside; across: what one rank sent between nodes "
-              "(per step for the GPT) and the emulated link's charge for it (slept), as the "
-              "network counted")
+              f"(the decoder's: {ACROSS.latency * 1e3:g} ms). all-to-all: N rows per peer, 64 "
+              f"floats each; decoder: the mesh bench's (hidden {SHAPE['hidden']}, "
+              f"{SHAPE['layers']} layers, batch {BATCH}, {MICROBATCHES} micro-batches) at dp=2 "
+              "x tp=2. measured: slowest rank, median round (min-max); vs: per-round ratio to "
+              "the flat exchange of the same N and latency, or to tp inside; across: what one "
+              "rank sent between nodes (per step for the decoder) and the emulated link's "
+              "charge for it (slept), as the network counted")
     return "\n".join([header, format_table(shown, [
         ("what", "what"), ("case", "case"), ("measured", "measured (min-max)"),
         ("vs", "vs flat or tp inside"), ("predicted", "predicted"),

@@ -37,7 +37,7 @@ from torch import nn
 
 from .. import collectives
 from ..data_parallel import shard_weight
-from ..decoder import Decoder
+from ..decoder import Decoder, cross_entropy
 from ..mesh import Mesh
 from ..mesh.decoder import decoder_layers, held_positions, sum_block_norms_in_backward
 from ..mesh.model import MeshModel
@@ -49,7 +49,7 @@ from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .config import ParallelConfig, TrainConfig
 from .precision import AutocastStage, LossScaler
 from .recompute import apply_recompute
-from .replicas import Replica, adam_factory, cross_entropy, shard_mask
+from .replicas import Replica, adam_factory, shard_mask
 
 
 def trainer_mesh(config: TrainConfig) -> Mesh:

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..decoder import Decoder, decoder, rope_tables
+from ..decoder import Decoder, cross_entropy, decoder, rope_tables
 from ..runtime import device, rank, world_size
 from .config import TrainConfig
 from .precision import PARAM_DTYPES
-from .replicas import cross_entropy, decays
+from .replicas import decays
 
 # the projections each block splits over tp, as Megatron: the inputs' projections by
 # columns (each rank a slice of heads or of the feed-forward's width), the outputs' by rows

@@ -45,13 +45,6 @@ def adam_factory(config: TrainConfig) -> Callable[[list], torch.optim.Adam]:
                                            eps=o.eps, foreach=False)
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every token; 16-bit logits widened first (the log-softmax
-    over the vocabulary is a sum)."""
-    wide = logits.float() if logits.dtype in (torch.bfloat16, torch.float16) else logits
-    return nn.functional.cross_entropy(wide.flatten(0, 1), targets.flatten())
-
-
 class Replica:
     """What every layout shares: AdamW's masked decay and step over the parameters (or
     ZeRO slices) its optimizer holds. A layout sets optimizer, masks and sharded (the
