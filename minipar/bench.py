@@ -25,7 +25,7 @@ BENCHMARKS = {"launch": "minipar.runtime.bench",
               "masha": "minipar.slow_networks.masha_bench",
               "atom": "minipar.slow_networks.atom_bench",
               "train": "minipar.train.bench",
-              "train-vs-torch": "minipar.train.race",
+              "train-vs-torch": "minipar.train.torch_race",
               "dp-overlap": "minipar.train.overlap_bench",
               "cluster": "minipar.train.cluster_bench"}
 

@@ -44,7 +44,7 @@ class DecoderConfig:
     """RMSNorm's epsilon."""
     experts: int = 0
     """0: every block's feed-forward is one SwiGLU; E > 0: a mixture of E experts (each a
-    GELU MLP of width ffn), dropless top-k routing (`minipar.moe.decoder.MoEDecoder`)."""
+    GELU MLP of width ffn), dropless top-k routing (`minipar.moe.moe_decoder.MoEDecoder`)."""
     top_k: int = 2
     """Experts each token visits when experts > 0."""
 
@@ -262,7 +262,7 @@ class SwiGLU(nn.Module):
 
 class DecoderBlock(nn.Module):
     """Pre-norm block: x + attn(attn_norm(x)), then x + mlp(mlp_norm(x)). `make_mlp` builds
-    the feed-forward: an extension point (the mixture of experts, moe/decoder.py)."""
+    the feed-forward: an extension point (the mixture of experts, moe/moe_decoder.py)."""
 
     def __init__(self, config: DecoderConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
@@ -275,7 +275,7 @@ class DecoderBlock(nn.Module):
     def make_mlp(self, config: DecoderConfig, dtype: torch.dtype) -> nn.Module:
         if config.experts:
             raise ValueError(f"model.experts={config.experts} is a mixture-of-experts decoder: "
-                             "build it with minipar.moe.decoder.moe_decoder (minipar train "
+                             "build it with minipar.moe.moe_decoder.moe_decoder (minipar train "
                              "does), or set experts = 0")
         return SwiGLU(config.hidden, config.ffn, dtype)
 
@@ -295,7 +295,7 @@ class Decoder(nn.Module):
     """Token embedding, `config.layers` blocks, a final RMSNorm and the output head: ids
     [batch, seq] -> logits [batch, seq, vocab]. Weights drawn from `seed` (see `init`).
     `run_block` is how each block runs: an extension point (full recomputation wraps it);
-    `make_block` is the block's class (the mixture of experts' in moe/decoder.py)."""
+    `make_block` is the block's class (the mixture of experts' in moe/moe_decoder.py)."""
 
     run_block = staticmethod(run_block)
     make_block = DecoderBlock

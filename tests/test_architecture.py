@@ -139,6 +139,21 @@ def test_no_public_class_name_is_defined_twice():
     assert not twice, f"public class names defined in more than one module: {twice}"
 
 
+# a package's entry points and the per-technique convention files share names on purpose
+SHARED_FILE_NAMES = {"__init__.py", "__main__.py", "bench.py", "demo.py", "exercises.py"}
+
+
+def test_no_two_library_files_share_a_name():
+    """A file's name says what it holds: `memory.py` twice leaves a reader (and a
+    traceback) guessing which memory."""
+    where: dict[str, list[str]] = {}
+    for path in MODULES.values():
+        if path.name not in SHARED_FILE_NAMES:
+            where.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not twice, f"library files sharing a name (rename one to say what it holds): {twice}"
+
+
 def test_the_library_never_imports_the_widgets():
     bad = [(m, line) for m in MODULES if not m.startswith("minipar.widgets")
            for source, names, line in _imports(m)

@@ -211,7 +211,7 @@ def test_generate_shape_and_determinism():
 
 
 def test_the_mixture_of_experts_decoder_counts_its_parameters_and_refuses_the_plain_builder():
-    from minipar.moe.decoder import MoEDecoder, moe_decoder
+    from minipar.moe.moe_decoder import MoEDecoder, moe_decoder
 
     config = DecoderConfig(layers=2, hidden=32, heads=4, kv_heads=2, seq_len=16, experts=4,
                            top_k=2)

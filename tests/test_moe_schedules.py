@@ -3,7 +3,7 @@ costs."""
 
 import pytest
 
-from minipar.moe.schedules import SCHEMES, LayerCosts, schedule
+from minipar.moe.system_timelines import SCHEMES, LayerCosts, schedule
 
 COSTS = LayerCosts(experts=4.0, exchange=3.0, latency=0.0, load=5.0, in_node=2.0)
 

@@ -28,9 +28,9 @@ from conftest import child_pids
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
 from two_nodes_tour import TECHNIQUES
 
-from minipar.train.checkpoint import consolidate
 from minipar.train.config import to_toml
 from minipar.train.loop import train
+from minipar.train.sharded_checkpoint import consolidate
 
 AGENT_SECONDS = 150  # a bound for one job on a loaded 2-core machine (about 15 s idle)
 

@@ -199,7 +199,7 @@ def test_matches_torchs_own(stage, kind, cluster2):
 
 def _measured_after_backward(stage):
     from minipar.data_parallel import DataParallel
-    from minipar.sharded.memory import MemoryTracker
+    from minipar.sharded.memory_tracker import MemoryTracker
 
     model = plain_model()
     if stage == 0:
@@ -242,7 +242,7 @@ def _mixed(stage):
     model = plain_model_float32()
     wrapped = FullyShardedDataParallel(model, adam, param_dtype=torch.bfloat16) if stage == 3 \
         else ZeroDataParallel(model, adam, stage=stage, param_dtype=torch.bfloat16)
-    from minipar.sharded.memory import MemoryTracker
+    from minipar.sharded.memory_tracker import MemoryTracker
 
     tracker = MemoryTracker(model, wrapped.optimizer, wrapped.shards)
     losses, held = [], None
@@ -286,7 +286,7 @@ def test_mixed_precision_keeps_16_bytes_per_parameter_sharded(cluster2):
 
 def _with_recomputation(stage, on):
     from minipar.sharded.fsdp import default_units
-    from minipar.sharded.memory import MemoryTracker, recompute
+    from minipar.sharded.memory_tracker import MemoryTracker, recompute
 
     torch.manual_seed(8)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 16),
@@ -318,7 +318,7 @@ def test_recomputation_keeps_one_input_per_unit_and_changes_nothing_else(stage, 
 
 
 def test_tracker_sees_what_recomputation_rebuilds_in_backward():
-    from minipar.sharded.memory import MemoryTracker, recompute
+    from minipar.sharded.memory_tracker import MemoryTracker, recompute
 
     def peaks(on):
         torch.manual_seed(8)

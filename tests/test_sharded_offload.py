@@ -8,7 +8,7 @@ import torch
 from minipar.cost import Link
 from minipar.models import mse
 from minipar.sharded import ZeroDataParallel, karma
-from minipar.sharded.memory import BudgetExceeded, MemoryTracker
+from minipar.sharded.memory_tracker import BudgetExceeded, MemoryTracker
 from minipar.sharded.offload import Offload, hidden_fraction, timeline_rows
 from minipar.sharded.offload_bench import batch, offload_model
 from minipar.sharded.zero_offload import host_optimizer

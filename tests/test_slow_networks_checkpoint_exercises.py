@@ -8,7 +8,7 @@ import torch
 
 from minipar.grading import ExerciseError
 from minipar.runtime import rank
-from minipar.slow_networks.checkpoint import load_checkpoint
+from minipar.slow_networks.checkpoint_restart import load_checkpoint
 from minipar.slow_networks.exercises import check_resume
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import minipar
-from minipar.slow_networks.checkpoint import latest_step, train_resumable
+from minipar.slow_networks.checkpoint_restart import latest_step, train_resumable
 from minipar.slow_networks.elastic import batches, model, mse
 
 STEPS = 8

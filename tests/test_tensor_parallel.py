@@ -1,6 +1,6 @@
 """Column- and row-parallel linear layers equal their single-process twin (output and every
 gradient, float64) for TP = 1, 2, 4; sizes that do not split are refused. The decoder's
-parallel attention, SwiGLU and block are tested in test_tensor_parallel_decoder.py."""
+parallel attention, SwiGLU and block are tested in test_tensor_parallel_block.py."""
 
 import pytest
 import torch

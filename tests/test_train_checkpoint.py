@@ -12,11 +12,11 @@ import torch
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
 
 import minipar
-from minipar.slow_networks.checkpoint import latest_step
+from minipar.slow_networks.checkpoint_restart import latest_step
 from minipar.tensor_parallel import twin_slice
-from minipar.train.checkpoint import checkpoint_dir, verify_checkpoint
-from minipar.train.composed import trainer_mesh
 from minipar.train.loop import train
+from minipar.train.model_part import trainer_mesh
+from minipar.train.sharded_checkpoint import checkpoint_dir, verify_checkpoint
 
 
 @pytest.fixture(scope="module")

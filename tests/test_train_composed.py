@@ -21,8 +21,8 @@ from minipar import trace
 from minipar.mesh.stage_data_parallel import REDUCTIONS, hidden_and_exposed
 from minipar.tensor_parallel import twin_slice
 from minipar.trace import Event
-from minipar.train.composed import trainer_mesh
-from minipar.train.loop import build_replica, train
+from minipar.train.loop import build_part, train
+from minipar.train.model_part import trainer_mesh
 from minipar.train.optim import global_norm
 
 # (parallel degrees and techniques, train.recompute)
@@ -76,12 +76,12 @@ def test_a_composition_on_4_ranks_trains_as_one_process(cluster4, corpus, one_pr
     _assert_same_run(cluster4.run(train, config, None, True), one_process, config)
 
 
-def _sampler(config, replica):
+def _sampler(config, part):
     from minipar.train.data import BatchSampler, load_tokens
 
     tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
     return BatchSampler(tokens.train, config.model.seq_len, config.train.batch_size, 0,
-                        replica.dp_rank, replica.dp)
+                        part.dp_rank, part.dp)
 
 
 def _reductions_in_backward(config) -> tuple[int, int]:
@@ -90,11 +90,11 @@ def _reductions_in_backward(config) -> tuple[int, int]:
     ZeRO-2's communication thread counts where backward queued it (it may start after)."""
     from minipar.train.precision import LossScaler
 
-    replica = build_replica(config)
+    part = build_part(config)
     with trace.capture() as captured:
-        replica.forward_backward(*_sampler(config, replica).next(), config.train.batch_size,
+        part.forward_backward(*_sampler(config, part).next(), config.train.batch_size,
                                  LossScaler(False), last=True)
-        replica.reduce_gradients()
+        part.reduce_gradients()
     events = captured.events
     backward = [(e.start, e.end) for e in events if e.kind in ("B", "W")]
     reductions = [e for e in events if e.label.startswith(REDUCTIONS)]
@@ -146,12 +146,12 @@ def _norms(config) -> tuple[float, float]:
     over every data-parallel rank, the replica groups included (torchtitan#2318's bug)."""
     from minipar.train.precision import LossScaler
 
-    replica = build_replica(config)
-    replica.forward_backward(*_sampler(config, replica).next(), config.train.batch_size,
+    part = build_part(config)
+    part.forward_backward(*_sampler(config, part).next(), config.train.batch_size,
                              LossScaler(False), last=True)
-    replica.reduce_gradients()
-    grads, groups = replica.norm_gradients(), replica.norm_groups()
-    return global_norm(grads, groups), global_norm(grads, [*groups, replica.groups.replicate])
+    part.reduce_gradients()
+    grads, groups = part.norm_gradients(), part.norm_groups()
+    return global_norm(grads, groups), global_norm(grads, [*groups, part.groups.replicate])
 
 
 def test_hsdp_counts_each_entry_once_in_the_norm(cluster4, corpus):  # noqa: F811
@@ -198,13 +198,13 @@ def _saved_activation_peak(config) -> int:
     """Bytes autograd kept for backward at the peak of two steps, on this rank."""
     from minipar.train.precision import LossScaler
 
-    replica = build_replica(config)
-    replica.model.pipe.measure_activations = True  # the trainer's timed steps leave it off
-    sampler = _sampler(config, replica)
+    part = build_part(config)
+    part.model.pipe.measure_activations = True  # the trainer's timed steps leave it off
+    sampler = _sampler(config, part)
     for _ in range(2):
-        replica.forward_backward(*sampler.next(), config.train.batch_size,
+        part.forward_backward(*sampler.next(), config.train.batch_size,
                                  LossScaler(False), last=True)
-    return replica.model.pipe.activations.peak
+    return part.model.pipe.activations.peak
 
 
 def test_recomputation_inside_the_pipeline_keeps_less(cluster2, corpus):  # noqa: F811

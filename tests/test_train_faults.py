@@ -14,11 +14,11 @@ import torch
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
 
 import minipar
-from minipar.slow_networks.checkpoint import latest_step
-from minipar.train.checkpoint import checkpoint_dir, consolidate
+from minipar.slow_networks.checkpoint_restart import latest_step
 from minipar.train.config import to_toml
 from minipar.train.faults import Fault
 from minipar.train.loop import train
+from minipar.train.sharded_checkpoint import checkpoint_dir, consolidate
 
 
 def _every_two(config, steps=6):

@@ -1,4 +1,4 @@
-"""The trainer's memory per rank by kind (train/memory.py): what one untimed step measures
+"""The trainer's memory per rank by kind (train/memory_report.py): what one untimed step measures
 (lesson 06's MemoryTracker; a pipeline's saved-activation meter) beside the planner's
 formulas, on one process, dp = 2 with and without ZeRO-1, pp = 2 and pp x tp; and the
 measured step leaves the run as it was.
@@ -17,10 +17,10 @@ import torch
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
 
 import minipar
-from minipar.sharded.memory import KINDS
+from minipar.sharded.memory_tracker import KINDS
 from minipar.train.data import BatchSampler, load_tokens
-from minipar.train.loop import build_replica, train, train_step
-from minipar.train.memory import memory_by_kind, predicted_memory
+from minipar.train.loop import build_part, train, train_step
+from minipar.train.memory_report import memory_by_kind, predicted_memory
 from minipar.train.precision import LossScaler
 
 FP64 = 8  # bytes per value: the tiny configs train in float64
@@ -117,23 +117,23 @@ def test_pp_tp_on_4_ranks(cluster4, corpus):  # noqa: F811
 def _next_step(config, measure: bool) -> list[torch.Tensor]:
     """This rank's parameters after one training step, with or without a measured step
     (on a held-out batch) before it."""
-    replica = build_replica(config)
+    part = build_part(config)
     tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
     batch, seq_len = config.train.batch_size, config.model.seq_len
-    sampler = BatchSampler(tokens.train, seq_len, batch, 0, replica.dp_rank, replica.dp)
-    held_out = BatchSampler(tokens.val, seq_len, batch, 1, replica.dp_rank, replica.dp)
+    sampler = BatchSampler(tokens.train, seq_len, batch, 0, part.dp_rank, part.dp)
+    held_out = BatchSampler(tokens.val, seq_len, batch, 1, part.dp_rank, part.dp)
     if measure:
-        memory_by_kind(replica, *held_out.next(), batch)
+        memory_by_kind(part, *held_out.next(), batch)
     for _ in range(2):  # the second step: Adam's moments from the first
-        train_step(replica, LossScaler(False), *sampler.next(), config, lr=1e-2)
-    return [p.detach().clone() for p in replica.parameters()]
+        train_step(part, LossScaler(False), *sampler.next(), config, lr=1e-2)
+    return [p.detach().clone() for p in part.parameters()]
 
 
 @pytest.mark.parametrize("parallel", [dict(dp=2, zero=2), dict(pp=2, zero=0, microbatches=2)],
                          ids=["dp=2 zero=2", "pp=2"])
 def test_the_measured_step_leaves_no_trace(cluster2, corpus, parallel):  # noqa: F811
     """A measured step before training changes nothing that follows: the weights after two
-    steps are bitwise those of a replica never measured (no update, no gradient left
+    steps are bitwise those of a model part never measured (no update, no gradient left
     behind, not even ZeRO-2's reduced slices)."""
     config = short(corpus, **parallel)
     measured = cluster2.run(_next_step, config, True)

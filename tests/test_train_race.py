@@ -1,4 +1,4 @@
-"""The race against torch's own composition (train/native.py, train/race.py): torch's
+"""The race against torch's own composition (train/torch_native.py, train/torch_race.py): torch's
 FSDP2, DTensor tensor parallelism and pipelining, given the trainer's model, weights and
 batches, reach the trainer's losses, norms and weights in float64; the bench runs."""
 
@@ -9,8 +9,8 @@ import minipar
 from minipar.tensor_parallel import twin_slice
 from minipar.train.config import load_config
 from minipar.train.loop import train
-from minipar.train.native import refuse_native
-from minipar.train.race import ROWS, measure, race_config, report, run_steps
+from minipar.train.torch_native import refuse_native
+from minipar.train.torch_race import ROWS, measure, race_config, report, run_steps
 
 STEPS = 10
 

@@ -2,11 +2,11 @@
 
 - `mesh.py`: `Mesh(dp=2, pp=2, tp=2)`, the ranks as a grid with named dimensions, its
   groups as a table, and `connect()` for each dimension's process groups;
-- `model.py`, `decoder.py`, `stage_data_parallel.py`: the decoder cut into layers for
+- `model.py`, `decoder_layers.py`, `stage_data_parallel.py`: the decoder cut into layers for
   this rank's tp and cp coordinates, shared out as pipeline stages over pp, and data
   parallelism (DDP, ZeRO-1/2/3) over each stage; `twin_check.py` composes them and
   checks the result against one process (lesson 07, the demo), as the trainer composes
-  them (`train/composed.py`);
+  them (`train/model_part.py`);
 - `sbp.py`, `reshard.py`: where a tensor lives (split, broadcast, partial) and the
   collectives that move it between placements and between meshes;
 - `planner.py`: the degrees for a model on a cluster, and why;

@@ -1,7 +1,7 @@
 """The decoder trained on a mesh (`MeshDecoder`), and checked against its one-process twin
 rank by rank: lesson 07's composed training, the mesh demo, bench and tests.
 
-The composition is the trainer's, from the same pieces (`train/composed.py` adds
+The composition is the trainer's, from the same pieces (`train/model_part.py` adds
 precision, recomputation, experts and AdamW's masks around them):
 - `decoder_layers`: the embedding, the blocks cut over tp (Megatron's split by heads
   and by SwiGLU's width) and the head;
@@ -27,7 +27,7 @@ from ..data_parallel import shard
 from ..decoder import Decoder, DecoderConfig, cross_entropy, decoder
 from ..runtime import rank, world_size
 from ..tensor_parallel import twin_slice
-from .decoder import decoder_layers
+from .decoder_layers import decoder_layers
 from .mesh import Mesh, MeshGroups
 from .model import MeshModel
 from .stage_data_parallel import StageDataParallel

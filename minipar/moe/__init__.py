@@ -11,7 +11,7 @@ hierarchical.py, the chunked, pipelined one in pipelining.py);
 The systems papers (lesson 09): Tutel's hierarchical all-to-all, pipelined dispatch and
 adaptive parallelism (adaptive.py), Pipeline MoE (pipeline_moe.py), LSH-MoE, dropless and
 expert-choice routing, and the systems' schedules drawn from stated costs
-(schedules.py). Experts over an `ep` dimension of a mesh: on_mesh.py.
+(system_timelines.py). Experts over an `ep` dimension of a mesh: on_mesh.py.
 
 The conventions (gate orders, capacity, which tokens drop, the balance and z losses)
 are written once, in routing.py's docstring.

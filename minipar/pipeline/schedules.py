@@ -4,7 +4,7 @@ the compute order per rank; `schedule` finds the family by name and builds the p
 
 The synchronous families live here; 1F1B, whose order PipeDream reuses, in one_f_one_b.py;
 a variant lives in its own file with its schedule (zero_bubble.py, pipedream.py,
-terapipe.py).
+terapipe_schedule.py).
 With v virtual stages per rank there are p·v stages and stage j lives on rank j % p.
 """
 
@@ -14,7 +14,7 @@ from .family import SCHEDULES, ScheduleFamily
 from .one_f_one_b import OneFOneB
 from .pipedream import PipeDream
 from .plan import Action, ActionKind, Schedule
-from .terapipe import TeraPipe
+from .terapipe_schedule import TeraPipe
 from .zero_bubble import ZeroBubbleH1
 
 F, B = ActionKind.F, ActionKind.B

@@ -4,7 +4,7 @@ The engine (engine.py) moves tensors between actions and ranks; a Stage decides 
 B, I and W do with them. `Stage` itself is plain synchronous training: forward calls the
 module, backward adds the weight gradients into `.grad` and returns the input gradient.
 A variant subclasses it in its own file beside its schedule (pipedream.py stashes
-weights, terapipe.py back-propagates state shared between micro-batches) and its
+weights, terapipe_schedule.py back-propagates state shared between micro-batches) and its
 schedule family builds it (`ScheduleFamily.stage`). Recomputation or mixed precision
 wrap `forward` the same way: it is the one place a stage's module is called.
 

@@ -6,7 +6,7 @@ over the ranks instead of copied.
 - `fsdp.py`: ZeRO stage 3 / FSDP (`FullyShardedDataParallel`: parameters sharded too,
   gathered one unit at a time for forward and again for backward);
 - `lifecycle.py`: `unit_lifecycle`, one step's moments and the units whole at each;
-- `memory.py`: `MemoryTracker` (bytes held per kind, a device budget) and activation
+- `memory_tracker.py`: `MemoryTracker` (bytes held per kind, a device budget) and activation
   recomputation;
 - `swap.py`, `offload.py`: memory beyond the device (`Offload`: layers' parameters,
   optimizer state and saved activations in host memory, prefetched on a copy stream);

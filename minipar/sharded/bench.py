@@ -18,7 +18,7 @@ from ..plots import stack_memory
 from ..report import format_table, progress, save_results, spread
 from ..runtime import Cluster, world_size
 from .fsdp import FullyShardedDataParallel, default_units
-from .memory import MemoryTracker, recompute
+from .memory_tracker import MemoryTracker, recompute
 from .zero import ZeroDataParallel
 
 ZERO_SIZES = [256, 1024, 1024, 1024, 256]  # about 2.4M parameters, float32

@@ -16,7 +16,7 @@ from ..demo import Check, Context, Row, run_cases, start_clock
 from ..models import mse
 from . import karma
 from .fsdp import FullyShardedDataParallel
-from .memory import MemoryTracker
+from .memory_tracker import MemoryTracker
 from .offload import Offload
 from .zero import ZeroDataParallel
 from .zero_offload import host_optimizer

@@ -35,7 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ..cost import Link, fit_alpha_beta
 from ..runtime import device, host_empty_like, on_copy_stream
 from .fsdp import default_units
-from .memory import mib
+from .memory_tracker import mib
 from .zero import trainable_parameters
 
 COPY_SIZES = [64 << 10, 1 << 20, 4 << 20, 16 << 20]

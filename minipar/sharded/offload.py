@@ -36,7 +36,7 @@ from torch import nn
 from ..runtime import device
 from ..trace import STREAMS, Event, Timeline, add_event, now, overlap_length, subtract, union_length
 from .fsdp import default_units
-from .memory import MemoryTracker, _watching, mib, recompute
+from .memory_tracker import MemoryTracker, _watching, mib, recompute
 from .swap import CopyStream, SavedBox, SwappedLayer
 from .zero import OptimizerFactory, trainable_parameters
 

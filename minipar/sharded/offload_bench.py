@@ -16,7 +16,7 @@ from ..report import format_table, progress, save_results, spread
 from ..runtime import Cluster
 from ..trace import Timeline, capture
 from . import karma
-from .memory import MemoryTracker
+from .memory_tracker import MemoryTracker
 from .offload import Offload, hidden_fraction, timeline_rows
 
 WIDTH, BLOCKS, BATCH = 512, 8, 512

@@ -4,7 +4,7 @@ survives a dead rank.
 - `relaxed.py`: local SGD, CO2-style overlapped averaging, Hogwild!;
 - `gossip.py`: stochastic gradient push (push-sum) and grouped all-reduce with group
   swapping;
-- `checkpoint.py`: checkpoint and resume after a killed rank, on fewer ranks;
+- `checkpoint_restart.py`: checkpoint and resume after a killed rank, on fewer ranks;
   `elastic.py`: the same under torchrun --max-restarts;
 - `saddle.py`: a bilinear saddle-point problem split over ranks, extragradient;
   `masha.py`: MASHA1 / MASHA2 and naive compressed extragradient; `masha_bench.py`:

@@ -31,7 +31,7 @@ from torch import nn
 from .. import collectives
 from ..cost import Link, all_reduce_cost
 from ..sharded.karma import Compute
-from ..sharded.memory import MemoryTracker
+from ..sharded.memory_tracker import MemoryTracker
 from ..sharded.offload import Offload
 from ..sharded.zero import OptimizerFactory
 from .relaxed import RelaxedReport, SGDReplica, co2_local_sgd, local_sgd

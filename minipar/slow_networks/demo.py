@@ -22,7 +22,7 @@ from ..demo import Check, Context, Row, run_cases, start_clock
 from ..models import mlp, mse
 from ..runtime import RankError, launch, rank, world_size
 from .atom import train_atom
-from .checkpoint import train_resumable
+from .checkpoint_restart import train_resumable
 from .gossip import train_gossip
 from .masha import LABELS, STEP, compare
 from .relaxed import train_relaxed

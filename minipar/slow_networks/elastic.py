@@ -5,7 +5,7 @@
 
 On the first attempt rank 1 kills itself (SIGKILL) at step 5. torchrun's agent sees
 the worker die, stops the others and starts every worker again; the new workers find
-the checkpoint in CKPT (`checkpoint.py`) and finish from there. Rank 0 prints the
+the checkpoint in CKPT (`checkpoint_restart.py`) and finish from there. Rank 0 prints the
 steps it ran, checks the final parameters against one process and writes them to
 CKPT/final.pt. Without torchrun it spawns --ranks ranks and runs once (nothing would
 restart a killed rank, so no --kill-at).
@@ -24,7 +24,7 @@ from ..data_parallel import single_process_sgd
 from ..demo import check_torchrun_ranks, demo_parser
 from ..models import mlp, mse, regression_data
 from ..runtime import launch, rank, under_torchrun
-from .checkpoint import train_resumable
+from .checkpoint_restart import train_resumable
 
 BATCH, FEATURES = 20, 8  # 20 rows: 5 per rank on 4, uneven on 3
 

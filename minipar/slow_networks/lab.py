@@ -7,7 +7,7 @@ and, for one pair, a slower link. A killed worker dies by SIGKILL on reaching th
 step. SGP and grouped pairs go on without it (`survive`: a dead peer's share stays home,
 a pair's survivor averages with no one), and SWARM sends its micro-batches through
 again; the all-reduce cannot: every step needs every rank, so it takes no kill (it
-survives by checkpoint and restart instead: checkpoint.py).
+survives by checkpoint and restart instead: checkpoint_restart.py).
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ Weights are shards of one master weight: `from_linear` cuts a single-process
 `nn.Linear`, so a parallel model and its one-process twin start identical.
 """
 
-from .decoder import ParallelAttention, ParallelDecoderBlock, ParallelSwiGLU
 from .layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -37,6 +36,7 @@ from .mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_parallel_region,
 )
+from .parallel_block import ParallelAttention, ParallelDecoderBlock, ParallelSwiGLU
 
 __all__ = ["SEQUENCE_DIM", "ColumnParallelLinear", "ParallelAttention",
            "ParallelDecoderBlock", "ParallelSwiGLU", "RowParallelLinear", "copy_to_parallel_region",

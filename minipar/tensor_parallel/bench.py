@@ -14,7 +14,7 @@ from .. import trace
 from ..decoder import DecoderBlock, DecoderConfig, SwiGLU, rope_tables
 from ..report import format_table, progress, ratio_cell, save_results
 from ..runtime import Cluster, world_size
-from .decoder import ParallelDecoderBlock, ParallelSwiGLU
+from .parallel_block import ParallelDecoderBlock, ParallelSwiGLU
 
 TP_HIDDEN = (256, 512, 1024, 1536)
 

@@ -13,7 +13,7 @@ from .. import collectives
 from ..decoder import DecoderBlock, DecoderConfig, SwiGLU, rope_tables
 from ..demo import Check, Context, Row, start_clock
 from ..runtime import device, rank, world_size
-from .decoder import ParallelDecoderBlock, ParallelSwiGLU
+from .parallel_block import ParallelDecoderBlock, ParallelSwiGLU
 
 CASES = (("mlp", False), ("block", False), ("block", True))
 HEAD_DIM, HEADS, KV_HEADS, SEQUENCE = 16, 4, 2, 16

@@ -1,6 +1,6 @@
 """Tensor-parallel linear layers cut from a single-process `nn.Linear`: column- and
 row-parallel, the two pieces every Megatron split is made of (the decoder's attention,
-SwiGLU and block are built from them in `decoder.py`), and the sums that sequence
+SwiGLU and block are built from them in `parallel_block.py`), and the sums that sequence
 parallelism adds for replicated parameters.
 
 `from_linear` cuts a one-process layer, so a parallel model and its twin start identical

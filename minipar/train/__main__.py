@@ -31,7 +31,6 @@ from pathlib import Path
 from ..cli import OneLineParser, output_folder, positive_int, run_command
 from ..runtime import launch, under_torchrun
 from ..runtime.torchrun import elastic_attempt
-from .checkpoint import verify_checkpoint
 from .compare import against_one_process, first_with_losses, one_process, run_config
 from .compare import main as compare_main
 from .config import check, load_config, same_run
@@ -40,6 +39,7 @@ from .export import export_main, sample_main
 from .faults import FAULT_KINDS, Fault
 from .flags import add_flags, add_launch_flags, overrides_from_args
 from .loop import refuse_unbuilt, train
+from .sharded_checkpoint import verify_checkpoint
 
 
 def parser(prog: str = "python -m minipar.train") -> OneLineParser:

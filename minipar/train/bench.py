@@ -1,7 +1,7 @@
 """`minipar bench train`: the trainer's tokens per second and MFU on this machine, the
 `small` preset, one process against compositions of 2, 4 and 8 ranks, fp32 against
 bf16, each composition beside the planner's predicted step time, and each rank's memory
-(the fullest rank's, measured by kind in the run's untimed last step, memory.py) beside
+(the fullest rank's, measured by kind in the run's untimed last step, memory_report.py) beside
 the prediction.
 
 Every rank computes on one thread, and so does the one-process baseline, so "dp=2 on 2
@@ -221,7 +221,7 @@ def report(rows: list[dict], out_dir: Path) -> str:
         "ratios per round, median (min-max); predicted: the planner's step on this "
         "machine's fitted constants (its error in brackets; no model of cp); memory: the "
         "fullest rank, every kind together, measured in the run's last, untimed step / "
-        "the cost model's formulas (memory.py)",
+        "the cost model's formulas (memory_report.py)",
         format_table(shown, [("variant", "variant"), ("tokens/s", "tokens/s"), ("mfu", "MFU"),
                              ("ratio", "vs 1 process, fp32"), ("step", "step"),
                              ("predicted", "predicted step"),

@@ -17,10 +17,10 @@ import torch
 
 from ..cli import OneLineParser, nonnegative_int, positive_int, run_command
 from ..generation import generate
-from ..moe.decoder import moe_decoder
-from .checkpoint import consolidate
+from ..moe.moe_decoder import moe_decoder
 from .config import TrainConfig, from_dict, to_dict
 from .data import ByteTokenizer
+from .sharded_checkpoint import consolidate
 
 
 def export(run: str | Path, to: str | Path) -> Path:

@@ -9,18 +9,24 @@ One step, as every rank runs it:
    after the average over dp every token counts once, as in one process;
 3. the gradients reduced as one process's: averaged over the data-parallel replicas
    inside the pipeline's backward (DDP, ZeRO-2 and ZeRO-3 in the last chunk's backward;
-   ZeRO-1 after it), then the tied embedding's two copies summed (composed.py);
+   ZeRO-1 after it), then the tied embedding's two copies summed (model_part.py);
 4. the global gradient norm (each entry counted once) and clipping by it;
 5. AdamW's update; the batch's loss, tokens per second and MFU logged.
 In fp16 the loss is scaled before backward and the gradients unscaled after the
 reduction; an overflow on any rank skips the step on every rank (precision.py).
+
+`train` is that step in a loop, with small named pieces around it: the log
+(`_open_log`, `_log`), the traced step and a rehearsed failure (`_watched`), the
+record with tokens per second and MFU (`_Meter`), when to evaluate (`_evaluates`) and
+when to save (`_checkpoints`), and the memory step after the last.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,21 +34,20 @@ import torch
 import torch.distributed as dist
 
 from .. import trace
-from ..moe.decoder import moe_decoder
+from ..moe.moe_decoder import moe_decoder
 from ..pipeline import SCHEDULES
 from ..runtime import rank, world_size
 from ..trace import record
-from .checkpoint import load_checkpoint, save_checkpoint
-from .composed import MeshReplica
-from .config import TrainConfig, check, describe, to_toml
+from .config import LoopConfig, TrainConfig, check, describe, to_toml
 from .curves import save_run_pictures
 from .data import BatchSampler, load_tokens
 from .faults import Fault
-from .memory import memory_rows, save_memory
+from .memory_report import memory_rows, save_memory
 from .metrics import MetricsLog, cores_in_use, measured_peak, mfu, read_metrics
+from .model_part import ModelPart
 from .optim import clip_, global_norm, learning_rate
 from .precision import COMPUTE_DTYPES, PARAM_DTYPES, LossScaler
-from .replicas import Replica
+from .sharded_checkpoint import load_checkpoint, save_checkpoint
 
 TRACED_STEP = 3  # the step saved as step.trace.json: past the first steps' warm-up
 
@@ -53,7 +58,7 @@ class Run:
 
     records: list[dict] = field(default_factory=list)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # keep_weights=True
-    memory: dict = field(default_factory=dict)  # this rank's bytes by kind (memory.py)
+    memory: dict = field(default_factory=dict)  # this rank's bytes by kind (memory_report.py)
 
     @property
     def losses(self) -> list[float]:
@@ -106,18 +111,18 @@ def _gathered(events: list) -> list:
     return [e for mine in everyone for e in mine] if rank() == 0 else []
 
 
-def evaluate(replica: Replica, sampler: BatchSampler, batches: int) -> float:
+def evaluate(part: ModelPart, sampler: BatchSampler, batches: int) -> float:
     """The validation loss: the mean over `batches` fixed global batches (steps 0.. of a
     sampler of the held-out documents, so every evaluation sees the same tokens)."""
     sampler.load_state_dict({"step": 0})
     total = 0.0
     for _ in range(batches):
-        share = replica.eval_loss(*sampler.next(), sampler.batch_size)
+        share = part.eval_loss(*sampler.next(), sampler.batch_size)
         total += share or 0.0  # None: a rank without the last stage has no loss
-    return replica.mean_over_ranks(total) / batches
+    return part.mean_over_ranks(total) / batches
 
 
-def train_step(replica: Replica, scaler: LossScaler, ids: torch.Tensor,
+def train_step(part: ModelPart, scaler: LossScaler, ids: torch.Tensor,
                targets: torch.Tensor, config: TrainConfig, lr: float
                ) -> tuple[float, float | None, bool]:
     """One optimizer step on this rank's rows (steps 2-5 of the module docstring): the
@@ -129,29 +134,29 @@ def train_step(replica: Replica, scaler: LossScaler, ids: torch.Tensor,
     loss_share = 0.0
     for i, (x, y) in enumerate(chunks):
         with record("compute", "forward+backward", microbatch=i):
-            share = replica.forward_backward(x, y, batch, scaler, last=i == len(chunks) - 1)
+            share = part.forward_backward(x, y, batch, scaler, last=i == len(chunks) - 1)
         loss_share += share or 0.0  # None: a rank without the last stage has no loss
-    replica.reduce_gradients()
-    owned = replica.owned_gradients()
+    part.reduce_gradients()
+    owned = part.owned_gradients()
     # every rank of the run agrees: one rank's overflow skips the step everywhere
     overflow = scaler.unscale_and_check(owned, groups=(None,))
     if overflow:
         norm = None  # no norm of gradients that overflowed (and JSON has no inf)
-        replica.skip()
+        part.skip()
     else:
-        norm = global_norm(replica.norm_gradients(), replica.norm_groups())
+        norm = global_norm(part.norm_gradients(), part.norm_groups())
         clip_(owned, norm, config.optim.grad_clip)
         with record("compute", "optimizer"):
-            replica.update(lr)
+            part.update(lr)
     scaler.update(overflow)
-    return replica.mean_over_ranks(loss_share), norm, overflow
+    return part.mean_over_ranks(loss_share), norm, overflow
 
 
-def build_replica(config: TrainConfig) -> Replica:
+def build_part(config: TrainConfig) -> ModelPart:
     """The decoder from its seed, on this rank's part of the run's mesh (data parallelism
     alone is the mesh with pp = tp = cp = 1)."""
     model = moe_decoder(config.model, config.train.seed, PARAM_DTYPES[config.train.precision])
-    return MeshReplica(model, config)
+    return ModelPart(model, config)
 
 
 def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool = False,
@@ -169,74 +174,124 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
     if (resume or stop_after is not None) and out is None:
         raise ValueError("resume and stop_after need the run folder (out) that holds the "
                          "checkpoints")
-    loop, optim, k = config.train, config.optim, world_size()
+    loop = config.train
     tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
-    seq_len, batch = config.model.seq_len, loop.batch_size
-    replica = build_replica(config)
+    part = build_part(config)
     # the same seed and step -> the same global batch for any dp; each replica takes its rows
-    sampler = BatchSampler(tokens.train, seq_len, batch, config.data.seed, replica.dp_rank,
-                           replica.dp)
-    held_out = BatchSampler(tokens.val, seq_len, batch, config.data.seed + 1, replica.dp_rank,
-                            replica.dp)
+    sampler = BatchSampler(tokens.train, config.model.seq_len, loop.batch_size,
+                           config.data.seed, part.dp_rank, part.dp)
+    held_out = BatchSampler(tokens.val, config.model.seq_len, loop.batch_size,
+                            config.data.seed + 1, part.dp_rank, part.dp)
     scaler = LossScaler(enabled=loop.precision == "fp16")
-    first = load_checkpoint(replica, config, out, scaler) if resume else 0
+    first = load_checkpoint(part, config, out, scaler) if resume else 0
     sampler.load_state_dict({"step": first})  # the batches follow the step: nothing else
     stop = loop.steps if stop_after is None else min(stop_after, loop.steps)
     # MFU against the peak of the dtype the matmuls run in (bf16 on a CPU: AMX if it has it)
-    flops, peak = config.model.flops_per_token(), _shared_peak(COMPUTE_DTYPES[loop.precision])
-    log = (MetricsLog(Path(out) / "metrics.jsonl", keep_until=first if resume else None)
-           if out is not None and rank() == 0 else None)
-    if log is not None:
-        (Path(out) / "config.toml").write_text(to_toml(config))
-        print(describe(config), flush=True)
-        if resume:
-            print(f"resuming after step {first} of {loop.steps}" if first else
-                  "resume: no complete checkpoint yet, starting at step 0", flush=True)
+    meter = _Meter(config, _shared_peak(COMPUTE_DTYPES[loop.precision]))
+    log = _open_log(config, out, resume, first)
     run, events = Run(), []
     for step in range(first, stop):
-        lr = learning_rate(step, optim, loop.steps)
-        traced = out is not None and step + 1 == min(TRACED_STEP, loop.steps)
-        if traced and k > 1:
-            dist.barrier()  # every rank's clock starts the traced step together
-        start = time.perf_counter()
-        injected = fault.during_step(step + 1) if fault else nullcontext()
-        with trace.capture() if traced else nullcontext() as captured, injected:
-            batch_loss, norm, overflow = train_step(replica, scaler, *sampler.next(), config,
-                                                    lr)
-        seconds = time.perf_counter() - start
-        if traced:
-            events = _gathered(captured.events)
-        tokens_per_s = batch * seq_len / seconds
-        record = {"step": step + 1, "loss": batch_loss, "lr": lr, "grad_norm": norm,
-                  "tokens_per_s": tokens_per_s,
-                  "mfu": mfu(flops, tokens_per_s, peak, cores_in_use(k)), "seconds": seconds}
-        if scaler.enabled:
-            record.update(loss_scale=scaler.scale, skipped=overflow)
-        if not math.isfinite(batch_loss):
-            raise FloatingPointError(f"step {step + 1}: the loss is {batch_loss}; lower "
-                                     "optim.lr or raise optim.warmup_steps")
-        last = step + 1 == loop.steps
-        if (loop.eval_every and (step + 1) % loop.eval_every == 0) or last:
-            record["val_loss"] = evaluate(replica, held_out, loop.eval_batches)
+        lr = learning_rate(step, config.optim, loop.steps)
+        with _watched(step, config, out, fault, events):
+            start = time.perf_counter()
+            loss, norm, overflow = train_step(part, scaler, *sampler.next(), config, lr)
+            seconds = time.perf_counter() - start
+        record = meter.record(step, loss, lr, norm, seconds, scaler, overflow)
+        if _evaluates(step, loop):
+            record["val_loss"] = evaluate(part, held_out, loop.eval_batches)
         run.records.append(record)
-        if log is not None:
-            log.write(record)
-            if (step + 1) % loop.log_every == 0 or last or "val_loss" in record:
-                print(progress_line(record, loop.steps), flush=True)
-        every = loop.checkpoint_every
-        if out is not None and (step + 1 == stop or (every and (step + 1) % every == 0)):
+        _log(log, record, loop)
+        if out is not None and _checkpoints(step, stop, loop):
             with fault.during_checkpoint(step + 1) if fault else nullcontext():
-                save_checkpoint(replica, config, out, step + 1, scaler)  # the end always saves
+                save_checkpoint(part, config, out, step + 1, scaler)  # the end always saves
     # one untimed step after the last (Adam's state exists), no update: memory by kind
-    run.memory, rows = memory_rows(replica, config, *held_out.next())
+    run.memory, rows = memory_rows(part, config, *held_out.next())
     if log is not None:
         log.close()
         # the whole run's curve, the steps before a resume included
         save_run_pictures(Path(out), read_metrics(log.path), events)
         print(save_memory(Path(out), rows), flush=True)
     if keep_weights:
-        run.weights = {name: p.clone() for name, p in replica.full_parameters()}
+        run.weights = {name: p.clone() for name, p in part.full_parameters()}
     return run
+
+
+# the pieces around the loop: the log, the traced step, the record, when to evaluate and save
+
+def _open_log(config: TrainConfig, out: str | Path | None, resume: bool, first: int
+              ) -> MetricsLog | None:
+    """Rank 0's metrics.jsonl (kept up to `first` on a resume) and config.toml, and the
+    run's first lines; None on other ranks or without `out`."""
+    if out is None or rank() != 0:
+        return None
+    log = MetricsLog(Path(out) / "metrics.jsonl", keep_until=first if resume else None)
+    (Path(out) / "config.toml").write_text(to_toml(config))
+    print(describe(config), flush=True)
+    if resume:
+        print(f"resuming after step {first} of {config.train.steps}" if first else
+              "resume: no complete checkpoint yet, starting at step 0", flush=True)
+    return log
+
+
+@contextmanager
+def _watched(step: int, config: TrainConfig, out: str | Path | None, fault: Fault | None,
+             events: list) -> Iterator[None]:
+    """Around one step: `fault`'s failure when it is due (faults.py), and on the traced
+    step (`TRACED_STEP`, with `out`) every rank's events, gathered on rank 0 into
+    `events` for step.trace.json."""
+    traced = out is not None and step + 1 == min(TRACED_STEP, config.train.steps)
+    if traced and world_size() > 1:
+        dist.barrier()  # every rank's clock starts the traced step together
+    injected = fault.during_step(step + 1) if fault else nullcontext()
+    with trace.capture() if traced else nullcontext() as captured, injected:
+        yield
+    if traced:
+        events.extend(_gathered(captured.events))
+
+
+class _Meter:
+    """Turns a step's loss, norm and seconds into its record: tokens per second and MFU."""
+
+    def __init__(self, config: TrainConfig, peak: float) -> None:
+        self.steps, self.ranks = config.train.steps, world_size()
+        self.tokens = config.train.batch_size * config.model.seq_len
+        self.flops, self.peak = config.model.flops_per_token(), peak
+
+    def record(self, step: int, loss: float, lr: float, norm: float | None, seconds: float,
+               scaler: LossScaler, overflow: bool) -> dict:
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"step {step + 1}: the loss is {loss}; lower optim.lr "
+                                     "or raise optim.warmup_steps")
+        tokens_per_s = self.tokens / seconds
+        record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
+                  "tokens_per_s": tokens_per_s,
+                  "mfu": mfu(self.flops, tokens_per_s, self.peak, cores_in_use(self.ranks)),
+                  "seconds": seconds}
+        if scaler.enabled:
+            record.update(loss_scale=scaler.scale, skipped=overflow)
+        return record
+
+
+def _evaluates(step: int, loop: LoopConfig) -> bool:
+    """Every train.eval_every steps, and after the last."""
+    return bool(loop.eval_every and (step + 1) % loop.eval_every == 0) or step + 1 == loop.steps
+
+
+def _checkpoints(step: int, stop: int, loop: LoopConfig) -> bool:
+    """Every train.checkpoint_every steps, and at the run's (or a stop_after's) end."""
+    every = loop.checkpoint_every
+    return step + 1 == stop or bool(every and (step + 1) % every == 0)
+
+
+def _log(log: MetricsLog | None, record: dict, loop: LoopConfig) -> None:
+    """The record into metrics.jsonl; a progress line every train.log_every steps, at the
+    end and with each validation loss."""
+    if log is None:
+        return
+    log.write(record)
+    if record["step"] % loop.log_every == 0 or record["step"] == loop.steps \
+            or "val_loss" in record:
+        print(progress_line(record, loop.steps), flush=True)
 
 
 def progress_line(record: dict, steps: int) -> str:

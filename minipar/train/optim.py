@@ -1,5 +1,5 @@
 """The optimizer side of a step: the learning rate's warmup and cosine decay, and
-clipping by the global gradient norm across shards (AdamW itself: replicas.py).
+clipping by the global gradient norm across shards (AdamW itself: model_part.py).
 
 The global norm is a classic bug of composed training (torchtitan#2318 reported grad
 norms 8x apart between its DDP/HSDP and FSDP layouts of one run): every gradient entry

@@ -27,7 +27,7 @@ from ..report import format_table, progress, ratio_cell, save_results
 from ..runtime import Cluster, rank
 from .config import load_config
 from .data import BatchSampler, load_tokens
-from .loop import build_replica, train_step
+from .loop import build_part, train_step
 from .precision import LossScaler
 
 # row: (the mesh, the trainer's parallel overrides)
@@ -42,17 +42,17 @@ def timed_steps(overrides: dict, steps: int, preset: str) -> dict:
     """On every rank: each step's seconds and its reductions' hidden and exposed seconds."""
     torch.set_num_threads(1)
     config = load_config(preset, {"train.steps": steps, "optim.warmup_steps": 1, **overrides})
-    replica = build_replica(config)
+    part = build_part(config)
     tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
     sampler = BatchSampler(tokens.train, config.model.seq_len, config.train.batch_size,
-                           config.data.seed, replica.dp_rank, replica.dp)
+                           config.data.seed, part.dp_rank, part.dp)
     seconds, hidden, exposed = [], [], []
     for _ in range(steps):
         batch = sampler.next()
         torch.distributed.barrier()  # ranks start each step together
         with trace.capture(rank()) as captured:
             start = time.perf_counter()
-            train_step(replica, LossScaler(False), *batch, config, config.optim.lr)
+            train_step(part, LossScaler(False), *batch, config, config.optim.lr)
             seconds.append(time.perf_counter() - start)
         h, e = hidden_and_exposed(captured.events)
         hidden.append(h)

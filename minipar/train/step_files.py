@@ -17,7 +17,7 @@ from pathlib import Path
 from ..runtime import launch
 from .config import TrainConfig, load_config
 from .data import BatchSampler, load_tokens
-from .loop import build_replica, train_step
+from .loop import build_part, train_step
 from .optim import learning_rate
 from .precision import LossScaler
 
@@ -28,10 +28,10 @@ TRACED = 3  # the step traced: past the first steps' shape learning and allocati
 def step_files(config: TrainConfig) -> list[str]:
     """The files under minipar/ (relative, sorted) whose functions this rank's main thread
     called during step `TRACED` of `config` (every rank of the run calls it)."""
-    replica = build_replica(config)
+    part = build_part(config)
     tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
     sampler = BatchSampler(tokens.train, config.model.seq_len, config.train.batch_size,
-                           config.data.seed, replica.dp_rank, replica.dp)
+                           config.data.seed, part.dp_rank, part.dp)
     scaler, seen = LossScaler(enabled=config.train.precision == "fp16"), set()
 
     def profile(frame, event, _arg):
@@ -44,7 +44,7 @@ def step_files(config: TrainConfig) -> list[str]:
         if step + 1 == TRACED:
             sys.setprofile(profile)
         try:
-            train_step(replica, scaler, *batch, config, lr)
+            train_step(part, scaler, *batch, config, lr)
         finally:
             sys.setprofile(None)
     return sorted(str(Path(f).resolve().relative_to(PACKAGE.parent)) for f in seen

@@ -3,7 +3,7 @@
 over tp, `torch.distributed.pipelining` over pp. The same decoder from the same seed, the
 same global batches (the trainer's sampler), the same AdamW, schedule and clipping: an
 outside implementation that must reach minipar's losses (tests/test_train_race.py) and
-that minipar races (race.py).
+that minipar races (torch_race.py).
 
 What torch leaves to its user is written here, as torchtitan writes it:
 - the tied embedding across pipeline stages (torch's pipelining has no tied weights):
@@ -25,8 +25,8 @@ from torch import nn
 from ..decoder import Decoder, cross_entropy, decoder, rope_tables
 from ..runtime import device, rank, world_size
 from .config import TrainConfig
+from .model_part import decays
 from .precision import PARAM_DTYPES
-from .replicas import decays
 
 # the projections each block splits over tp, as Megatron: the inputs' projections by
 # columns (each rank a slice of heads or of the feed-forward's width), the outputs' by rows

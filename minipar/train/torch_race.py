@@ -1,5 +1,5 @@
 """`minipar bench train-vs-torch`: minipar's trainer against torch's own composition of
-the same run (native.py: FSDP2, DTensor tensor parallelism, torch's pipelining), the
+the same run (torch_native.py: FSDP2, DTensor tensor parallelism, torch's pipelining), the
 `small` preset in fp32, the same weights and batches, one thread per rank.
 
 For each composition the two take turns for `rounds` rounds; a row keeps the median
@@ -30,17 +30,17 @@ from ..runtime import Cluster
 from .bench import _ranks  # the ranks a layout's degrees need: one product for both benches
 from .config import TrainConfig, load_config
 from .data import BatchSampler, load_tokens
-from .loop import build_replica, train_step
-from .native import NativeRun
+from .loop import build_part, train_step
 from .optim import learning_rate
 from .precision import LossScaler
+from .torch_native import NativeRun
 
 # row: (minipar's parallel settings, torch's, what each side runs)
 ROWS = {
     "dp=2": (dict(dp=2, zero=3), dict(dp=2),
              "ZeRO-3, each block a unit", "FSDP2 fully_shard, each block a unit"),
     "tp=2": (dict(tp=2), dict(tp=2),
-             "Megatron tp (mesh/decoder.py)", "DTensor Colwise/RowwiseParallel"),
+             "Megatron tp (mesh/decoder_layers.py)", "DTensor Colwise/RowwiseParallel"),
     "pp=2 1f1b m=4": (dict(pp=2, microbatches=4), dict(pp=2, microbatches=4),
                       "pipeline engine, 1F1B", "torch.distributed.pipelining Schedule1F1B"),
     "dp=2 tp=2": (dict(dp=2, tp=2, zero=3), dict(dp=2, tp=2),
@@ -68,14 +68,14 @@ class Side:
             self.run = NativeRun(config)
             self.dp_rank, self.dp = self.run.dp_rank, self.run.dp
         else:  # the trainer's own step (loop.py)
-            self.replica, self.scaler = build_replica(config), LossScaler(enabled=False)
-            self.dp_rank, self.dp = self.replica.dp_rank, self.replica.dp
+            self.part, self.scaler = build_part(config), LossScaler(enabled=False)
+            self.dp_rank, self.dp = self.part.dp_rank, self.part.dp
         self.config, self.native = config, native
 
     def step(self, ids: torch.Tensor, targets: torch.Tensor, lr: float) -> tuple[float, float]:
         if self.native:
             return self.run.step(ids, targets, lr)
-        loss, norm, _ = train_step(self.replica, self.scaler, ids, targets, self.config, lr)
+        loss, norm, _ = train_step(self.part, self.scaler, ids, targets, self.config, lr)
         return loss, norm
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -83,7 +83,7 @@ class Side:
         holds them (tp slices) under minipar; a pipeline stage's own layers."""
         if self.native:
             return self.run.full_parameters()
-        return {n: w.clone() for n, w in self.replica.full_parameters()}
+        return {n: w.clone() for n, w in self.part.full_parameters()}
 
 
 def profile_step(step, repeats: int = 3) -> dict:

@@ -1,12 +1,15 @@
-"""The trainer's decoder cut over a mesh, dp x pp x cp x tp (and ep inside dp for a
-mixture of experts): `MeshReplica`, the `Replica` the loop drives when any of pp, tp, cp,
-ep is above 1.
+"""The trainer's model on this rank: `ModelPart`, the decoder cut over the run's mesh,
+dp x pp x cp x tp (and ep inside dp for a mixture of experts), with its optimizer. It is
+what the loop drives for every layout, data parallelism alone being the mesh with
+pp = tp = cp = 1: a step's forward and backward on this rank's rows, the gradients
+reduced, the ones this rank owns, the global norm's share, AdamW's update.
 
-The mesh is `Mesh(pp, dp, ep, cp, tp)`: tp fastest, then cp, ep, dp, pp outermost, the order
-Megatron-LM numbers its ranks in, so a tensor-parallel group is neighbouring ranks. The
-model is `mesh.MeshModel` over `mesh.decoder_layers`, the composition lesson 07's GPT
-shares; every step goes through the pipeline engine (one stage when pp = 1), each stage
-computing in the run's precision (`AutocastStage`, the engine's extension point).
+The mesh is `Mesh(pp, replicate, dp, ep, cp, tp)`: tp fastest, then cp, ep, dp, HSDP's
+replicate groups, pp outermost, the order Megatron-LM numbers its ranks in, so a
+tensor-parallel group is neighbouring ranks. The model is `mesh.MeshModel` over
+`mesh.decoder_layers`, the composition lesson 07's `MeshDecoder` shares; every step
+goes through the pipeline engine (one stage when pp = 1), each stage computing in the
+run's precision (`AutocastStage`, the engine's extension point).
 
 Data parallelism runs inside the pipeline's backward (`mesh.StageDataParallel`: lesson
 02's DDP or lesson 06's ZeRO-1/2/3 over each stage, reduced in the stage's last backward
@@ -16,7 +19,7 @@ of the optimizer step). Its group is every rank holding the same weights:
   the average over cp is the mean over the sequence, as Megatron-LM's dp-cp group);
 - x ep as well: an ep rank's tokens are other rows of the batch (ep lives inside dp);
 - a mixture's experts live on one ep rank each: averaged over dp only, their gradients
-  first divided by ep (each rank's loss is a mean over its own rows; moe/decoder.py).
+  first divided by ep (each rank's loss is a mean over its own rows; moe/moe_decoder.py).
 
 Under sequence parallelism the blocks' norm gradients are summed over tp inside backward
 too, before any data-parallel hook sees them. After backward only the tied embedding's
@@ -26,11 +29,16 @@ The global norm counts each entry once: a tp-split matrix's slice on every tp ra
 tp-replicated tensor on tp rank 0 only, the tied weight on the first stage only, stages
 summed over pp, and either the replicas counted once (ep rank 0's dense weights) or,
 under ZeRO, every rank's distinct slices.
+
+Weight decay is AdamW's, decoupled, applied by hand before an Adam step with none
+(`p *= 1 - lr * wd`, exactly what torch's AdamW does first): a ZeRO slice mixes matrices
+and norm gains in one flat vector, so which entries decay is a mask, and the one-process
+run takes the same arithmetic path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -39,17 +47,39 @@ from .. import collectives
 from ..data_parallel import shard_weight
 from ..decoder import Decoder, cross_entropy
 from ..mesh import Mesh
-from ..mesh.decoder import decoder_layers, held_positions, sum_block_norms_in_backward
+from ..mesh.decoder_layers import decoder_layers, held_positions, sum_block_norms_in_backward
 from ..mesh.model import MeshModel
 from ..mesh.stage_data_parallel import StageDataParallel
-from ..moe.decoder import ExpertParallelBlock, cut_expert_parallel
 from ..moe.expert_parallel import average_experts_over_ep
+from ..moe.moe_decoder import ExpertParallelBlock, cut_expert_parallel
 from ..runtime import rank, world_size
+from ..sharded import FlatShard
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .config import ParallelConfig, TrainConfig
+from .optim import set_learning_rate
 from .precision import AutocastStage, LossScaler
 from .recompute import apply_recompute
-from .replicas import Replica, adam_factory, shard_mask
+
+
+def decays(name: str, p: nn.Parameter) -> bool:
+    """Whether AdamW's weight decay applies: matrices do; norm gains and the embedding
+    (tied to the head or not) are spared, as in GPT-NeoX and Llama's recipes."""
+    return p.dim() >= 2 and "embed" not in name
+
+
+def shard_mask(shard: FlatShard, chosen: set[int]) -> torch.Tensor:
+    """1 where this rank's slice of `shard` holds an entry of a parameter in `chosen` (ids),
+    else 0: which entries of a ZeRO slice decay, or count towards the norm."""
+    flat = shard.flatten([torch.full(p.shape, float(id(p) in chosen)) for p in shard.params])
+    return flat[shard.rank * shard.slice:(shard.rank + 1) * shard.slice].to(shard.master.dtype)
+
+
+def adam_factory(config: TrainConfig) -> Callable[[list], torch.optim.Adam]:
+    """Adam without decay (applied by hand, see the module docstring); foreach=False: one
+    tensor at a time, the same arithmetic whatever the layout."""
+    o = config.optim
+    return lambda params: torch.optim.Adam(params, lr=o.lr, betas=(o.beta1, o.beta2),
+                                           eps=o.eps, foreach=False)
 
 
 def trainer_mesh(config: TrainConfig) -> Mesh:
@@ -68,11 +98,11 @@ def replica_dimensions(p: ParallelConfig) -> tuple[str, ...]:
     return tuple(d for d, n in (("dp", dp), ("ep", p.ep), ("cp", p.cp)) if n > 1)
 
 
-class MeshReplica(Replica):
-    """This rank's part of the decoder on the run's mesh, trained by the loop."""
+class ModelPart:
+    """This rank's part of the decoder on the run's mesh, and the optimizer over it."""
 
     def __init__(self, twin: Decoder, config: TrainConfig) -> None:
-        super().__init__(config)
+        self.weight_decay, self.precision = config.optim.weight_decay, config.train.precision
         par = config.parallel
         joined = replica_dimensions(par)
         # one group per dimension, and (when two or more are above 1) their joined group
@@ -108,7 +138,8 @@ class MeshReplica(Replica):
         self.model = MeshModel(layers, g, par.microbatches, par.schedule, par.virtual,
                                data_parallel=data_parallel,
                                make_stage=lambda module, i: AutocastStage(module, i, precision))
-        self.model.pipe.measure_activations = False  # on for the memory step only (memory.py)
+        # on for the memory step only (memory_report.py)
+        self.model.pipe.measure_activations = False
         if par.sequence_parallel:
             sum_block_norms_in_backward(self.model.local, g.tp)
         apply_recompute(self.model.local, config.train.recompute)
@@ -119,6 +150,37 @@ class MeshReplica(Replica):
         self.masks = self.decay_masks(named)
         self.norm_masks = self._norm_masks(named)
         self._counted_whole = [bool(m.all()) for m in self.norm_masks]  # no copy needed
+
+    def decay_masks(self, named: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
+        """Per optimizer tensor, 1 where AdamW decays: by parameter, or by entry of a slice."""
+        decayed = {id(p) for name, p in named if decays(name, p)}
+        if self.sharded is not None:
+            return [shard_mask(s, decayed) for s in self.sharded.shards]
+        # in the parameter's dtype: a float32 mask would round 1 - lr * wd in float32
+        return [torch.tensor(float(id(p) in decayed), dtype=p.dtype) for _, p in named]
+
+    def owned_gradients(self) -> list[torch.Tensor | None]:
+        """The gradients this rank's optimizer steps with: whole parameters' or ZeRO slices'."""
+        return [p.grad for group in self.optimizer.param_groups for p in group["params"]]
+
+    def update(self, lr: float) -> None:
+        """Decoupled weight decay, the Adam step at rate `lr`, gradients dropped."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        with torch.no_grad():
+            for p, mask in zip(params, self.masks, strict=True):
+                p.mul_(1 - lr * self.weight_decay * mask)  # AdamW's first line, masked
+        set_learning_rate(self.optimizer, lr)
+        if self.sharded is not None:
+            self.sharded.update()  # the step, then (ZeRO-1/2) the parameters gathered
+        else:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def skip(self) -> None:
+        """Drop this step's gradients without updating (an fp16 overflow)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.parameters():
+            p.grad = None
 
     def _norm_masks(self, named: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
         """Per optimizer tensor, 1 where this rank counts the entry in the global norm."""

@@ -4,7 +4,7 @@ beside what the cost model predicts for the same config (`predicted_memory`, the
 planner's formulas from cost.py).
 
 The measured step is the one an fp16 overflow takes: forward and backward of a held-out
-batch, the gradients reduced, then dropped (`Replica.skip`): no update, the training
+batch, the gradients reduced, then dropped (`ModelPart.skip`): no update, the training
 sampler untouched, so the run is the same with or without it.
 """
 
@@ -20,34 +20,33 @@ import torch.distributed as dist
 from .. import cost
 from ..report import format_table
 from ..runtime import rank, world_size
-from ..sharded.memory import KINDS, MemoryTracker
-from .composed import trainer_mesh
+from ..sharded.memory_tracker import KINDS, MemoryTracker
 from .config import TrainConfig
+from .model_part import ModelPart, trainer_mesh
 from .precision import LossScaler
-from .replicas import Replica
 
 MIB = 2**20
 
 
-def memory_by_kind(replica: Replica, ids: torch.Tensor, targets: torch.Tensor,
+def memory_by_kind(part: ModelPart, ids: torch.Tensor, targets: torch.Tensor,
                    batch: int) -> dict[str, int]:
     """Bytes this rank held during one forward and backward of `ids` (this rank's rows of
     a `batch`-row global batch), each kind at its own peak over the step (activations
     peak after forward, gradients after backward: the sum bounds the step's peak from
     above). A collective: every rank of the run calls it together."""
-    shards = replica.sharded.shards if replica.sharded is not None else ()
-    tracker = MemoryTracker(replica.module, replica.optimizer, shards)
-    pipe = replica.model.pipe
+    shards = part.sharded.shards if part.sharded is not None else ()
+    tracker = MemoryTracker(part.module, part.optimizer, shards)
+    pipe = part.model.pipe
     meter = pipe.activations
     meter.peak = meter.now  # the pipeline's meter keeps the run's peak: from here on
     pipe.measure_activations = True  # for this step only: its hooks cost time
     with tracker.watch():
-        replica.forward_backward(ids, targets, batch, LossScaler(False), last=True)
+        part.forward_backward(ids, targets, batch, LossScaler(False), last=True)
         tracker.sample("after backward")
-        replica.reduce_gradients()
+        part.reduce_gradients()
         tracker.sample("after the reduction")
     pipe.measure_activations = False
-    replica.skip()  # the gradients dropped, no update: the run goes on as if unmeasured
+    part.skip()  # the gradients dropped, no update: the run goes on as if unmeasured
     peak = {kind: max(getattr(s, kind) for s in tracker.samples) for kind in KINDS}
     # Inside the engine a stage's forward runs under the meter's own saved-tensor hooks,
     # which hide what autograd saves from the tracker's (the innermost hooks win): the
@@ -92,12 +91,12 @@ def predicted_memory(config: TrainConfig) -> dict[str, float]:
             "optimizer": states.optimizer, "activations": activations}
 
 
-def memory_rows(replica: Replica, config: TrainConfig, ids: torch.Tensor,
+def memory_rows(part: ModelPart, config: TrainConfig, ids: torch.Tensor,
                 targets: torch.Tensor) -> tuple[dict, list[dict]]:
     """This rank's row (rank, mesh coordinates, measured and predicted bytes by kind) and,
     on rank 0, every rank's (others get []). A collective, as `memory_by_kind`."""
     mine = {"rank": rank(), "coords": trainer_mesh(config).coords(rank()),
-            "measured": memory_by_kind(replica, ids, targets, config.train.batch_size),
+            "measured": memory_by_kind(part, ids, targets, config.train.batch_size),
             "predicted": predicted_memory(config)}
     if world_size() == 1:
         return mine, [mine]

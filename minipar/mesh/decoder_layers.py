@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..context_parallel import positions as cp_positions
-from ..context_parallel.decoder import ring_core
+from ..context_parallel.ring_core import ring_core
 from ..decoder import Decoder, rope_tables, run_block
 from ..runtime import rank, world_size
 from ..tensor_parallel import (
@@ -30,7 +30,7 @@ from ..tensor_parallel import (
     scatter_to_parallel_region,
     sum_sequence_parallel_grads_in_backward,
 )
-from ..tensor_parallel.decoder import ParallelDecoderBlock
+from ..tensor_parallel.parallel_block import ParallelDecoderBlock
 from .mesh import MeshGroups
 from .model import NamedLayers
 
@@ -139,7 +139,7 @@ def decoder_layers(twin: Decoder, groups: MeshGroups, sequence_parallel: bool = 
     """The decoder as (twin name prefix, layer): embedding, blocks, head, cut for this
     rank's tp and cp coordinates (groups needs dimensions pp, tp and cp). `cut_block`
     cuts each twin block for this rank (the extension point: the mixture of experts'
-    blocks are cut over ep, moe/decoder.py); by default `tensor_parallel_block`."""
+    blocks are cut over ep, moe/moe_decoder.py); by default `tensor_parallel_block`."""
     c = twin.config
     positions = held_positions(groups, c.seq_len)
     embedding = DecoderEmbedding(twin, groups.tp, sequence_parallel)

@@ -8,7 +8,7 @@ count, the loss scale, the config, and for every tensor of the one-process twin 
 global shape, dtype and pieces (which rank, which block, which entries). A piece that
 several ranks hold alike (data-parallel replicas, tensor-parallel copies, the tied
 embedding at both pipeline ends) is written once, by the lowest of them. The protocol
-is lesson 10's (`slow_networks.checkpoint`): files written whole or not at all, then,
+is lesson 10's (`slow_networks.checkpoint_restart`): files written whole or not at all, then,
 after every rank has written, `latest` names the step. A checkpoint never completed is
 never loaded.
 
@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..moe.decoder import moe_decoder
+from ..moe.moe_decoder import moe_decoder
 from ..runtime import rank, world_size
-from ..slow_networks.checkpoint import commit, latest_step, write_whole
+from ..slow_networks.checkpoint_restart import commit, latest_step, write_whole
+from .checkpoint_pieces import Holding, Piece, fill, holdings
 from .config import TrainConfig, from_dict, to_dict
-from .pieces import Holding, Piece, fill, holdings
+from .model_part import ModelPart
 from .precision import LossScaler
-from .replicas import Replica
 
 MANIFEST = "manifest.json"
 
@@ -48,10 +48,10 @@ def _shapes(config: TrainConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in moe_decoder(config.model).named_parameters()}
 
 
-def _held(replica: Replica, config: TrainConfig) -> list[Holding]:
-    shards = replica.sharded.shards if replica.sharded is not None else None
-    return holdings(list(replica.named_parameters()), _shapes(config), replica.optimizer,
-                    shards, replica.tp_rank)
+def _held(part: ModelPart, config: TrainConfig) -> list[Holding]:
+    shards = part.sharded.shards if part.sharded is not None else None
+    return holdings(list(part.named_parameters()), _shapes(config), part.optimizer,
+                    shards, part.tp_rank)
 
 
 def _everyone(mine: object) -> list:
@@ -68,14 +68,14 @@ def _adam_step(optimizer: torch.optim.Optimizer) -> float:
     return steps[0] if steps else 0.0
 
 
-def save_checkpoint(replica: Replica, config: TrainConfig, out: str | Path, step: int,
+def save_checkpoint(part: ModelPart, config: TrainConfig, out: str | Path, step: int,
                     scaler: LossScaler) -> Path:
     """Every rank writes its pieces of the state after `step` steps; rank 0 writes the
     manifest and, once every rank has written, marks the checkpoint the latest."""
     directory = checkpoint_dir(out)
     folder = directory / f"step-{step}"
     folder.mkdir(parents=True, exist_ok=True)
-    held = _held(replica, config)
+    held = _held(part, config)
     everyone = _everyone([h.piece for h in held])
     writer: dict[str, tuple[int, Piece]] = {}
     for r, pieces in enumerate(everyone):  # the lowest rank holding a piece writes it
@@ -93,7 +93,7 @@ def save_checkpoint(replica: Replica, config: TrainConfig, out: str | Path, step
             entry["pieces"].append({"rank": r, "offsets": list(piece.offsets),
                                     "lengths": list(piece.lengths), "start": piece.start,
                                     "stop": piece.stop})
-        manifest = {"step": step, "adam_step": _adam_step(replica.optimizer),
+        manifest = {"step": step, "adam_step": _adam_step(part.optimizer),
                     "loss_scale": scaler.scale, "good_steps": scaler.good_steps,
                     "world_size": world_size(), "config": to_dict(config), "tensors": tensors}
         write_whole(folder / MANIFEST, lambda f: f.write_text(json.dumps(manifest, indent=1)))
@@ -189,9 +189,9 @@ def _same_model(manifest: dict, config: TrainConfig, path: Path) -> None:
                          "the config it was saved with")
 
 
-def load_checkpoint(replica: Replica, config: TrainConfig, out: str | Path,
+def load_checkpoint(part: ModelPart, config: TrainConfig, out: str | Path,
                     scaler: LossScaler) -> int:
-    """Load the latest complete checkpoint of the run in `out` into this rank's replica,
+    """Load the latest complete checkpoint of the run in `out` into this rank's part,
     whatever mesh wrote it (reading only the ranks' files holding pieces this rank needs);
     restore the loss scale; return the steps it had done (0: none)."""
     step, folder, manifest = _latest(out)
@@ -199,7 +199,7 @@ def load_checkpoint(replica: Replica, config: TrainConfig, out: str | Path,
         return 0
     _same_model(manifest, config, folder / MANIFEST)
     files: dict[int, dict] = {}
-    for holding in _held(replica, config):
+    for holding in _held(part, config):
         sources = []
         for r, saved in _sources(manifest, holding.piece):
             if r not in files:
@@ -212,12 +212,12 @@ def load_checkpoint(replica: Replica, config: TrainConfig, out: str | Path,
         with torch.no_grad():
             fill(holding, sources)
     adam_step = torch.tensor(float(manifest["adam_step"]))
-    for state in replica.optimizer.state.values():
+    for state in part.optimizer.state.values():
         state["step"] = adam_step.clone()
-    if replica.sharded is not None and config.parallel.zero in (1, 2):
+    if part.sharded is not None and config.parallel.zero in (1, 2):
         # ZeRO-1/2 keep whole parameters: gather the loaded slices (ZeRO-3 gathers each
         # unit from them when it next computes)
-        replica.sharded.gather_parameters()
+        part.sharded.gather_parameters()
     scaler.scale, scaler.good_steps = manifest["loss_scale"], manifest["good_steps"]
     return step
 
