@@ -229,6 +229,10 @@ def test_a_world_size_torchrun_disagrees_with_is_one_line_per_worker(tmp_path):
         capture_output=True, text=True, timeout=120, cwd=ROOT,
         env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"})
     ours = [line for line in done.stderr.splitlines() if line.startswith("python -m minipar")]
-    assert len(ours) == 2 and all("torchrun started 2 processes" in line and "= 4" in line
-                                  for line in ours), done.stderr[-3000:]
+    # torchrun SIGTERMs the other workers as soon as one exits, so on a busy machine the
+    # second may be stopped before it writes its line: one or two lines, each the advice
+    assert 1 <= len(ours) <= 2 and all("torchrun started 2 processes" in line and "= 4" in line
+                                       for line in ours), done.stderr[-3000:]
     assert "exitcode: 2" in done.stderr
+    frames = [line for line in done.stderr.splitlines() if line.strip().startswith("File ")]
+    assert not [f for f in frames if "minipar/train/" in f], done.stderr[-3000:]  # no traceback
