@@ -102,7 +102,7 @@ def _run(args) -> int:
         except RuntimeError as err:  # npm missing or the registry unreachable: say so
             print(f"minipar lessons: {err}", file=sys.stderr)
             return 1
-        print(f"wrote {len(pages)} lessons and index.html to {args.html}; open "
+        print(f"wrote {len(pages)} lessons and deep dives and index.html to {args.html}; open "
               f"{Path(args.html) / 'index.html'} in a browser")
         return 0
     from .lessons import write_student_copies

@@ -32,22 +32,16 @@ def _positive(name: str, value: float) -> float:
 
 
 def training_flops(params: float, tokens: float, flops_per_param_token: float = 6.0) -> float:
-    """FLOPs to train a dense model: about 6 per parameter per token.
-
-    2 for the forward multiply-add, 4 for the backward (gradients with respect to
-    activations and to weights).
-    """
+    """FLOPs to train a dense model: about 6 per parameter per token, 2 for the forward
+    multiply-add and 4 for the backward (gradients for the activations and the weights)."""
     return flops_per_param_token * _positive("params", params) * _positive("tokens", tokens)
 
 
 def training_time(flops: float, devices: int = 1, flops_per_device: float = 2.25e15,
                   utilization: float = 1.0) -> float:
-    """Seconds to do `flops` on `devices` accelerators that each sustain a share of their peak.
-
-    `utilization` is the share of peak actually achieved (published large runs
-    reach 0.3-0.5); perfect scaling over devices is assumed, which is the
-    optimistic bound the rest of the course takes apart.
-    """
+    """Seconds to do `flops` on `devices` accelerators that each reach `utilization` of
+    their peak (published large runs: 0.3-0.5), scaling perfectly over devices: the
+    optimistic bound the rest of the course takes apart."""
     if not 0 < utilization <= 1:
         raise ValueError(f"utilization must be in (0, 1]; got {utilization!r}")
     _positive("devices", devices)
@@ -56,16 +50,26 @@ def training_time(flops: float, devices: int = 1, flops_per_device: float = 2.25
 
 
 def activation_bytes(layers: int, hidden: int, seq_len: int, batch: int, heads: int,
-                     recompute: str = "selective") -> float:
-    """Activation memory of a transformer in 16-bit, after Korthikanti et al. (2022).
-
-    Per layer and per sequence: s*h*(34 + 5*a*s/h) bytes with nothing recomputed,
-    34*s*h when the attention scores are recomputed ("selective"), and 2*s*h when
-    only each layer's input is kept and the rest recomputed ("full").
+                     recompute: str = "selective", tp: int = 1,
+                     sequence_parallel: bool = False) -> float:
+    """Activation memory of a transformer in 16-bit on one tensor-parallel rank, after
+    Korthikanti et al. (2022), per layer and sequence (s tokens, hidden h, a heads):
+    nothing recomputed, s*h*(34 + 5*a*s/h) on one rank; on tp = t ranks (their Eq. 2)
+    s*h*(10 + 24/t + 5*a*s/(h*t)): the attention and MLP inner tensors split, the norms'
+    inputs and the dropouts (10*s*h) stay whole unless sequence parallelism splits them
+    too, (34 + 5*a*s/h)*s*h/t. "selective" recomputes the attention core, dropping the
+    5*a*s/h term; "full" keeps each layer's input, 2*s*h, split by sequence parallelism
+    (the paper's table says 2*s*h for every layout; under it the input is the slice).
     """
     _choice("recompute", recompute, RECOMPUTE)
-    s, h = seq_len, hidden
-    per_token = {"none": 34 + 5 * heads * s / h, "selective": 34, "full": 2}[recompute]
+    _positive("tp", tp)
+    s, h, t = seq_len, hidden, tp
+    scores = 5 * heads * s / h  # softmax output (2 B), dropout mask (1 B) and output (2 B)
+    if sequence_parallel:
+        per_token = {"none": 34 + scores, "selective": 34, "full": 2}[recompute] / t
+    else:
+        per_token = {"none": 10 + (24 + scores) / t, "selective": 10 + 24 / t,
+                     "full": 2}[recompute]
     return layers * batch * s * h * per_token
 
 
@@ -282,11 +286,9 @@ def all_reduce_cost(algorithm: str, world_size: int, nbytes: float, alpha: float
 
 
 def fit_alpha_beta(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Fit t = alpha + beta * bytes to point-to-point measurements, minimizing relative error.
-
-    Plain least squares would let the large messages (milliseconds) swamp the
-    latency (microseconds); weighting each point by 1/t^2 makes every size count.
-    """
+    """Fit t = alpha + beta * bytes to point-to-point measurements, minimizing relative error:
+    plain least squares would let the large messages (milliseconds) swamp the latency
+    (microseconds); weighting each point by 1/t^2 makes every size count."""
     if len(sizes) != len(seconds) or len(sizes) < 2:
         raise ValueError("sizes and seconds must be equally long, with at least 2 points")
     if any(t <= 0 for t in seconds):

@@ -11,6 +11,7 @@ a page is viewed.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import tarfile
@@ -125,6 +126,16 @@ def lesson_page(notebook) -> str:
     return body.replace(anchor, anchor + "\n" + HEAD, 1)
 
 
+# a link to another notebook of the course, as a lesson or deep dive writes it (beside it,
+# in deep_dives/, or one folder up); the site keeps every page in one folder
+NOTEBOOK_LINK = re.compile(r'href="(?:deep_dives/|\.\./)?([0-9]{2}[a-z]?_[\w-]+)\.ipynb(#[^"]*)?"')
+
+
+def site_links(page: str) -> str:
+    """Point the page's links to other lessons and deep dives at their pages in the site."""
+    return NOTEBOOK_LINK.sub(lambda m: f'href="{m.group(1)}.html{m.group(2) or ""}"', page)
+
+
 def _title(notebook, fallback: str) -> str:
     for cell in notebook["cells"]:
         if cell["cell_type"] == "markdown":
@@ -145,16 +156,17 @@ def _execute(path: Path, workdir: Path, timeout: int):
 
 def build_site(source_dir: str | Path, dest_dir: str | Path, execute: bool = True,
                timeout: int = 900, progress: Callable[[str], None] = print) -> list[Path]:
-    """Write one page per lesson in `source_dir` (executed first unless `execute` is
-    False, when the saved outputs are used) plus index.html into `dest_dir`, with the
-    scripts in `dest_dir/static`. Lessons run in a scratch folder, so nothing they write
-    lands in `source_dir`. Returns the pages written."""
+    """Write one page per lesson and deep dive in `source_dir` (executed first unless
+    `execute` is False, when the saved outputs are used) plus index.html into `dest_dir`,
+    with the scripts in `dest_dir/static`. Lessons run in a scratch folder, so nothing they
+    write lands in `source_dir`. Returns the pages written."""
     import nbformat
 
-    from .lessons import folder_to_write, lesson_notebooks
+    from .lessons import deep_dive_notebooks, folder_to_write, lesson_notebooks
 
     dest = Path(dest_dir)
     lessons = lesson_notebooks(source_dir)
+    deep_dives = deep_dive_notebooks(source_dir)
     folder_to_write(dest, "--html")
     static = dest / "static"
     static.mkdir(parents=True, exist_ok=True)
@@ -164,20 +176,28 @@ def build_site(source_dir: str | Path, dest_dir: str | Path, execute: bool = Tru
     shutil.copyfile(_anywidget_front_end(), static / "anywidget.js")
     pages, entries = [], []
     with tempfile.TemporaryDirectory() as scratch:
-        for path in lessons:
+        titles = {}
+        for path in lessons + deep_dives:
             progress(f"{'running' if execute else 'rendering'} {path.name}")
             notebook = _execute(path, Path(scratch), timeout) if execute else \
                 nbformat.read(path, as_version=4)
             page = dest / f"{path.stem}.html"
-            page.write_text(lesson_page(notebook))
+            page.write_text(site_links(lesson_page(notebook)))
             pages.append(page)
-            entries.append(f'<li><a href="{page.name}">{_title(notebook, path.stem)}</a></li>')
+            titles[path.stem] = _title(notebook, path.stem)
+    for path in lessons:  # each lesson, then the deep dives that go with it
+        dives = "".join(f'<li><a href="{d.stem}.html">{titles[d.stem]}</a></li>'
+                        for d in deep_dives if d.name[:2] == path.name[:2])
+        entries.append(f'<li><a href="{path.stem}.html">{titles[path.stem]}</a>'
+                       + (f"<ul>{dives}</ul>" if dives else "") + "</li>")
     (dest / "index.html").write_text(
         "<!doctype html>\n<meta charset='utf-8'><title>minipar lessons</title>\n"
         "<link rel='icon' href='data:,'>\n"
         "<style>body{font:16px system-ui,sans-serif;max-width:46em;margin:3em auto;"
         "line-height:1.5}</style>\n<h1>minipar: the lessons</h1>\n"
         "<p>Each page is a lesson as it ran, widgets included: they draw and Play here "
-        "without Python. To change their inputs, open the notebook in JupyterLab.</p>\n"
+        "without Python. To change their inputs, open the notebook in JupyterLab. Under a "
+        "lesson, its deep dives: the research systems and extra measurements that go "
+        "further than a 90-minute class.</p>\n"
         f"<ol>\n{chr(10).join(entries)}\n</ol>\n")
     return pages

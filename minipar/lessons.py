@@ -5,6 +5,11 @@ A lesson's exercise is a function whose body sits between ``### BEGIN SOLUTION``
 is replaced by a stub raising NotImplementedError that names the exercise, with
 every output cleared. The checks that grade the exercises live with their
 technique (`minipar.<technique>.exercises`).
+
+Beside the twelve core lessons, each one a 90-minute class, `deep_dives/` holds the
+notebooks that go further (the research systems, the extra measurements, the second
+variants): `NNx_name.ipynb` goes with lesson NN, links back to it and runs on its own.
+They travel wherever the lessons do: student copies and the offline site.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import re
 from pathlib import Path
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
+DEEP_DIVES = "deep_dives"  # the deep dives' folder, inside the lessons folder
 
 
 def strip_solutions(source: str, cell_label: str = "cell") -> str:
@@ -99,6 +105,15 @@ def lesson_notebooks(source_dir: str | Path) -> list[Path]:
     return notebooks
 
 
+def deep_dive_notebooks(source_dir: str | Path) -> list[Path]:
+    """The deep dives (NNx_name.ipynb, going with lesson NN) in `source_dir`/deep_dives, in
+    order, each checked to be a notebook; none is not an error."""
+    notebooks = sorted((Path(source_dir) / DEEP_DIVES).glob("[0-9][0-9][a-z]_*.ipynb"))
+    for path in notebooks:
+        read_lesson(path)
+    return notebooks
+
+
 def folder_to_write(path: Path, option: str) -> None:
     """Refuse an output folder that is a file, naming the command-line option."""
     if path.exists() and not path.is_dir():
@@ -107,11 +122,12 @@ def folder_to_write(path: Path, option: str) -> None:
 
 def write_student_copies(source_dir: str | Path, dest_dir: str | Path, force: bool = False
                          ) -> tuple[list[Path], list[Path]]:
-    """Write a learner's copy of every lesson notebook in `source_dir` into `dest_dir`.
+    """Write a learner's copy of every lesson notebook in `source_dir` into `dest_dir`,
+    and of every deep dive into `dest_dir`/deep_dives (so the lessons' links to them hold).
     A notebook already there is a learner's work: it is kept unless `force`. Returns the
     paths written and the paths kept."""
     source_dir, dest_dir = Path(source_dir), Path(dest_dir)
-    notebooks = lesson_notebooks(source_dir)
+    notebooks = lesson_notebooks(source_dir) + deep_dive_notebooks(source_dir)
     folder_to_write(dest_dir, "--student")
     if dest_dir.resolve() == source_dir.resolve():
         raise ValueError("the student folder must differ from the lessons folder, "
@@ -119,7 +135,8 @@ def write_student_copies(source_dir: str | Path, dest_dir: str | Path, force: bo
     dest_dir.mkdir(parents=True, exist_ok=True)
     written, kept = [], []
     for path in notebooks:
-        target = dest_dir / path.name
+        target = dest_dir / path.relative_to(source_dir)
+        target.parent.mkdir(exist_ok=True)
         if target.exists() and not force:
             kept.append(target)
             continue

@@ -45,6 +45,24 @@ def test_activation_formula_by_recompute_policy():
     assert none == 512 * 1024 * (34 + 5 * 16 * 512 / 1024)
 
 
+def test_activation_formula_splits_over_tp_as_korthikanti_eq_2():
+    s, h, a, t = 2048, 12288, 96, 8  # GPT-3 175B's layer on a tensor-parallel group of 8
+    per = s * h
+    assert cost.activation_bytes(1, h, s, 1, a, "none", tp=t) == per * (10 + 24 / t
+                                                                         + 5 * a * s / (h * t))
+    assert cost.activation_bytes(1, h, s, 1, a, "none", tp=t, sequence_parallel=True) == \
+        pytest.approx(per * (34 + 5 * a * s / h) / t)
+    assert cost.activation_bytes(1, h, s, 1, a, "selective", tp=t) == per * (10 + 24 / t)
+    assert cost.activation_bytes(1, h, s, 1, a, "selective", tp=t, sequence_parallel=True) \
+        == pytest.approx(per * 34 / t)
+    assert cost.activation_bytes(1, h, s, 1, a, "full", tp=t) == per * 2
+    assert cost.activation_bytes(1, h, s, 1, a, "full", tp=t, sequence_parallel=True) == \
+        per * 2 / t
+    # tp = 1: sequence parallelism over one rank changes nothing
+    assert cost.activation_bytes(1, h, s, 1, a, "none", sequence_parallel=True) == \
+        cost.activation_bytes(1, h, s, 1, a, "none")
+
+
 def test_mixed_precision_adam_is_16_bytes_per_param():
     mem = cost.training_memory(1e9, weights="bf16", grads="bf16", optimizer="adam",
                                optimizer_dtype="fp32", master_weights="fp32")
@@ -57,6 +75,7 @@ def test_mixed_precision_adam_is_16_bytes_per_param():
     (lambda: cost.training_memory(-1), "params must be > 0"),
     (lambda: cost.training_time(1e20, utilization=1.5), r"utilization must be in \(0, 1\]"),
     (lambda: cost.activation_bytes(1, 8, 8, 1, 1, recompute="some"), "recompute must be one of"),
+    (lambda: cost.activation_bytes(1, 8, 8, 1, 1, tp=0), "tp must be > 0"),
     (lambda: cost.transformer_shape(0), "params must be > 0"),
 ])
 def test_bad_input_names_the_parameter(call, words):

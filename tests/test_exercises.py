@@ -81,6 +81,10 @@ def test_student_copies_are_valid_leak_nothing_and_raise(tmp_path):
     assert cli(["lessons", "--student", str(tmp_path), "--source", str(LESSONS)]) == 0
     originals = sorted(LESSONS.glob("[0-9][0-9]_*.ipynb"))
     assert [p.name for p in sorted(tmp_path.glob("*.ipynb"))] == [p.name for p in originals]
+    # the deep dives travel too, where the lessons' links expect them
+    dives = sorted((LESSONS / "deep_dives").glob("*.ipynb"))
+    assert dives and [p.name for p in sorted((tmp_path / "deep_dives").glob("*.ipynb"))] == \
+        [p.name for p in dives]
     for original in originals:
         copy = nbformat.read(tmp_path / original.name, as_version=4)
         nbformat.validate(copy)
@@ -513,3 +517,56 @@ def test_every_check_accepts_the_notebooks_own_solution(notebook, capsys):
     printed = capsys.readouterr().out
     verdicts = [line for line in printed.splitlines() if ": " in line]
     assert verdicts and not any("not written" in line for line in verdicts), printed
+
+
+def _rows_right(rows, rank, world_size):
+    base, extra = divmod(rows, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (1 if rank < extra else 0))
+
+
+def _rows_floor(rows, rank, world_size):  # drops the remainder
+    base = rows // world_size
+    return range(rank * base, (rank + 1) * base)
+
+
+def _rows_ceil(rows, rank, world_size):  # runs past the end
+    size = -(-rows // world_size)
+    return range(rank * size, (rank + 1) * size)
+
+
+def _rows_last_takes_rest(rows, rank, world_size):  # unbalanced
+    base = rows // world_size
+    stop = rows if rank == world_size - 1 else (rank + 1) * base
+    return range(rank * base, stop)
+
+
+def _rows_strided(rows, rank, world_size):  # every row once, balanced, not contiguous
+    return range(rank, rows, world_size)
+
+
+def _rows_a_number(rows, rank, world_size):
+    return rows // world_size
+
+
+def test_my_rows_on_real_ranks_accepts_the_samplers_split_and_not_the_floor():
+    from minipar.basics.exercises import check_my_rows
+    assert "correct on all 4 ranks" in check_my_rows(_rows_right)
+    with pytest.raises(ExerciseError, match=r"rank 0 returned \[0, 1\], expected \[0, 1, 2\]"
+                                            r".*rows \[8, 9\] are on no rank"):
+        check_my_rows(_rows_floor)
+
+
+@pytest.mark.parametrize("wrong, hint", [
+    (_rows_floor, r"rows \[8, 9\] are on no rank.*belong to the first 2 ranks"),
+    (_rows_ceil, r"rank 2 returned \[6, 7, 8\].*rank 3 holds row 10.*runs past the end"),
+    (_rows_last_takes_rest, r"rank 3 holds 4 rows and rank 0 2.*differ by at most one"),
+    (_rows_strided, r"rank 0 holds rows \[0, 4, 8\].*contiguous"),
+    (_rows_a_number, r"rank 0 returned 2 for a batch of 10 rows; return its row indices"),
+])
+def test_my_rows_names_the_rank_and_the_usual_mistakes(wrong, hint):
+    """The grading of what four ranks returned, without starting ranks for each mistake."""
+    from minipar.basics.exercises import BATCHES, grade_rows
+    got = [[wrong(rows, rank, 4) for rows in BATCHES] for rank in range(4)]
+    with pytest.raises(ExerciseError, match=hint):
+        grade_rows(got, 4)

@@ -10,7 +10,7 @@ import sys
 import nbformat
 import pytest
 
-from minipar.lesson_site import build_site, lesson_page
+from minipar.lesson_site import build_site, lesson_page, site_links
 
 
 def _notebook():
@@ -55,3 +55,13 @@ def test_the_command_says_what_is_wrong_in_one_line(tmp_path):
     both = subprocess.run([sys.executable, "-m", "minipar", "lessons", "--html", "a",
                            "--student", "b"], capture_output=True, text=True)
     assert both.returncode == 2 and "not allowed with" in both.stderr
+
+
+def test_links_between_notebooks_point_at_the_sites_pages():
+    """The site keeps every page in one folder: a lesson's link into deep_dives/ and a
+    deep dive's link back (../) both become a page beside them; other links stay."""
+    page = ('<a href="deep_dives/06a_memory.ipynb">x</a> <a href="../06_sharded.ipynb#top">y</a>'
+            ' <a href="07a_planner.ipynb">z</a> <a href="https://example.org/a.ipynb">w</a>')
+    assert site_links(page) == (
+        '<a href="06a_memory.html">x</a> <a href="06_sharded.html#top">y</a>'
+        ' <a href="07a_planner.html">z</a> <a href="https://example.org/a.ipynb">w</a>')

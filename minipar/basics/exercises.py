@@ -1,4 +1,5 @@
-"""Lesson 00's exercise check: a loss averaged over ranks that hold different amounts of data."""
+"""Lesson 00's exercise checks: a loss averaged over ranks that hold different amounts of
+data, and each rank's rows of the global batch."""
 
 from __future__ import annotations
 
@@ -55,3 +56,84 @@ def check_global_mean_loss(global_mean_loss: Callable, world_size: int = 4) -> s
             + (f" {value:.9g} is {why}." if why else ""))
     return (f"global_mean_loss: correct on all {world_size} ranks "
             f"({expected:.6f} = mean of {everything.numel()} samples)")
+
+
+# global batches the check splits: uneven over 4 ranks, fewer rows than ranks, even
+BATCHES = (10, 3, 16)
+
+
+def _call_my_rows(fn: Callable) -> list:
+    return [fn(rows, runtime.rank(), runtime.world_size()) for rows in BATCHES]
+
+
+def expected_rows(rows: int, rank: int, world_size: int) -> range:
+    """Rank `rank`'s rows of a global batch of `rows`, as torch.tensor_split and the
+    trainer cut it: contiguous, the first rows % world_size ranks one row more."""
+    base, extra = divmod(rows, world_size)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+def _rows_hint(rows: int, got: list[list[int]], world_size: int) -> str:
+    """What the usual mistakes look like from the outside: rows nobody holds (n // K
+    each), rows held twice or past the end (ceil(n / K) each), the remainder piled on one
+    rank, or a rank's rows not in one contiguous run."""
+    base, extra = divmod(rows, world_size)
+    seen: dict[int, int] = {}
+    for rank, mine in enumerate(got):
+        for row in mine:
+            if not 0 <= row < rows:
+                return (f"rank {rank} holds row {row}, but a batch of {rows} has rows 0 to "
+                        f"{rows - 1}: ceil({rows} / {world_size}) rows per rank runs past the "
+                        "end; give one extra row only to the first rows % world_size ranks")
+            if row in seen:
+                return (f"row {row} is on rank {seen[row]} and on rank {rank}: every row must "
+                        "be computed exactly once, or its gradient counts twice")
+            seen[row] = rank
+    missing = sorted(set(range(rows)) - set(seen))
+    if missing:
+        return (f"rows {missing} are on no rank: {rows} // {world_size} = {base} rows each "
+                f"leaves {extra} over, and they belong to the first {extra} ranks, one each")
+    sizes = [len(mine) for mine in got]
+    if max(sizes) - min(sizes) > 1:
+        big, small = sizes.index(max(sizes)), sizes.index(min(sizes))
+        return (f"rank {big} holds {max(sizes)} rows and rank {small} {min(sizes)}: the "
+                "slowest rank sets the step, so sizes may differ by at most one")
+    for rank, mine in enumerate(got):
+        if mine and mine != list(range(mine[0], mine[0] + len(mine))):
+            return (f"rank {rank} holds rows {mine}: keep each rank's rows one contiguous run, "
+                    "in order (a slice of the batch, as torch.tensor_split cuts it)")
+    return ("every row is held once and the sizes are balanced, but not as torch.tensor_split "
+            "cuts the batch: rank 0 first, the ranks with an extra row first")
+
+
+def grade_rows(got: list[list], world_size: int) -> str:
+    """Grade every rank's answers (`got[rank][case]`, one per batch of BATCHES): the
+    ExerciseError names the batch, the first wrong rank and the mistake it looks like."""
+    for case, rows in enumerate(BATCHES):
+        answers = []
+        for rank in range(world_size):
+            value = got[rank][case]
+            try:
+                answers.append([int(row) for row in value])
+            except TypeError:
+                raise ExerciseError(f"my_rows: rank {rank} returned {value!r} for a batch of "
+                                    f"{rows} rows; return its row indices, for example "
+                                    "range(start, stop)") from None
+        want = [list(expected_rows(rows, r, world_size)) for r in range(world_size)]
+        if answers != want:
+            rank = next(r for r in range(world_size) if answers[r] != want[r])
+            raise ExerciseError(
+                f"my_rows: batch of {rows} rows on {world_size} ranks: rank {rank} returned "
+                f"{answers[rank]}, expected {want[rank]}; "
+                f"{_rows_hint(rows, answers, world_size)}.")
+    return (f"my_rows: correct on all {world_size} ranks for global batches of "
+            f"{', '.join(map(str, BATCHES))} rows")
+
+
+def check_my_rows(my_rows: Callable, world_size: int = 4) -> str:
+    """Run `my_rows(rows, rank, world_size)` on `world_size` ranks for global batches of
+    10, 3 and 16 rows; every rank must return its rows as the trainer's sampler cuts them
+    (`expected_rows`)."""
+    refuse_library("my_rows", my_rows)
+    return grade_rows(run_on_ranks("my_rows", _call_my_rows, world_size, my_rows), world_size)

@@ -174,10 +174,10 @@ def estimate(model: TransformerConfig, cluster: Hardware, global_batch: int, lay
     params = model.params / (pp * tp)
     states = cost.zero_memory(cost.training_memory(params, master_weights="fp32"), zero, dp)
     in_flight = min(pp, m)  # 1F1B: the first stage holds pp micro-batches
-    # Korthikanti et al. 2022 divide every activation by tp under sequence parallelism;
-    # this estimate assumes it is on
+    # the estimate assumes Megatron's sequence parallelism on: every activation divides by tp
     activations = cost.activation_bytes(layers, model.hidden, model.seq_len, micro_batch,
-                                        model.heads, recompute) * in_flight / tp
+                                        model.heads, recompute, tp=tp,
+                                        sequence_parallel=True) * in_flight
     tokens = global_batch * model.seq_len
     per_token = sum(cost.transformer_flops(model).values())
     # backward costs about twice the forward, so forward is 1/3 of a step: one more forward

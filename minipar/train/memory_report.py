@@ -69,7 +69,8 @@ def predicted_memory(config: TrainConfig) -> dict[str, float]:
     activations by Korthikanti's formula (`cost.activation_bytes`, 16-bit, rescaled to the
     weights' dtype) for a micro-batch of batch / (dp x accumulation x microbatches) rows,
     ceil(layers / pp) layers, min(pp, microbatches) micro-batches in flight (1F1B), seq_len
-    / cp tokens per rank, divided by tp only under sequence parallelism. Left out, where a
+    / cp tokens per rank, split over tp as Korthikanti's Eq. 2 splits them (all of them
+    under sequence parallelism). Left out, where a
     measurement differs: the embedding and norms are replicated over tp (only the blocks'
     matrices are split), a tied embedding has a copy on both pipeline ends, ZeRO pads each
     flat shard to a multiple of dp, and the formula's activations are Megatron's
@@ -83,10 +84,9 @@ def predicted_memory(config: TrainConfig) -> dict[str, float]:
     micro_batch = t.batch_size // (p.dp * t.accumulation * p.microbatches)
     in_flight = min(p.pp, p.microbatches)
     activations = cost.activation_bytes(math.ceil(m.layers / p.pp), m.hidden, m.seq_len // p.cp,
-                                        micro_batch, m.heads, t.recompute)
+                                        micro_batch, m.heads, t.recompute, tp=p.tp,
+                                        sequence_parallel=p.sequence_parallel)
     activations *= in_flight * cost.DTYPE_BYTES[dtype] / 2  # the formula counts 16-bit values
-    if p.sequence_parallel:
-        activations /= p.tp
     return {"parameters": states.weights, "gradients": states.gradients,
             "optimizer": states.optimizer, "activations": activations}
 
