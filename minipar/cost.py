@@ -323,10 +323,13 @@ def parameter_server_traffic(workers: int, model_bytes: float, grad_bytes: float
 
 
 def parameter_server_seconds(workers: int, model_bytes: float, grad_bytes: float,
-                             link_bytes_per_second: float) -> float:
-    """Communication time per step when the server's link carries every push and pull."""
+                             link_bytes_per_second: float, full_duplex: bool = True) -> float:
+    """Communication time per step when the server's link carries every push and pull: a
+    full-duplex link (as every all-reduce here is priced) moves the pushes in and the pulls
+    out at once; a half-duplex one, as the classic slide counts it, one after the other."""
     t = parameter_server_traffic(workers, model_bytes, grad_bytes)
-    return (t.server_up + t.server_down) / link_bytes_per_second
+    both = (max if full_duplex else sum)((t.server_up, t.server_down))
+    return both / link_bytes_per_second
 
 
 # --- where a transformer's FLOPs go, and what tensor parallelism sends ---

@@ -93,10 +93,13 @@ def test_transformer_shape_recovers_published_models():
 def test_resnet50_parameter_server_adds_about_50_percent():
     grad_bytes = 25.6e6 * 4  # ResNet-50's parameters in fp32: ~0.1 GB of gradients
     compute = 32 * 3 * 4.1e9 / 1.2e12  # batch 32, ~3x the 4.1 GFLOP forward, 1.2 TFLOP/s
-    comm = cost.parameter_server_seconds(256, grad_bytes, grad_bytes, 300e9)
+    # the slide's figure: pushes and pulls share the server's link one after the other
+    comm = cost.parameter_server_seconds(256, grad_bytes, grad_bytes, 300e9, full_duplex=False)
     assert compute == pytest.approx(0.33, rel=0.01)
     assert comm == pytest.approx(0.16, rel=0.1)
     assert comm / compute == pytest.approx(0.5, rel=0.1)
+    # a link that carries both directions at once, as every all-reduce is priced: half
+    assert cost.parameter_server_seconds(256, grad_bytes, grad_bytes, 300e9) == comm / 2
     t = cost.parameter_server_traffic(4, model_bytes=10, grad_bytes=7)
     assert (t.worker_up, t.worker_down, t.server_up, t.server_down) == (7, 10, 40, 28)
 

@@ -20,6 +20,7 @@ def test_four_by_four_top2_capacity2_assignment():
     assert r.slot.tolist() == [[0, 1], [1, 0], [-1, -1], [0, 1]]
     assert r.weight[2].tolist() == [0.0, 0.0] and r.drop_rate == pytest.approx(2 / 8)
     assert r.load(4).tolist() == [2, 2, 2, 0]
+    assert r.routed(4).tolist() == [3, 3, 2, 0]  # before capacity: token 2's two choices too
 
 
 def test_when_everyone_prefers_one_expert_the_first_capacity_tokens_stay():

@@ -54,9 +54,9 @@ def test_collective_recording_matches_the_meter_and_renders(cluster4):
 
     recording = record_all_reduce("ring", 4, cluster=cluster4)
     assert recording.frames == 2 * 3 + 1
-    assert recording.initial[2] == [3.0] * 8
-    assert all(buffer == [10.0] * 8 for buffer in recording.steps[-1].buffers)
-    # after reduce-scatter step 0, rank 1 holds ranks 0+1 in the chunk it received
+    assert recording.initial[2] == [4.0] * 8  # rank r starts at 2^r
+    assert all(buffer == [15.0] * 8 for buffer in recording.steps[-1].buffers)
+    # after reduce-scatter step 0, rank 1 holds ranks 0+1 (1 + 2) in the chunk it received
     assert recording.steps[0].buffers[1][6:8] == [3.0, 3.0]
     model = cost.all_reduce_cost("ring", 4, 8 * 4)
     assert recording.link_bytes(recording.frames - 1).sum() == model.total_bytes

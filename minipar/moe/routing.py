@@ -57,6 +57,11 @@ class Routing:
         """Tokens each expert processes (after drops)."""
         return torch.bincount(self.expert[self.kept], minlength=num_experts)
 
+    def routed(self, num_experts: int) -> torch.Tensor:
+        """Token choices routed to each expert before capacity drops any: the demand that
+        sets the capacity needed to drop nothing (`imbalance` of it)."""
+        return torch.bincount(self.expert.flatten(), minlength=num_experts)
+
 
 def capacity(tokens: int, num_experts: int, k: int, capacity_factor: float,
              min_capacity: int = 1) -> int:

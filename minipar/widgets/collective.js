@@ -48,12 +48,14 @@ function render({ model, el: host }) {
         const c = chunkOf(i);
         const fill = PALETTE[Math.max(c, 0) % PALETTE.length];
         const outlined = sent.has(`${r}:${c}`) || sent.has(`${r}:null`);
+        // rank q contributes 2^q: the set bits of a value are the ranks summed into it
+        const summed = [...Array(k).keys()].filter((q) => (value >> q) & 1);
         el("rect", { x: gridX + i * cellW + 1, y: rowY(r), width: cellW - 2, height: CELL_H,
-                     fill, "fill-opacity": 0.25 + 0.75 * Math.min(value / rec.total, 1),
+                     fill, "fill-opacity": 0.25 + 0.75 * summed.length / k,
                      stroke: outlined ? "#111" : "none", "stroke-width": 2, rx: 2,
-                     "data-tip": `rank ${r}, element ${i} (chunk ${c})\nholds ${value}` +
-                       ` (the finished sum is ${rec.total})` }, svg);
-        const dark = value / rec.total > 0.6;
+                     "data-tip": `rank ${r}, element ${i} (chunk ${c})\nholds ${value}: ranks ` +
+                       `${summed.join(", ")} summed (the finished sum is ${rec.total})` }, svg);
+        const dark = summed.length / k > 0.6;
         el("text", { x: gridX + (i + 0.5) * cellW, y: rowY(r) + CELL_H / 2 + 4,
                      "text-anchor": "middle", "font-size": 11, "pointer-events": "none",
                      fill: dark ? ink(fill) : "#222" }, svg).textContent = `${value}`;

@@ -57,7 +57,8 @@ def _rank_side(algorithm: str, numel: int) -> tuple:
     import minipar
     from minipar import collectives
 
-    tensor = torch.full((numel,), float(minipar.rank() + 1))
+    # rank r starts at 2**r: a sum's binary digits name exactly the ranks added into it
+    tensor = torch.full((numel,), float(2 ** minipar.rank()))
     initial = tensor.tolist()
     with collectives.meter(snapshots=True) as m:
         collectives.all_reduce(tensor, algorithm=algorithm)
@@ -105,10 +106,10 @@ def record_all_reduce(algorithm: str, world_size: int, numel: int | None = None,
 def recording_data(recording: CollectiveRecording) -> dict:
     """The recording as plain data for the browser view (collective.js): buffers at the
     start and after each step, each step's messages [src, dst, chunk, bytes], and the
-    value every element holds when the sum is finished (ranks hold 1..K, so K(K+1)/2)."""
+    value every element holds when the sum is finished (rank r holds 2^r, so 2^K - 1)."""
     k = recording.world_size
     return {"title": recording.title, "world_size": k, "bounds": recording.bounds,
-            "initial": recording.initial, "total": k * (k + 1) // 2,
+            "initial": recording.initial, "total": 2**k - 1,
             "steps": [{"phase": s.phase, "sends": [list(m) for m in s.sends],
                        "buffers": s.buffers} for s in recording.steps]}
 
