@@ -15,14 +15,14 @@ from minipar import collectives
 from minipar.__main__ import main as cli
 from minipar.basics.exercises import check_global_mean_loss
 from minipar.collectives.exercises import check_ring_all_reduce, check_tree_broadcast
-from minipar.data_parallel.exercises import check_bucketing, check_gradient_hook
+from minipar.data_parallel.exercises import check_bucketing, check_overlapped_hook
 from minipar.grading import ExerciseError
 from minipar.lessons import BEGIN, END, strip_solutions
 from minipar.moe import route
 from minipar.moe.exercises import check_dispatch, check_topk_routing
 from minipar.pipeline.exercises import check_one_f_one_b, check_stage_step
 from minipar.slow_networks.exercises import check_error_feedback
-from minipar.tensor_parallel.exercises import check_g_operator, check_row_parallel_linear
+from minipar.tensor_parallel.exercises import check_g_operator, check_megatron_mlp
 
 LESSONS = Path(__file__).resolve().parent.parent / "lessons"
 # lessons whose exercises are still to be written, with the issue that owes them
@@ -238,12 +238,51 @@ def test_ring_check_turns_a_deadlock_into_advice():
         check_ring_all_reduce(ring_with_blocking_sends, world_sizes=(2,), timeout=4)
 
 
-def summing_hook(param):
-    dist.all_reduce(param.grad)
+class Averager:
+    """Overlapped averaging, right by default; each flag is one usual mistake."""
+
+    blocking = wait_in_hook = skip_wait = skip_divide = False
+
+    def __init__(self):
+        self.pending = []
+
+    def hook(self, param):
+        if self.blocking:
+            dist.all_reduce(param.grad)
+            self.pending.append((None, param))
+            return
+        work = dist.all_reduce(param.grad, async_op=True)
+        if self.wait_in_hook:
+            work.wait()
+        self.pending.append((work, param))
+
+    def finish(self):
+        for work, param in self.pending:
+            if work is not None and not self.skip_wait and not self.wait_in_hook:
+                work.wait()
+            if not self.skip_divide:
+                param.grad /= dist.get_world_size()
+        self.pending.clear()
 
 
-def local_hook(param):
-    param.grad.mul_(1.0)
+class BlockingAverager(Averager):
+    blocking = True
+
+
+class WaitInHookAverager(Averager):
+    wait_in_hook = True
+
+
+class NoWaitAverager(Averager):
+    skip_wait = True
+
+
+class SummingAverager(Averager):
+    skip_divide = True
+
+
+def test_the_overlapped_hook_check_accepts_async_all_reduces_waited_after_backward():
+    assert "each all-reduce started inside backward" in check_overlapped_hook(Averager)
 
 
 def per_tensor_all_reduce(grads, bucket_bytes):
@@ -332,14 +371,66 @@ class _SumBothWays(torch.autograd.Function):
         return collectives.all_reduce(grad.clone())
 
 
-def bias_on_every_rank(x_local, weight_local, bias):
-    return _SumBothWays.apply(x_local @ weight_local.t() + bias)
+class _G(torch.autograd.Function):  # sum forward, identity backward
+    @staticmethod
+    def forward(ctx, x):
+        from minipar import collectives
+
+        return collectives.all_reduce(x.clone())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
-def row_with_untracked_all_reduce(x_local, weight_local, bias):
-    total = (x_local @ weight_local.t()).detach().clone()  # a buffer outside autograd
-    dist.all_reduce(total)
-    return total + bias
+class _F(torch.autograd.Function):  # identity forward, sum backward
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        from minipar import collectives
+
+        return collectives.all_reduce(grad.clone())
+
+
+def _mlp(x, up, down, f=_F.apply, g=_G.apply, g_early=False):
+    inner = f(x) @ up.t()
+    if g_early:  # an all-reduce before the nonlinearity
+        inner = g(inner)
+    out = torch.nn.functional.gelu(inner) @ down.t()
+    return out if g_early else g(out)
+
+
+def mlp_right(x, up, down):
+    return _mlp(x, up, down)
+
+
+def mlp_without_g(x, up, down):
+    return _mlp(x, up, down, g=lambda t: t)
+
+
+def mlp_without_f(x, up, down):
+    return _mlp(x, up, down, f=lambda t: t)
+
+
+def mlp_g_both_ways(x, up, down):
+    return _mlp(x, up, down, g=_SumBothWays.apply)
+
+
+def mlp_reduce_before_gelu(x, up, down):
+    return _mlp(x, up, down, g_early=True)
+
+
+def mlp_untracked_all_reduce(x, up, down):
+    total = (torch.nn.functional.gelu(_F.apply(x) @ up.t()) @ down.t()).detach().clone()
+    dist.all_reduce(total)  # a buffer outside autograd
+    return total
+
+
+def test_the_megatron_mlp_check_accepts_f_and_g_in_their_places():
+    assert "equal one process's on 2, 4 ranks" in check_megatron_mlp(mlp_right)
 
 
 def routing_token_major(logits, k, capacity):
@@ -407,8 +498,10 @@ def feedback_by_value(grad, residual, k):
                  marks=pytest.mark.slow),
     pytest.param(check_tree_broadcast, chain_broadcast, "rank 4 gets the data only in round 4",
                  marks=pytest.mark.slow),
-    (check_gradient_hook, summing_hook, "4x too large: you summed"),
-    (check_gradient_hook, local_hook, "Ranks disagree: the gradient was not"),
+    (check_overlapped_hook, BlockingAverager, "rank 0: an all-reduce was blocking"),
+    (check_overlapped_hook, WaitInHookAverager, "rank 0: a handle was waited on inside hook"),
+    (check_overlapped_hook, NoWaitAverager, "finish\\(\\) did not wait on 4 of the 4 handles"),
+    (check_overlapped_hook, SummingAverager, "4x too large: the all-reduce sums"),
     (check_bucketing, per_tensor_all_reduce, "One all-reduce per tensor is not"),
     (check_bucketing, forgets_to_copy_back, "Did you copy the bucket back"),
     (check_one_f_one_b, gpipe_order, "rank 0 holds 4 micro-batches' activations"),
@@ -421,7 +514,10 @@ def feedback_by_value(grad, residual, k):
      "rank 0's gradients differ.*rank 1's input \\(x.grad\\)"),
     (check_stage_step, stage_backward_without_gradient, "not a scalar"),
     (check_g_operator, _SumBothWays, "g's backward is the identity"),
-    (check_row_parallel_linear, bias_on_every_rank, "add the bias once"),
+    (check_megatron_mlp, mlp_without_g, "on 2 ranks: rank 0 returned only its own partial sum"),
+    (check_megatron_mlp, mlp_without_f, "rank 0: x's gradient is only this rank's part: apply f"),
+    (check_megatron_mlp, mlp_g_both_ways, "a weight's gradient is not: g's backward passes"),
+    (check_megatron_mlp, mlp_reduce_before_gelu, "an all-reduce before gelu sums the inputs"),
     (check_topk_routing, routing_token_major, "token 0, choice 2: you gave expert 1"),
     (check_dispatch, dispatch_unsorted, "Sort rows by destination rank"),
     (check_dispatch, dispatch_with_unstable_sort, "wrong order.*stable=True"),
@@ -431,8 +527,8 @@ def feedback_by_value(grad, residual, k):
     (check_error_feedback, feedback_with_residual_from_grad,
      "rank 0, step 1: the residual is wrong. It is what the corrected"),
     (check_error_feedback, feedback_by_value, "rank 0, step 0: .*largest magnitudes"),
-    (check_row_parallel_linear, row_with_untracked_all_reduce,
-     "no gradient reached x_local.*outside autograd"),
+    (check_megatron_mlp, mlp_untracked_all_reduce, "no gradient reached x or a weight.*outside "
+                                                   "autograd"),
 ], ids=lambda v: getattr(v, "__name__", None))
 def test_checks_reject_the_usual_mistakes_with_a_hint(check, fn, words):
     with pytest.raises(ExerciseError, match=words):

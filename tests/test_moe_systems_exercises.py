@@ -4,30 +4,52 @@ import pytest
 import torch
 
 from minipar.grading import ExerciseError
-from minipar.moe.systems_exercises import check_partial_output, check_rows_for_peers
+from minipar.moe.systems_exercises import check_partial_output, check_uneven_dispatch
 
 
-def peers_right(pieces, nodes, per_node):
-    return [torch.cat([pieces[b * per_node + j] for b in range(nodes)]) for j in range(per_node)]
+def dispatch(rows, counts, *, exchange=True, source_order=True):
+    import torch.distributed as dist
+
+    k = dist.get_world_size()
+    incoming = torch.tensor(counts)  # a guess: what this rank sends, not what it gets
+    if exchange:
+        incoming = torch.empty(k, dtype=torch.int64)
+        dist.all_to_all_single(incoming, torch.tensor(counts))
+    out = rows.new_empty(int(incoming.sum()), rows.shape[1])
+    dist.all_to_all_single(out, rows, incoming.tolist(), list(counts))
+    if not source_order:  # the right rows, sorted by their index within each piece
+        out = out[torch.argsort(out[:, 1], stable=True)]
+    return out
 
 
-def peers_local_major(pieces, nodes, per_node):  # reads the layout as local-major
-    return [torch.cat([pieces[j * nodes + b] for b in range(nodes)]) for j in range(per_node)]
+def dispatch_right(rows, counts):
+    return dispatch(rows, counts)
 
 
-def peers_reversed_nodes(pieces, nodes, per_node):
-    return [torch.cat([pieces[b * per_node + j] for b in reversed(range(nodes))])
-            for j in range(per_node)]
+def dispatch_guessing_counts(rows, counts):
+    return dispatch(rows, counts, exchange=False)
 
 
-def test_rows_for_peers_accepts_the_right_answer():
-    assert "equals the flat all-to-all" in check_rows_for_peers(peers_right)
+def dispatch_out_of_order(rows, counts):
+    return dispatch(rows, counts, source_order=False)
 
 
-@pytest.mark.parametrize("fn", [peers_local_major, peers_reversed_nodes])
-def test_rows_for_peers_names_the_mistake(fn):
-    with pytest.raises(ExerciseError, match="rows_for_peers.*rank \\d"):
-        check_rows_for_peers(fn)
+def dispatch_a_list(rows, counts):
+    return dispatch(rows, counts).tolist()
+
+
+def test_uneven_dispatch_accepts_the_right_answer():
+    assert "in source order, on 3, 4 ranks" in check_uneven_dispatch(dispatch_right)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (dispatch_guessing_counts, "uneven_dispatch: rank \\d crashed: .*exchange the counts first"),
+    (dispatch_out_of_order, "rank \\d received the right rows in the wrong order"),
+    (dispatch_a_list, "rank 0 returned a list; return the received rows as a tensor"),
+])
+def test_uneven_dispatch_names_the_mistake(fn, words):
+    with pytest.raises(ExerciseError, match=words):
+        check_uneven_dispatch(fn)
 
 
 def partial(x, expert, weight, kept, experts, first, *, weighted=True, only_kept=True):

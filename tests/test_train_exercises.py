@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from minipar.grading import ExerciseError
-from minipar.train.exercises import check_global_grad_norm, check_overflow_skip
+from minipar.train.exercises import check_global_grad_norm, check_loss_scale
 from minipar.train.optim import global_norm
 from minipar.train.precision import LossScaler
 
@@ -52,44 +52,47 @@ def not_written(*args):
     raise NotImplementedError("exercise: not written")
 
 
-def skip(grads, scale, *, agree=True, finite=torch.isfinite, op=dist.ReduceOp.MAX,
-         skipping=True, halving=True):
+def scale_rule(grads, scale, clean, interval, *, agree=True, finite=torch.isfinite,
+               op=dist.ReduceOp.MAX, skipping=True, halving=True, growing=True,
+               reset_on_grow=True, reset_on_overflow=True, grow_every_step=False):
     bad = any(not finite(g).all() for g in grads)
     flag = torch.tensor([float(bad)])
     if agree:
         dist.all_reduce(flag, op=op)
     overflow = flag.item() == 1  # with MAX, 1 means some rank overflowed
-    return overflow and skipping, scale / 2 if overflow and halving else scale
+    if overflow:
+        return skipping, scale / 2 if halving else scale, 0 if reset_on_overflow else clean
+    if growing and (grow_every_step or clean + 1 == interval):
+        return False, scale * 2, 0 if reset_on_grow else clean + 1
+    return False, scale, clean + 1
 
 
-def skip_right(grads, scale):
-    return skip(grads, scale)
+def scale_right(grads, scale, clean, interval):
+    return scale_rule(grads, scale, clean, interval)
 
 
-def skip_alone(grads, scale):
-    return skip(grads, scale, agree=False)
+def variant(name, **wrong):
+    def fn(grads, scale, clean, interval):
+        return scale_rule(grads, scale, clean, interval, **wrong)
+    fn.__name__ = name
+    return fn
 
 
-def skip_on_inf_only(grads, scale):
-    return skip(grads, scale, finite=lambda g: ~torch.isinf(g))
-
-
-def skip_by_sum(grads, scale):
-    return skip(grads, scale, op=dist.ReduceOp.SUM)
-
-
-def halve_without_skipping(grads, scale):
-    return skip(grads, scale, skipping=False)
-
-
-def skip_without_halving(grads, scale):
-    return skip(grads, scale, halving=False)
+skip_alone = variant("skip_alone", agree=False)
+skip_on_inf_only = variant("skip_on_inf_only", finite=lambda g: ~torch.isinf(g))
+skip_by_sum = variant("skip_by_sum", op=dist.ReduceOp.SUM)
+halve_without_skipping = variant("halve_without_skipping", skipping=False)
+skip_without_halving = variant("skip_without_halving", halving=False)
+never_grows = variant("never_grows", growing=False)
+grows_without_reset = variant("grows_without_reset", reset_on_grow=False)
+counts_through_overflow = variant("counts_through_overflow", reset_on_overflow=False)
+grows_every_step = variant("grows_every_step", grow_every_step=True)
 
 
 def test_right_answers_pass():
     assert check_global_grad_norm(norm_right).startswith("global_grad_norm: one process's")
     assert check_global_grad_norm(norm_right_as_tensor, layouts=((2, 2),))
-    assert check_overflow_skip(skip_right).startswith("skip_on_overflow: on 2, 4 ranks")
+    assert check_loss_scale(scale_right).startswith("update_loss_scale: on 2, 4 ranks")
 
 
 @pytest.mark.parametrize("check, fn, words", [
@@ -100,17 +103,22 @@ def test_right_answers_pass():
     (check_global_grad_norm, norm_without_tp,
      "rank 0 .*left out the other tp ranks' shards: all-reduce .* over tp_group"),
     (check_global_grad_norm, norm_of_norms, "rank 0 .*summed norms, not squares"),
-    (check_overflow_skip, skip_alone, "an inf on rank 1 only: rank 1 skipped the step but "
-                                      "rank 0 did not \\(only the ranks whose own"),
-    (check_overflow_skip, skip_on_inf_only, "a nan on rank 0 only: no rank skipped: a nan is"),
-    (check_overflow_skip, skip_by_sum, "an inf on every rank: .*compare the sum with > 0"),
-    (check_overflow_skip, halve_without_skipping, "halved the scale but did not skip"),
-    (check_overflow_skip, skip_without_halving, "ranks 0, 1 skipped but returned the scale 1024"),
+    (check_loss_scale, skip_alone, "step 2 \\(an inf on rank 1 only.*\\): rank 1 skipped the "
+                                   "step but rank 0 did not \\(only the ranks whose own"),
+    (check_loss_scale, skip_on_inf_only, "a nan on rank 0 only.*no rank skipped: a nan is"),
+    (check_loss_scale, skip_by_sum, "an inf on every rank.*compare the sum with > 0"),
+    (check_loss_scale, halve_without_skipping, "halved the scale but did not skip"),
+    (check_loss_scale, skip_without_halving, "returned scale 1024 .*expected 512.*: halve"),
+    (check_loss_scale, never_grows, "step 1 .*expected 2048 and 0: the scale never grows back"),
+    (check_loss_scale, grows_without_reset, "step 1 .*reset clean_steps to 0 when you double"),
+    (check_loss_scale, counts_through_overflow, "step 2 .*start counting again after an "
+                                                "overflow"),
+    (check_loss_scale, grows_every_step, "step 0 .*grew after 1 clean step"),
     (check_global_grad_norm, global_norm, "the library's own implementation"),
-    (check_overflow_skip, LossScaler(enabled=True).unscale_and_check,
+    (check_loss_scale, LossScaler(enabled=True).unscale_and_check,
      "the library's own implementation"),
     (check_global_grad_norm, not_written, "not written yet"),
-    (check_overflow_skip, not_written, "not written yet"),
+    (check_loss_scale, not_written, "not written yet"),
 ], ids=lambda v: getattr(v, "__name__", None))
 def test_usual_mistakes_get_a_hint(check, fn, words):
     with pytest.raises(ExerciseError, match=words):

@@ -1,5 +1,5 @@
-"""Exercise checks of lesson 02 (a gradient-averaging hook, bucketed all-reduce) and of
-lesson 10 (top-k compression with error feedback)."""
+"""Exercise checks of lesson 02 (an overlapped gradient-averaging hook, bucketed all-reduce)
+and of lesson 10 (top-k compression with error feedback)."""
 
 from __future__ import annotations
 
@@ -21,41 +21,103 @@ def _hook_batch() -> torch.Tensor:
     return torch.randn(12, 5, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
 
 
-def _run_hook(hook: Callable) -> list[list[float]]:
+class _WatchedWork:
+    """An async all-reduce's handle that logs when it is waited on, and in which phase."""
+
+    def __init__(self, work, log: list, index: int, phase: list) -> None:
+        self.work, self.log, self.index, self.phase = work, log, index, phase
+
+    def wait(self, *args, **kwargs):
+        self.log.append(("wait", self.index, self.phase[0]))
+        return self.work.wait(*args, **kwargs)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def _run_overlap(averager_class: type) -> dict:
+    """One backward with the learner's hook on every parameter, then `finish()`; every
+    dist.all_reduce started is logged (in which phase, async or not) and so is every wait."""
+    import torch.distributed as dist
+
     model = _hook_model()
+    averager = averager_class()
     for p in model.parameters():
-        p.register_post_accumulate_grad_hook(hook)
-    local = shard(_hook_batch())
-    (model(local) ** 2).mean().backward()
-    return [p.grad.reshape(-1).tolist() for p in model.parameters()]
+        p.register_post_accumulate_grad_hook(averager.hook)
+    log: list = []
+    phase = ["backward"]
+    original = dist.all_reduce
+
+    def watched(tensor, *args, async_op=False, **kwargs):
+        index = sum(entry[0] == "start" for entry in log)
+        log.append(("start", index, phase[0], bool(async_op)))
+        work = original(tensor, *args, async_op=async_op, **kwargs)
+        return _WatchedWork(work, log, index, phase) if async_op else work
+
+    dist.all_reduce = watched
+    try:
+        (model(shard(_hook_batch())) ** 2).mean().backward()
+        phase[0] = "finish"
+        averager.finish()
+    finally:
+        dist.all_reduce = original
+    return {"grads": [p.grad.reshape(-1).tolist() for p in model.parameters()], "log": log}
 
 
-def check_gradient_hook(average_gradient_hook: Callable, world_size: int = 4) -> str:
-    """Register `average_gradient_hook(param)` on every parameter of a model on real ranks
-    (12 samples, 3 per rank) and compare every gradient with one process's."""
-    refuse_library("average_gradient_hook", average_gradient_hook)
-    got = run_on_ranks("average_gradient_hook", _run_hook, world_size, average_gradient_hook)
+def _overlap_hint(got: dict, parameters: int) -> str | None:
+    """What the log says about overlap, or None when every all-reduce ran under backward."""
+    starts = [e for e in got["log"] if e[0] == "start"]
+    waits = [e for e in got["log"] if e[0] == "wait"]
+    if len(starts) < parameters:
+        return (f"{len(starts)} dist.all_reduce calls were started for {parameters} parameters: "
+                "start one in hook() for each parameter, dist.all_reduce(param.grad, "
+                "async_op=True)")
+    blocking = [e for e in starts if not e[3]]
+    if blocking:
+        return ("an all-reduce was blocking (async_op=False), so backward stopped until it "
+                "was done: start it with async_op=True and keep the handle it returns")
+    if any(e[2] != "backward" for e in starts):
+        return "an all-reduce started in finish(): start each one in hook(), during backward"
+    early = [e for e in waits if e[2] == "backward"]
+    if early:
+        return ("a handle was waited on inside hook(): that stops backward just as a blocking "
+                "all-reduce does; keep the handles and wait in finish()")
+    waited = {e[1] for e in waits}
+    missing = [e[1] for e in starts if e[1] not in waited]
+    if missing:
+        return (f"finish() did not wait on {len(missing)} of the {len(starts)} handles: a "
+                "gradient may be read before its all-reduce is done")
+    return None
+
+
+def check_overlapped_hook(averager_class: type, world_size: int = 4) -> str:
+    """`averager_class()` with `hook(param)`, registered as every parameter's post-accumulate
+    hook, and `finish()`, called once after backward. Every rank's gradients must equal
+    one process's on the whole batch, every all-reduce must start asynchronously inside
+    backward and be waited on only in finish(): the overlap DDP gets from its buckets."""
+    refuse_library("OverlappedAverager", averager_class)
+    got = run_on_ranks("OverlappedAverager", _run_overlap, world_size, averager_class)
     model = _hook_model()
     (model(_hook_batch()) ** 2).mean().backward()
     names = [name for name, _ in model.named_parameters()]
-    for index, p in enumerate(model.parameters()):
-        want = p.grad.reshape(-1)
-        for rank, grads in enumerate(got):
-            mine = torch.tensor(grads[index], dtype=torch.float64)
+    for rank, answer in enumerate(got):
+        hint = _overlap_hint(answer, len(names))
+        if hint:
+            raise ExerciseError(f"OverlappedAverager: rank {rank}: {hint}.")
+        for index, p in enumerate(model.parameters()):
+            want = p.grad.reshape(-1)
+            mine = torch.tensor(answer["grads"][index], dtype=torch.float64)
             if torch.allclose(mine, want, rtol=1e-10, atol=1e-12):
                 continue
-            hint = ""
-            if torch.allclose(mine, want * world_size, rtol=1e-10, atol=1e-12):
-                hint = (f" It is {world_size}x too large: you summed the ranks' gradients; "
-                        "divide by the world size to average them.")
-            elif rank == 0 and not torch.allclose(
-                    torch.tensor(got[1][index], dtype=torch.float64), mine):
-                hint = " Ranks disagree: the gradient was not all-reduced."
-            raise ExerciseError(f"average_gradient_hook: rank {rank}, parameter '{names[index]}' "
+            why = (f" It is {world_size}x too large: the all-reduce sums; divide by the world "
+                   "size, after the wait" if torch.allclose(mine, want * world_size, rtol=1e-10)
+                   else " Divide only after the handle's wait: an all-reduce in flight still "
+                   "writes into param.grad")
+            raise ExerciseError(f"OverlappedAverager: rank {rank}, parameter '{names[index]}' "
                                 f"has gradient {mine[:3].tolist()}..., expected "
-                                f"{want[:3].tolist()}... (one process, whole batch).{hint}")
-    return (f"average_gradient_hook: every gradient on all {world_size} ranks equals "
-            "one process's")
+                                f"{want[:3].tolist()}... (one process, whole batch).{why}.")
+    return (f"OverlappedAverager: every gradient on all {world_size} ranks equals one "
+            "process's, each all-reduce started inside backward and waited on after it")
 
 
 def _run_bucketed(fn: Callable, sizes: list[int], bucket_bytes: int) -> tuple:

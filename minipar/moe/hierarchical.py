@@ -58,15 +58,13 @@ def rows_for_peers(pieces: list[torch.Tensor], nodes: int, per_node: int
 
 def hierarchical_all_to_all(x: torch.Tensor, send_counts: list[int], local_group,
                             node_group, meters: dict | None = None,
-                            aggregate=rows_for_peers,
                             counts: list[list[int]] | None = None) -> torch.Tensor:
     """`collectives.all_to_all(x, send_counts)` over all ranks, in two steps: inside the
     node (`local_group`: this node's ranks) then across nodes (`node_group`: the ranks
     with this rank's local index). Rows of x are grouped by destination rank, in order.
-    `meters` (a dict) receives each step's Meter as "inside" and "across"; `aggregate`
-    builds step 1's message for each local peer (`rows_for_peers`; lesson 09's exercise
-    passes the learner's). `counts` ([K][K], every rank's send_counts) skips gathering
-    them when the caller already has them."""
+    `meters` (a dict) receives each step's Meter as "inside" and "across"; step 1's message
+    to each local peer is `rows_for_peers`. `counts` ([K][K], every rank's send_counts)
+    skips gathering them when the caller already has them."""
     n, nodes = world_size(local_group), world_size(node_group)
     me_local, me_node = rank(local_group), rank(node_group)
     k = n * nodes
@@ -78,7 +76,7 @@ def hierarchical_all_to_all(x: torch.Tensor, send_counts: list[int], local_group
     me = me_node * n + me_local
     pieces = list(torch.split(x, send_counts))  # piece d: rows for rank d
     # step 1: to local peer j, the rows for (b, j) for every node b, in node order
-    to_peer = aggregate(pieces, nodes, n)
+    to_peer = rows_for_peers(pieces, nodes, n)
     send1 = [len(t) for t in to_peer]
     source = [me_node * n + i for i in range(n)]  # my node's ranks
     recv1 = [sum(counts[s][b * n + me_local] for b in range(nodes)) for s in source]

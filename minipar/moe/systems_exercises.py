@@ -1,5 +1,5 @@
-"""Lesson 09's exercise checks: the hierarchical all-to-all's intra-node aggregation, and
-Pipeline MoE's index-slice dispatch, both graded on real ranks."""
+"""Lesson 09's exercise checks: a dispatch with uneven counts (the receivers learn them
+first), and Pipeline MoE's index-slice dispatch, both graded on real ranks."""
 
 from __future__ import annotations
 
@@ -7,51 +7,82 @@ from collections.abc import Callable
 
 import torch
 
-from .. import collectives
 from ..grading import ExerciseError, refuse_library, run_on_ranks
-from ..mesh import Mesh
 from ..runtime import rank, world_size
-from .hierarchical import hierarchical_all_to_all
 from .layer import MoELayer
 from .pipeline_moe import PipelineMoE, partial_output
 
 
-def _exchange_with(fn: Callable, nodes: int, per_node: int) -> tuple[bool, list[int]]:
-    """On one rank: the hierarchical all-to-all with the learner's aggregation, against the
-    flat one; (equal?, the source ranks of the rows received, in order)."""
-    groups = Mesh(node=nodes, local=per_node).connect()
+def send_counts(source: int, world: int) -> list[int]:
+    """Rows rank `source` sends each rank in the check: uneven, some pairs none at all."""
+    return [(2 * source + 3 * dest) % 4 for dest in range(world)]
+
+
+def _rows(source: int, world: int) -> torch.Tensor:
+    """Rank `source`'s rows, grouped by destination: each row is [1000 * source + dest, i]."""
+    counts = send_counts(source, world)
+    rows = [[1000.0 * source + d, float(i)] for d in range(world) for i in range(counts[d])]
+    return torch.tensor(rows, dtype=torch.float64).reshape(-1, 2)
+
+
+def _expected_rows(dest: int, world: int) -> torch.Tensor:
+    """What rank `dest` receives: every source's rows for it, in source order."""
+    return torch.cat([_rows(s, world)[_rows(s, world)[:, 0] == 1000.0 * s + dest]
+                      for s in range(world)])
+
+
+def _dispatch_with(fn: Callable) -> dict:
     me, k = rank(), world_size()
-    counts = [1 + (me + d) % 3 for d in range(k)]
-    x = torch.tensor([[1000.0 * me + d] for d in range(k) for _ in range(counts[d])])
-    flat = collectives.all_to_all(x, counts)
-    got = hierarchical_all_to_all(x, counts, groups.local, groups.node, aggregate=fn)
-    sources = [int(v) // 1000 for v in got[:, 0].tolist()]
-    return bool(got.shape == flat.shape and torch.equal(got, flat)), sources
+    out = fn(_rows(me, k), send_counts(me, k))
+    if not isinstance(out, torch.Tensor):
+        return {"type": type(out).__name__}
+    return {"rows": out.detach().reshape(-1, 2).to(torch.float64)}
 
 
-def check_rows_for_peers(rows_for_peers: Callable,
-                         layouts: tuple[tuple[int, int], ...] = ((2, 2), (2, 4))) -> str:
-    """`rows_for_peers(pieces, nodes, per_node)`: pieces[d] holds the rows for rank d
-    (ranks node-major: d = node * per_node + local); return, for each local peer j, the
-    pieces bound for local index j on every node, concatenated in node order."""
-    refuse_library("rows_for_peers", rows_for_peers)
-    hints = {"size": "each peer's message must hold exactly the pieces for (node b, local j) "
-                     "for every node b: pieces[b * per_node + j]"}
-    for nodes, per_node in layouts:
-        k = nodes * per_node
-        got = run_on_ranks("rows_for_peers", _exchange_with, k, rows_for_peers, nodes,
-                           per_node, crash_hints={"count": hints["size"], **hints})
-        for r, (same, sources) in enumerate(got):
-            if same:
-                continue
-            raise ExerciseError(
-                f"rows_for_peers on {nodes} nodes x {per_node}: rank {r} received rows from "
-                f"ranks {sources} (in that order) but the flat all-to-all delivers them from "
-                f"{sorted(sources)}: peer j's message must be pieces[b * per_node + j] for b "
-                "= 0, 1, ... in node order, so that after the exchange across nodes every "
-                "source arrives in rank order.")
-    return (f"rows_for_peers: the two-step exchange equals the flat all-to-all on "
-            f"{', '.join(f'{a} x {b}' for a, b in layouts)} ranks")
+def _dispatch_hint(r: int, k: int, got: torch.Tensor) -> str | None:
+    want = _expected_rows(r, k)
+    if got.shape == want.shape and torch.equal(got, want):
+        return None
+    sent = sum(send_counts(r, k))
+    if got.shape[0] != want.shape[0] and got.shape[0] == sent:
+        return (f"rank {r} received {got.shape[0]} rows, as many as it sends, but "
+                f"{want.shape[0]} were sent to it: what arrives from rank s is what s sends, "
+                "which only s knows. Exchange the counts first (an all-to-all of one count "
+                "per rank), then size the receive and its splits from them")
+    if got.shape == want.shape and sorted(map(tuple, got.tolist())) == \
+            sorted(map(tuple, want.tolist())):
+        return (f"rank {r} received the right rows in the wrong order: the pieces must come "
+                "in source order, rank 0's first (output_split_sizes are the counts from "
+                "each source)")
+    return (f"rank {r} received {got.shape[0]} rows, expected {want.shape[0]}: rows "
+            f"{want[:, 0].tolist()} (1000 x source + {r}) in source order; rank s sends rank "
+            "d the rows of its d-th piece (input_split_sizes = send_counts)")
+
+
+def check_uneven_dispatch(uneven_dispatch: Callable, world_sizes: tuple[int, ...] = (3, 4)
+                          ) -> str:
+    """`uneven_dispatch(rows, send_counts)` on every rank: rows grouped by destination,
+    send_counts[d] of them for rank d (uneven, some zero). Every rank must return the rows
+    sent to it, in source order: a dispatch whose receivers learn their counts first."""
+    refuse_library("uneven_dispatch", uneven_dispatch)
+    counts = ("crashed: its receive, sized by guess, did not match what the senders sent: "
+              "exchange the counts first (an all-to-all of one count per rank), then use "
+              "them as the output's split sizes")
+    # the same keys as grading's defaults, so these win: here a mismatch means the counts
+    hints = {"size mismatch": counts, "match expected size": counts, "split": counts}
+    for k in world_sizes:
+        got = run_on_ranks("uneven_dispatch", _dispatch_with, k, uneven_dispatch,
+                           crash_hints=hints)
+        for r, answer in enumerate(got):
+            if "type" in answer:
+                raise ExerciseError(f"uneven_dispatch on {k} ranks: rank {r} returned a "
+                                    f"{answer['type']}; return the received rows as a tensor")
+            hint = _dispatch_hint(r, k, answer["rows"])
+            if hint:
+                raise ExerciseError(f"uneven_dispatch on {k} ranks with send counts "
+                                    f"{[send_counts(s, k) for s in range(k)]}: {hint}.")
+    return (f"uneven_dispatch: every rank received its rows, in source order, on "
+            f"{', '.join(map(str, world_sizes))} ranks with uneven counts")
 
 
 def _twin() -> MoELayer:

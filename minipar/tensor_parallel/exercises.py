@@ -1,4 +1,5 @@
-"""Lesson 04's exercise checks: the g operator and a row-parallel linear layer."""
+"""Lesson 04's exercise checks: the g operator, and the Megatron MLP with f and g placed
+by the learner."""
 
 from __future__ import annotations
 
@@ -49,54 +50,83 @@ def check_g_operator(g_class: type, world_size: int = 2) -> str:
     return f"g_operator: all-reduce forward, identity backward on {world_size} ranks"
 
 
-def _call_row(fn: Callable) -> tuple:
-    torch.manual_seed(31)
-    twin = torch.nn.Linear(8, 3, dtype=torch.float64)
-    k, me = runtime.world_size(), runtime.rank()
-    x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(32))
-    x_local = x.chunk(k, dim=-1)[me].clone().requires_grad_(True)
-    weight = twin.weight.detach().chunk(k, dim=1)[me].clone().requires_grad_(True)
-    bias = twin.bias.detach().clone().requires_grad_(True)
-    y = fn(x_local, weight, bias)
+H, FFN, TOKENS = 8, 16, 5  # the MLP the check splits: hidden 8, inner width 16, 5 tokens
+
+
+def _mlp_twin() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [tokens, h], W_up [ffn, h], W_down [h, ffn]: nn.Linear's layout, float64."""
+    g = torch.Generator().manual_seed(41)
+    return (torch.randn(TOKENS, H, dtype=torch.float64, generator=g),
+            torch.randn(FFN, H, dtype=torch.float64, generator=g) / H**0.5,
+            torch.randn(H, FFN, dtype=torch.float64, generator=g) / FFN**0.5)
+
+
+def _mlp_one_process() -> tuple:
+    x, up, down = (t.clone().requires_grad_(True) for t in _mlp_twin())
+    y = torch.nn.functional.gelu(x @ up.t()) @ down.t()
     # sin, not a plain sum: the upstream gradient then depends on y, so wrong outputs show in it
     y.sin().sum().backward()
-    return (y.detach(), x_local.grad, weight.grad, bias.grad)
+    return y.detach(), x.grad, up.grad, down.grad
 
 
-def check_row_parallel_linear(row_parallel_linear: Callable,
-                              world_sizes: tuple[int, ...] = (2, 4)) -> str:
-    """`row_parallel_linear(x_local, weight_local, bias)`: x's columns and the weight's
-    columns are this rank's slices; the result must be the full layer's output on every
-    rank, and every gradient must match the single-process layer's (sliced)."""
-    refuse_library("row_parallel_linear", row_parallel_linear)
-    torch.manual_seed(31)
-    twin = torch.nn.Linear(8, 3, dtype=torch.float64)
-    x = torch.randn(5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(32))
-    x.requires_grad_(True)
-    y = twin(x)
-    y.sin().sum().backward()
+def _call_mlp(fn: Callable) -> tuple:
+    k, me = runtime.world_size(), runtime.rank()
+    x, up, down = _mlp_twin()
+    x = x.clone().requires_grad_(True)
+    up_shard = up.chunk(k, dim=0)[me].clone().requires_grad_(True)  # column-parallel
+    down_shard = down.chunk(k, dim=1)[me].clone().requires_grad_(True)  # row-parallel
+    y = fn(x, up_shard, down_shard)
+    # this rank's share of the output before any reduction: what a missing g returns
+    partial = torch.nn.functional.gelu(x.detach() @ up_shard.detach().t()) @ down_shard.detach().t()
+    if not isinstance(y, torch.Tensor):
+        return {"type": type(y).__name__}
+    if y.requires_grad:
+        y.sin().sum().backward()
+    return {"y": y.detach(), "partial": partial, "x": x.grad, "up": up_shard.grad,
+            "down": down_shard.grad}
+
+
+def _mlp_hint(r: int, k: int, got: dict, want: tuple) -> str | None:
+    """The mistake rank r's answer looks like, or None if it is right."""
+    y, gx, gup, gdown = want
+    if "type" in got:
+        return f"rank {r} returned a {got['type']}; return the output tensor [tokens, hidden]"
+    if not torch.allclose(got["y"], y):
+        if torch.allclose(got["y"], got["partial"]):
+            return (f"rank {r} returned only its own partial sum: after the row-parallel "
+                    "down projection each rank holds a part of the output; sum them with g")
+        return (f"rank {r}'s output differs from one process's: gelu acts on this rank's own "
+                "slice of the inner activation, and g (all-reduce) comes after the down "
+                "projection; an all-reduce before gelu sums the inputs of a nonlinearity")
+    if got["x"] is None or got["up"] is None or got["down"] is None:
+        return (f"rank {r}: no gradient reached x or a weight. A collective called outside "
+                "autograd (dist.all_reduce on a detached tensor) cuts the graph: use f and g, "
+                "autograd functions whose backward is the other collective")
+    if not (torch.allclose(got["up"], gup.chunk(k, dim=0)[r])
+            and torch.allclose(got["down"], gdown.chunk(k, dim=1)[r])):
+        return (f"rank {r}: the output is right but a weight's gradient is not: g's backward "
+                "passes the gradient through unchanged (an all-reduce there makes it tp "
+                "times too large)")
+    if not torch.allclose(got["x"], gx):
+        return (f"rank {r}: x's gradient is only this rank's part: apply f to x before the "
+                "up projection (identity forward, all-reduce backward), so every rank gets "
+                "the sum over the ranks' slices")
+    return None
+
+
+def check_megatron_mlp(megatron_mlp: Callable, world_sizes: tuple[int, ...] = (2, 4)) -> str:
+    """`megatron_mlp(x, up_shard, down_shard)`: x [tokens, hidden] on every rank, this
+    rank's rows of W_up and columns of W_down (nn.Linear's [out, in] layout). Every rank
+    must return the whole MLP's output gelu(x W_up^T) W_down^T, and autograd must give x
+    and both shards one process's gradients (sliced): f before the up projection, g after
+    the down projection, and nothing between them."""
+    refuse_library("megatron_mlp", megatron_mlp)
+    want = _mlp_one_process()
     for k in world_sizes:
-        got = run_on_ranks("row_parallel_linear", _call_row, k, row_parallel_linear)
-        for r, (out, gx, gw, gb) in enumerate(got):
-            where = f"row_parallel_linear on {k} ranks, rank {r}"
-            if not torch.allclose(out, y.detach()):
-                partial = out.shape == y.shape and not torch.allclose(out, y.detach())
-                raise ExerciseError(f"{where}: output differs from the full layer's." + (
-                    " Each rank's product is only a partial sum: all-reduce it (g) and add "
-                    "the bias once, after the reduction." if partial else ""))
-            checks = (("x_local", gx, x.grad.chunk(k, dim=-1)[r]),
-                      ("weight_local", gw, twin.weight.grad.chunk(k, dim=1)[r]),
-                      ("bias", gb, twin.bias.grad))
-            for name, mine, want in checks:
-                if mine is None:
-                    raise ExerciseError(
-                        f"{where}: no gradient reached {name}. A collective called outside "
-                        "autograd (dist.all_reduce into a detached buffer, for instance) returns "
-                        "a tensor with no history, so backward stops there: wrap it in an "
-                        "autograd Function (g: all-reduce forward, identity backward).")
-                if not torch.allclose(mine, want):
-                    raise ExerciseError(f"{where}: the gradient of {name} is wrong. Use an "
-                                        "operator whose backward passes the gradient through "
-                                        "unchanged (g), so autograd does the rest.")
-    return (f"row_parallel_linear: output and every gradient match on "
+        got = run_on_ranks("megatron_mlp", _call_mlp, k, megatron_mlp)
+        for r, answer in enumerate(got):
+            hint = _mlp_hint(r, k, answer, want)
+            if hint:
+                raise ExerciseError(f"megatron_mlp on {k} ranks: {hint}.")
+    return (f"megatron_mlp: output and every gradient equal one process's on "
             f"{', '.join(map(str, world_sizes))} ranks")

@@ -1,5 +1,6 @@
-"""Lesson 11's exercise checks: the gradient norm across a tp x pp layout, and the fp16
-step that every rank skips when any rank's gradients overflowed."""
+"""Lesson 11's exercise checks: the gradient norm across a tp x pp layout, and fp16's
+dynamic loss scale, which every rank skips and halves together when any rank's gradients
+overflowed and grows back after a run of clean steps."""
 
 from __future__ import annotations
 
@@ -115,9 +116,13 @@ def check_global_grad_norm(global_grad_norm: Callable,
 
 
 _SCALE = 1024.0
+INTERVAL = 2  # clean steps in a row before the scale doubles (torch's growth_interval)
 # (what happens, which ranks' gradients hold what): None = every rank
 _SCENARIOS = (("no overflow anywhere", (), ""), ("an inf on rank 1 only", (1,), "inf"),
               ("a nan on rank 0 only", (0,), "nan"), ("an inf on every rank", None, "inf"))
+# the steps the check runs, as (scenario, clean steps already in a row): each step's
+# expected answer follows from these alone, so every step is judged on its own
+_STEPS = ((0, 0), (0, 1), (1, 1), (0, 0), (2, 0), (3, 1))
 
 
 def _dp_gradients(rank: int, scenario: int) -> list[torch.Tensor]:
@@ -130,14 +135,24 @@ def _dp_gradients(rank: int, scenario: int) -> list[torch.Tensor]:
     return grads
 
 
-def _run_skip(fn: Callable) -> list[dict]:
+def _run_scale(fn: Callable) -> list[dict]:
     results = []
-    for scenario in range(len(_SCENARIOS)):
-        out = fn(_dp_gradients(runtime.rank(), scenario), _SCALE)
-        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+    for scenario, clean in _STEPS:
+        out = fn(_dp_gradients(runtime.rank(), scenario), _SCALE, clean, INTERVAL)
+        if not (isinstance(out, (tuple, list)) and len(out) == 3):
             return [{"type": type(out).__name__}]
-        results.append({"skip": bool(out[0]), "scale": float(out[1])})
+        results.append({"skip": bool(out[0]), "scale": float(out[1]), "clean": int(out[2])})
     return results
+
+
+def expected_scale(overflow: bool, scale: float, clean: int, interval: int) -> tuple:
+    """(skip, scale, clean steps in a row) after one step: halve and start counting again
+    on an overflow; otherwise count the step, and double once `interval` are in a row."""
+    if overflow:
+        return True, scale / 2, 0
+    if clean + 1 == interval:
+        return False, scale * 2, 0
+    return False, scale, clean + 1
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -145,7 +160,7 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _skip_hint(scenario: int, got: list[dict]) -> str | None:
-    """What is wrong in one scenario, or None when every rank did the right thing."""
+    """Whether every rank skipped exactly when it should: what is wrong, or None."""
     _, bad_ranks, value = _SCENARIOS[scenario]
     k = len(got)
     overflowed = list(range(k)) if bad_ranks is None else list(bad_ranks)
@@ -175,33 +190,58 @@ def _skip_hint(scenario: int, got: list[dict]) -> str | None:
     if skipped and not want_skip:
         return ("every rank skipped although every gradient is finite: skip only when some "
                 "entry is inf or nan (not torch.isfinite(g).all())")
-    want_scale = _SCALE / 2 if want_skip else _SCALE
-    wrong = [r for r, out in enumerate(got) if out["scale"] != want_scale]
+    return None
+
+
+def _scale_hint(scenario: int, clean: int, got: list[dict]) -> str | None:
+    """Whether every rank returned the right scale and count of clean steps."""
+    want = expected_scale(bool(_SCENARIOS[scenario][2]), _SCALE, clean, INTERVAL)
+    wrong = [r for r, out in enumerate(got) if (out["scale"], out["clean"]) != want[1:]]
     if not wrong:
         return None
-    scale = got[wrong[0]]["scale"]
-    if want_skip:
-        return (f"{_ranks(wrong)} skipped but returned the scale {scale:g}, not {want_scale:g}: "
-                "halve it on every rank after an overflow, or the next step overflows again")
-    return (f"{_ranks(wrong)} returned the scale {scale:g} after a clean step; keep it at "
-            f"{want_scale:g} (this exercise has no growth)")
+    out = got[wrong[0]]
+    scale, count = out["scale"], out["clean"]
+    told = (f"{_ranks(wrong)} returned scale {scale:g} and clean_steps {count}, expected "
+            f"{want[1]:g} and {want[2]}")
+    if want[0]:
+        if scale != want[1]:
+            return f"{told}: halve the scale on every rank after an overflow"
+        return (f"{told}: start counting again after an overflow (clean_steps 0): the "
+                "scale grows only after steps in a row without one")
+    if want[1] > _SCALE and scale == _SCALE:
+        return (f"{told}: the scale never grows back: double it after `interval` clean steps "
+                "in a row (torch's GradScaler: growth_interval), or one overflow leaves it low "
+                "for the rest of the run, and small gradients underflow to 0 in fp16")
+    if want[1] > _SCALE:
+        return f"{told}: reset clean_steps to 0 when you double the scale"
+    if scale > _SCALE:
+        return (f"{told}: the scale grew after {clean + 1} clean step(s); double it only once "
+                "`interval` clean steps are in a row")
+    return f"{told}: count this clean step (clean_steps + 1), and keep the scale until it grows"
 
 
-def check_overflow_skip(skip_on_overflow: Callable, world_sizes: tuple[int, ...] = (2, 4)) -> str:
-    """`skip_on_overflow(grads, scale) -> (skip, new_scale)` on every rank of a data-parallel
-    group, with fp16 `grads` still multiplied by the loss scale: if any rank's gradients
-    hold an inf or nan, every rank must skip the step and halve the scale; otherwise none
-    skips and the scale stays."""
-    refuse_library("skip_on_overflow", skip_on_overflow)
+def check_loss_scale(update_loss_scale: Callable, world_sizes: tuple[int, ...] = (2, 4)) -> str:
+    """`update_loss_scale(grads, scale, clean_steps, interval) -> (skip, scale, clean_steps)`
+    on every rank of a data-parallel group, with fp16 `grads` still multiplied by the loss
+    scale: if any rank's gradients hold an inf or nan, every rank skips the step, halves
+    the scale and starts counting clean steps again; otherwise it counts the step, and
+    after `interval` clean steps in a row doubles the scale (`expected_scale`)."""
+    refuse_library("update_loss_scale", update_loss_scale)
     for k in world_sizes:
-        got = run_on_ranks("skip_on_overflow", _run_skip, k, skip_on_overflow)
+        got = run_on_ranks("update_loss_scale", _run_scale, k, update_loss_scale)
         for r, results in enumerate(got):
             if "type" in results[0]:
-                raise ExerciseError(f"skip_on_overflow on {k} ranks: rank {r} returned a "
-                                    f"{results[0]['type']}; return a tuple (skip, new_scale)")
-        for scenario, (what, _, _) in enumerate(_SCENARIOS):
-            hint = _skip_hint(scenario, [results[scenario] for results in got])
+                raise ExerciseError(f"update_loss_scale on {k} ranks: rank {r} returned a "
+                                    f"{results[0]['type']}; return a tuple (skip, scale, "
+                                    "clean_steps)")
+        for step, (scenario, clean) in enumerate(_STEPS):
+            outs = [results[step] for results in got]
+            hint = _skip_hint(scenario, outs) or _scale_hint(scenario, clean, outs)
             if hint:
-                raise ExerciseError(f"skip_on_overflow on {k} ranks, {what}: {hint}")
-    return (f"skip_on_overflow: on {', '.join(map(str, world_sizes))} ranks every rank skips "
-            "and halves the scale when any rank's gradients hold an inf or nan, and only then")
+                raise ExerciseError(
+                    f"update_loss_scale on {k} ranks, step {step} ({_SCENARIOS[scenario][0]}, "
+                    f"scale {_SCALE:g}, {clean} clean step(s) before it, interval {INTERVAL}): "
+                    f"{hint}")
+    return (f"update_loss_scale: on {', '.join(map(str, world_sizes))} ranks every rank skips, "
+            "halves the scale and counts again when any rank overflows, and doubles it after "
+            f"{INTERVAL} clean steps in a row")
