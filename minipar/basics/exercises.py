@@ -67,11 +67,11 @@ def _call_my_rows(fn: Callable) -> list:
 
 
 def expected_rows(rows: int, rank: int, world_size: int) -> range:
-    """Rank `rank`'s rows of a global batch of `rows`, as torch.tensor_split and the
-    trainer cut it: contiguous, the first rows % world_size ranks one row more."""
-    base, extra = divmod(rows, world_size)
-    start = rank * base + min(rank, extra)
-    return range(start, start + base + (rank < extra))
+    """Rank `rank`'s rows of a global batch of `rows`, cut as the trainer cuts it (the
+    package's convention, `data_parallel.shard`): contiguous, the first rows % world_size
+    ranks one row more."""
+    mine = torch.tensor_split(torch.arange(rows), world_size)[rank]
+    return range(int(mine[0]), int(mine[0]) + len(mine)) if len(mine) else range(0)
 
 
 def _rows_hint(rows: int, got: list[list[int]], world_size: int) -> str:

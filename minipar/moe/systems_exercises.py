@@ -27,8 +27,8 @@ def _rows(source: int, world: int) -> torch.Tensor:
 
 def _expected_rows(dest: int, world: int) -> torch.Tensor:
     """What rank `dest` receives: every source's rows for it, in source order."""
-    return torch.cat([_rows(s, world)[_rows(s, world)[:, 0] == 1000.0 * s + dest]
-                      for s in range(world)])
+    pieces = [_rows(s, world) for s in range(world)]
+    return torch.cat([rows[rows[:, 0] == 1000.0 * s + dest] for s, rows in enumerate(pieces)])
 
 
 def _dispatch_with(fn: Callable) -> dict:

@@ -69,15 +69,14 @@ def _mlp_one_process() -> tuple:
     return y.detach(), x.grad, up.grad, down.grad
 
 
-def _call_mlp(fn: Callable) -> tuple:
+def _call_mlp(fn: Callable) -> dict:
     k, me = runtime.world_size(), runtime.rank()
     x, up, down = _mlp_twin()
-    x = x.clone().requires_grad_(True)
-    up_shard = up.chunk(k, dim=0)[me].clone().requires_grad_(True)  # column-parallel
-    down_shard = down.chunk(k, dim=1)[me].clone().requires_grad_(True)  # row-parallel
-    y = fn(x, up_shard, down_shard)
+    up, down = up.chunk(k, dim=0)[me], down.chunk(k, dim=1)[me]  # column-, row-parallel
     # this rank's share of the output before any reduction: what a missing g returns
-    partial = torch.nn.functional.gelu(x.detach() @ up_shard.detach().t()) @ down_shard.detach().t()
+    partial = torch.nn.functional.gelu(x @ up.t()) @ down.t()
+    x, up_shard, down_shard = (t.clone().requires_grad_(True) for t in (x, up, down))
+    y = fn(x, up_shard, down_shard)
     if not isinstance(y, torch.Tensor):
         return {"type": type(y).__name__}
     if y.requires_grad:

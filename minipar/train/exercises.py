@@ -12,6 +12,7 @@ import torch
 from .. import runtime
 from ..grading import ExerciseError, refuse_library, run_on_ranks
 from ..mesh import Mesh
+from .precision import LossScaler
 
 # one stage's gradients: a column shard, a norm's gain (replicated over tp), a row shard,
 # the output bias (replicated); the gain is large, so counting it tp times shows
@@ -146,13 +147,13 @@ def _run_scale(fn: Callable) -> list[dict]:
 
 
 def expected_scale(overflow: bool, scale: float, clean: int, interval: int) -> tuple:
-    """(skip, scale, clean steps in a row) after one step: halve and start counting again
-    on an overflow; otherwise count the step, and double once `interval` are in a row."""
-    if overflow:
-        return True, scale / 2, 0
-    if clean + 1 == interval:
-        return False, scale * 2, 0
-    return False, scale, clean + 1
+    """(skip, scale, clean steps in a row) after one step, as the trainer's `LossScaler`
+    updates it: halve and start counting again on an overflow; otherwise count the step,
+    and double once `interval` are in a row (the count starts again from there)."""
+    scaler = LossScaler(enabled=True, scale=scale, interval=interval)
+    scaler.good_steps = clean
+    scaler.update(overflow)
+    return overflow, scaler.scale, scaler.good_steps % interval
 
 
 def _ranks(ranks: list[int]) -> str:
