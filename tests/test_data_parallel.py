@@ -158,3 +158,22 @@ def test_per_parameter_mode_sends_one_all_reduce_per_parameter(cluster2):
 
     buckets, steps = cluster2.run(count)[0]
     assert buckets == 4 and steps == 4 * 2  # 4 parameters, ring on 2 ranks: 2 steps each
+
+
+@pytest.mark.slow  # lessons 00 and 02 run it under nbval too
+def test_speedup_in_turns_times_both_sides_every_round():
+    from minipar.data_parallel.speedup import speedup_in_turns
+
+    rows = speedup_in_turns((4, 16), width=32, rounds=2, steps=1)
+    assert [r["per_rank"] for r in rows] == [4, 16]
+    for r in rows:
+        assert len(r["speedups"]) == 2 and r["low"] <= r["median"] <= r["high"]
+        assert r["one_rank_step"] > 0 and r["step"] > 0
+        assert r["exposed"] == pytest.approx(r["step"] - r["one_rank_step"])
+
+
+def test_speedup_in_turns_rejects_a_race_with_one_rank():
+    from minipar.data_parallel.speedup import speedup_in_turns
+
+    with pytest.raises(ValueError, match="ranks >= 2"):
+        speedup_in_turns((4,), ranks=1)

@@ -116,3 +116,40 @@ def _gradient_exchange_seconds(width: int, compression: str, k: int, machine: Ma
         elif k > 1:  # two ring all-gathers (data, index/scale): K-1 steps, every rank busy
             total += 2 * (k - 1) * machine.step_seconds(CommStep(k, payload / 2, k))
     return total
+
+
+def speedup_in_turns(per_rank_sizes: tuple[int, ...] = (8, 512), width: int = 256,
+                     ranks: int = 2, rounds: int = 5, steps: int = 5) -> list[dict]:
+    """Does data parallelism pay? Each per-rank batch's weak-scaling speedup on `ranks`
+    ranks over one, measured in turns so that a busy machine slows both sides alike.
+
+    One rank and `ranks` ranks stay alive for the whole run; each round times every
+    batch size on both, the side that goes first alternating from round to round.
+    Per row: the per-round speedups (samples/s on `ranks` ranks over samples/s on one)
+    with their median and range, and the median step times of both sides: the one-rank
+    step is all compute, and what the `ranks`-rank step adds is the gradient exchange
+    that compute did not hide (`exposed`)."""
+
+    if ranks < 2 or rounds < 1 or not per_rank_sizes:
+        raise ValueError(f"speedup_in_turns needs ranks >= 2, rounds >= 1 and at least one "
+                         f"batch size; got ranks={ranks}, rounds={rounds}, "
+                         f"per_rank_sizes={per_rank_sizes}")
+    times: dict[int, dict[str, list[float]]] = {b: {"one": [], "many": []}
+                                               for b in per_rank_sizes}
+    with Cluster(1, backend="gloo") as one, Cluster(ranks, backend="gloo") as many:
+        for round_ in range(rounds):
+            for b in per_rank_sizes:
+                sides = [("one", one), ("many", many)]
+                for side, cluster in sides if round_ % 2 == 0 else sides[::-1]:
+                    result = cluster.run(_lab_steps, width, b, 1 << 20, "none", steps)
+                    times[b][side].append(max(result))  # the step ends with the slowest rank
+    rows = []
+    for b in per_rank_sizes:
+        one_s, many_s = times[b]["one"], times[b]["many"]
+        speedups = [ranks * t1 / tk for t1, tk in zip(one_s, many_s, strict=True)]
+        rows.append({"per_rank": b, "ranks": ranks, "speedups": speedups,
+                     "median": statistics.median(speedups), "low": min(speedups),
+                     "high": max(speedups), "one_rank_step": statistics.median(one_s),
+                     "step": statistics.median(many_s),
+                     "exposed": statistics.median(many_s) - statistics.median(one_s)})
+    return rows
