@@ -25,7 +25,7 @@ import math
 def global_batch(micro_batch: int, accumulation: int = 1, dp: int = 1,
                  pipeline_microbatches: int = 1) -> int:
     """Rows one optimizer step averages over: micro-batch x accumulation x pipeline
-    micro-batches x data-parallel ranks (the trainer splits its batch_size this way)."""
+    micro-batches x data-parallel ranks (the trainer splits its batch_size the same way)."""
     parts = {"micro_batch": micro_batch, "accumulation": accumulation, "dp": dp,
              "pipeline_microbatches": pipeline_microbatches}
     for name, value in parts.items():

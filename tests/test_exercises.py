@@ -292,6 +292,32 @@ def per_tensor_all_reduce(grads, bucket_bytes):
         collectives.all_reduce(g, op="avg")
 
 
+def bucketed_with_torch_all_reduce(grads, bucket_bytes):
+    """A right answer written with torch's dist.all_reduce (a sum) instead of minipar's."""
+    import torch
+    import torch.distributed as dist
+
+    buckets, used = [], 0
+    for g in grads:
+        if not buckets or used + 4 * g.numel() > bucket_bytes:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(g)
+        used += 4 * g.numel()
+    for bucket in buckets:
+        flat = torch.cat(bucket)
+        dist.all_reduce(flat)
+        flat /= dist.get_world_size()
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset:offset + g.numel()])
+            offset += g.numel()
+
+
+def test_bucketing_counts_torchs_all_reduce_as_a_bucket_too():
+    assert "one all-reduce per bucket" in check_bucketing(bucketed_with_torch_all_reduce)
+
+
 def forgets_to_copy_back(grads, bucket_bytes):
     from minipar import collectives
 

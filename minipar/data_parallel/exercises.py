@@ -124,18 +124,28 @@ def _run_bucketed(fn: Callable, sizes: list[int], bucket_bytes: int) -> tuple:
 
     grads = [torch.full((n,), float(runtime.rank() + 1) * (i + 1), dtype=torch.float32)
              for i, n in enumerate(sizes)]
-    calls = []
-    original = collectives.all_reduce
+    calls: list[int] = []
+    inside = [0]  # minipar's all-reduce may call torch's: count the outer call once
+    original, original_torch = collectives.all_reduce, torch.distributed.all_reduce
 
     def counted(tensor, *args, **kwargs):
         calls.append(tensor.numel())
-        return original(tensor, *args, **kwargs)
+        inside[0] += 1
+        try:
+            return original(tensor, *args, **kwargs)
+        finally:
+            inside[0] -= 1
 
-    collectives.all_reduce = counted
+    def counted_torch(tensor, *args, **kwargs):  # dist.all_reduce is a bucket's call too
+        if not inside[0]:
+            calls.append(tensor.numel())
+        return original_torch(tensor, *args, **kwargs)
+
+    collectives.all_reduce, torch.distributed.all_reduce = counted, counted_torch
     try:
         fn(grads, bucket_bytes)
     finally:
-        collectives.all_reduce = original
+        collectives.all_reduce, torch.distributed.all_reduce = original, original_torch
     return [g.tolist() for g in grads], calls
 
 

@@ -16,7 +16,6 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from ..batch_size import global_batch
 from ..cost import RECOMPUTE
 from ..decoder import DecoderConfig
 from ..pipeline import SCHEDULES
@@ -337,7 +336,7 @@ def check(config: TrainConfig, world_size: int | None = None) -> None:
         _at_least(f"train.{name}", getattr(t, name), 1)
     _at_least("train.eval_every", t.eval_every, 0)
     _at_least("train.checkpoint_every", t.checkpoint_every, 0)
-    split = global_batch(1, t.accumulation, p.dp, p.microbatches)  # rows per micro-batch: 1
+    split = p.dp * p.microbatches * t.accumulation
     if t.batch_size % split:
         raise ValueError(f"train.batch_size={t.batch_size} must split into dp x microbatches "
                          f"x accumulation = {p.dp} x {p.microbatches} x {t.accumulation} = "

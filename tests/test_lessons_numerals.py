@@ -9,8 +9,9 @@ precision ("121.7" is explained by 121.65), at any power-of-1000 scale or as a p
 cell computes must be a figure the lesson quotes from a source named in
 `lessons/cited_figures.md`.
 
-Not numerals for this test: lesson, section and problem numbers, years, the opening
-"Time" line, code in backticks, link targets, and one-digit counts ("2 ranks", "0.5")."""
+Not numerals for this test: lesson, section and problem numbers, issue numbers
+(torchtitan#2318), years, the opening "Time" line, code in backticks, link targets, and
+one-digit counts ("2 ranks", "0.5"). A multiplier is a numeral: "1.75x" is 1.75."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def _cited() -> dict[str, dict[str, str]]:
 
 CITED = _cited()
 # a numeral: digits, thousands commas, decimals, an optional exponent (8.4e22)
-NUMERAL = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?([eE][+-]?\d+)?(?![\w])")
+NUMERAL = re.compile(r"(?<![\w.])(\d{1,3}(?:,\d{3})+|\d+)(\.\d+)?([eE][+-]?\d+)?(?![^\Wx]|x\w)")
 # LaTeX scientific notation, $2.25\times10^{15}$, read as 2.25e15
 LATEX_POWER = re.compile(r"(\d+(?:\.\d+)?)\s*\\times\s*10\^\{?(-?\d+)\}?")
 REFERENCE = re.compile(
@@ -74,6 +75,7 @@ def _prose(source: str) -> str:
     source = re.sub(r"\[\d\d[a-z]?\b[^\]]*\]", "", source)  # [04 · Tensor parallelism]
     source = re.sub(r"`[^`]*`", "", source)
     source = re.sub(r"\*\*Time:\*\*[^\n]*", "", source)
+    source = re.sub(r"[\w/-]+#\d+", "", source)  # an issue or pull request: torchtitan#2318
     source = REFERENCE.sub("", source)
     return LATEX_POWER.sub(r"\1e\2", source)
 
@@ -134,7 +136,7 @@ def test_every_cited_figure_is_still_in_its_lesson():
                 f"cited_figures.md: lesson {lesson} no longer states {figure}; remove the row")
 
 
-if __name__ == "__main__":  # python tests/test_lesson_numerals.py 03: what lesson 03 lacks
+if __name__ == "__main__":  # python tests/test_lessons_numerals.py 03: what lesson 03 lacks
     import sys
     for path in CORE:
         if len(sys.argv) < 2 or path.name.startswith(sys.argv[1]):
