@@ -41,14 +41,17 @@ def zero1_all_reduce(flat, grad, momentum, lr, beta):
     zero1(flat, grad, momentum, lr, beta, reduce="all_reduce")
 
 
-def fsdp(unit, shard, x, *, free=True, bias_first=False):
+def fsdp(unit, shard, x, *, free="storage", bias_first=False):
     full = collectives.all_gather(shard)
     if bias_first:
         unit.bias.data, unit.weight.data = full[:3], full[3:18].view(3, 5)
     else:
         unit.weight.data, unit.bias.data = full[:15].view(3, 5), full[15:18]
     y = unit(x)
-    if free:
+    if free == "storage":  # what fsdp.py does: autograd's saved view goes empty too
+        for p in unit.parameters():
+            p.untyped_storage().resize_(0)
+    elif free == "data":  # repoints the parameters; autograd's saved view keeps the bytes
         for p in unit.parameters():
             p.data = torch.empty(0, dtype=p.dtype)
     return y
@@ -59,7 +62,11 @@ def fsdp_right(unit, shard, x):
 
 
 def fsdp_keeping_parameters(unit, shard, x):
-    return fsdp(unit, shard, x, free=False)
+    return fsdp(unit, shard, x, free=None)
+
+
+def fsdp_repointing_data(unit, shard, x):
+    return fsdp(unit, shard, x, free="data")
 
 
 def fsdp_bias_first(unit, shard, x):
@@ -79,11 +86,13 @@ def test_right_answers_pass():
     (check_zero1_step, zero1_without_gather, "rank 0, step 0: only this rank's slice"),
     (check_zero1_step, zero1_summing, "rank 0, step 0: slices \\[0, 1\\] .*op='avg'"),
     (check_zero1_step, zero1_all_reduce, "right numbers, but with an all-reduce"),
-    (check_fsdp_forward, fsdp_keeping_parameters, "still hold 18 numbers"),
+    (check_fsdp_forward, fsdp_keeping_parameters, "rank 0: the parameters still hold 18 numbers"),
+    (check_fsdp_forward, fsdp_repointing_data, "rank 0: .*autograd saved .* holds 18 numbers"),
     (check_fsdp_forward, fsdp_bias_first, "the weight \\(15 numbers"),
     (check_fsdp_forward, fsdp_without_gathering, "rank \\d called the unit while its param"),
     (check_zero1_step, FullyShardedDataParallel, "the library's own implementation"),
-], ids=["no-gather", "sum", "all-reduce", "no-free", "bias-first", "no-gather-fsdp", "library"])
+], ids=["no-gather", "sum", "all-reduce", "no-free", "data-only", "bias-first", "no-gather-fsdp",
+     "library"])
 def test_usual_mistakes_get_a_hint(check, fn, words):
     with pytest.raises(ExerciseError, match=words):
         check(fn)

@@ -10,12 +10,17 @@ from minipar.train.optim import global_norm
 from minipar.train.precision import LossScaler
 
 
-def norm(grads, replicated, tp_group, pp_group, *, replicated_once=True, groups=("tp", "pp"),
-         sqrt_first=False):
+def norm(grads, replicated, tied, tp_group, pp_group, *, replicated_once=True,
+         groups=("tp", "pp"), sqrt_first=False, tied_ends="first", tied_tp_once=True):
     first_tp_rank = dist.get_rank(tp_group) == 0
+    first_stage = dist.get_rank(pp_group) == 0
     total = torch.zeros(1, dtype=torch.float64)
-    for g, rep in zip(grads, replicated, strict=True):
-        if not rep or first_tp_rank or not replicated_once:
+    for g, rep, tie in zip(grads, replicated, tied, strict=True):
+        if tie:
+            counted = {"first": first_stage, "both": True, "none": False}[tied_ends]
+            if counted and (first_tp_rank or not tied_tp_once or not replicated_once):
+                total += g.double().pow(2).sum()
+        elif not rep or first_tp_rank or not replicated_once:
             total += g.double().pow(2).sum()
     if sqrt_first:
         total = total.sqrt()
@@ -24,28 +29,49 @@ def norm(grads, replicated, tp_group, pp_group, *, replicated_once=True, groups=
     return total if sqrt_first else total.sqrt()  # a tensor: the check takes float() of it
 
 
-def norm_right(grads, replicated, tp_group, pp_group):
-    return norm(grads, replicated, tp_group, pp_group).item()
+def norm_right(grads, replicated, tied, tp_group, pp_group):
+    return norm(grads, replicated, tied, tp_group, pp_group).item()
 
 
-def norm_right_as_tensor(grads, replicated, tp_group, pp_group):
-    return norm(grads, replicated, tp_group, pp_group)
+def norm_right_as_tensor(grads, replicated, tied, tp_group, pp_group):
+    return norm(grads, replicated, tied, tp_group, pp_group)
 
 
-def norm_counting_replicated_tp_times(grads, replicated, tp_group, pp_group):
-    return norm(grads, replicated, tp_group, pp_group, replicated_once=False)
+def norm_right_on_last_stage(grads, replicated, tied, tp_group, pp_group):
+    """The tied embedding counted on the last stage instead of the first: the same norm."""
+    last = dist.get_rank(pp_group) == dist.get_world_size(pp_group) - 1
+    kept = [(g, r) for g, r, t in zip(grads, replicated, tied, strict=True) if not t or last]
+    return norm([g for g, _ in kept], [r for _, r in kept], [False] * len(kept), tp_group,
+                pp_group).item()
 
 
-def norm_without_pp(grads, replicated, tp_group, pp_group):
-    return norm(grads, replicated, tp_group, pp_group, groups=("tp",))
+def norm_counting_replicated_tp_times(grads, replicated, tied, tp_group, pp_group):
+    return norm(grads, replicated, tied, tp_group, pp_group, replicated_once=False)
 
 
-def norm_without_tp(grads, replicated, tp_group, pp_group):
-    return norm(grads, replicated, tp_group, pp_group, groups=("pp",), replicated_once=False)
+def norm_without_pp(grads, replicated, tied, tp_group, pp_group):
+    return norm(grads, replicated, tied, tp_group, pp_group, groups=("tp",))
 
 
-def norm_of_norms(grads, replicated, tp_group, pp_group):
-    return norm(grads, replicated, tp_group, pp_group, sqrt_first=True)
+def norm_without_tp(grads, replicated, tied, tp_group, pp_group):
+    return norm(grads, replicated, tied, tp_group, pp_group, groups=("pp",),
+                replicated_once=False)
+
+
+def norm_of_norms(grads, replicated, tied, tp_group, pp_group):
+    return norm(grads, replicated, tied, tp_group, pp_group, sqrt_first=True)
+
+
+def norm_counting_tied_twice(grads, replicated, tied, tp_group, pp_group):
+    return norm(grads, replicated, tied, tp_group, pp_group, tied_ends="both")
+
+
+def norm_leaving_out_tied(grads, replicated, tied, tp_group, pp_group):
+    return norm(grads, replicated, tied, tp_group, pp_group, tied_ends="none")
+
+
+def norm_counting_tied_tp_times(grads, replicated, tied, tp_group, pp_group):
+    return norm(grads, replicated, tied, tp_group, pp_group, tied_tp_once=False)
 
 
 def not_written(*args):
@@ -92,6 +118,7 @@ grows_every_step = variant("grows_every_step", grow_every_step=True)
 def test_right_answers_pass():
     assert check_global_grad_norm(norm_right).startswith("global_grad_norm: one process's")
     assert check_global_grad_norm(norm_right_as_tensor, layouts=((2, 2),))
+    assert check_global_grad_norm(norm_right_on_last_stage, layouts=((2, 2), (1, 2)))
     assert check_loss_scale(scale_right).startswith("update_loss_scale: on 2, 4 ranks")
 
 
@@ -103,6 +130,11 @@ def test_right_answers_pass():
     (check_global_grad_norm, norm_without_tp,
      "rank 0 .*left out the other tp ranks' shards: all-reduce .* over tp_group"),
     (check_global_grad_norm, norm_of_norms, "rank 0 .*summed norms, not squares"),
+    (check_global_grad_norm, norm_counting_tied_twice,
+     "tp=2 x pp=2, rank 0 .*counted the tied embedding .* on both ends of the pipeline"),
+    (check_global_grad_norm, norm_leaving_out_tied, "rank 0 .*left out the tied embedding"),
+    (check_global_grad_norm, norm_counting_tied_tp_times,
+     "rank 0 .*counted the tied embedding on every tp rank"),
     (check_loss_scale, skip_alone, "step 2 \\(an inf on rank 1 only.*\\): rank 1 skipped the "
                                    "step but rank 0 did not \\(only the ranks whose own"),
     (check_loss_scale, skip_on_inf_only, "a nan on rank 0 only.*no rank skipped: a nan is"),
@@ -123,3 +155,14 @@ def test_right_answers_pass():
 def test_usual_mistakes_get_a_hint(check, fn, words):
     with pytest.raises(ExerciseError, match=words):
         check(fn)
+
+
+def test_tied_mistakes_told_apart_where_they_differ():
+    """On tp=2 x pp=2 the tied embedding counted twice reads the same whether on both ends
+    or on both tp ranks, so the hint names both; one dimension alone tells them apart."""
+    with pytest.raises(ExerciseError, match="tp=1 x pp=2, rank 0 .*on both ends of the "
+                                            "pipeline[^;]*$"):
+        check_global_grad_norm(norm_counting_tied_twice, layouts=((1, 2),))
+    with pytest.raises(ExerciseError, match="tp=2 x pp=1, rank 0 .*counted the tied embedding "
+                                            "on every tp rank[^;]*$"):
+        check_global_grad_norm(norm_counting_tied_tp_times, layouts=((2, 1),))

@@ -118,7 +118,7 @@ def _gradient_exchange_seconds(width: int, compression: str, k: int, machine: Ma
     return total
 
 
-def speedup_in_turns(per_rank_sizes: tuple[int, ...] = (8, 512), width: int = 256,
+def speedup_in_turns(per_rank_sizes: tuple[int, ...] = (8, 2048), width: int = 256,
                      ranks: int = 2, rounds: int = 5, steps: int = 5) -> list[dict]:
     """Does data parallelism pay? Each per-rank batch's weak-scaling speedup on `ranks`
     ranks over one, measured in turns so that a busy machine slows both sides alike.

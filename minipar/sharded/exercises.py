@@ -81,7 +81,34 @@ def _unit_twin() -> nn.Linear:
     return nn.Linear(5, 3, dtype=torch.float64)  # 18 numbers: padded for 4 ranks
 
 
-def _run_fsdp_forward(fn: Callable) -> tuple[torch.Tensor, list[int], dict[str, int]]:
+def _held_numbers(tensors: list[torch.Tensor], skip: torch.Tensor | None = None) -> int:
+    """How many numbers the distinct storages behind `tensors` still hold (not `skip`'s)."""
+    held = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes() and (skip is None
+                                 or storage.data_ptr() != skip.untyped_storage().data_ptr()):
+            held[storage.data_ptr()] = storage.nbytes() // t.element_size()
+    return sum(held.values())
+
+
+def _saved_for_backward(y: torch.Tensor) -> list[torch.Tensor]:
+    """Every tensor autograd's graph behind `y` saved for backward."""
+    saved, seen, stack = [], set(), [getattr(y, "grad_fn", None)]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name in dir(node):
+            if name.startswith("_saved_"):
+                value = getattr(node, name)
+                saved += [value] if isinstance(value, torch.Tensor) else []
+        stack += [n for n, _ in node.next_functions]
+    return saved
+
+
+def _run_fsdp_forward(fn: Callable) -> tuple[torch.Tensor, int, int, dict[str, int]]:
     k, me = runtime.world_size(), runtime.rank()
     twin = _unit_twin()
     flat = torch.cat([twin.weight.detach().reshape(-1), twin.bias.detach()])
@@ -90,25 +117,31 @@ def _run_fsdp_forward(fn: Callable) -> tuple[torch.Tensor, list[int], dict[str, 
     unit = _unit_twin()
     for p in unit.parameters():
         p.data = torch.empty(0, dtype=torch.float64)
-    x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(62))
+    # a layer's input needs its gradient, so autograd saves the weight for backward
+    x = _unit_input().requires_grad_(True)
     with collectives.meter() as m:
         y = fn(unit, flat[me * size:(me + 1) * size].clone(), x)
-    return torch.as_tensor(y).detach(), [p.numel() for p in unit.parameters()], dict(m.calls)
+    return (torch.as_tensor(y).detach(), _held_numbers(list(unit.parameters())),
+            _held_numbers(_saved_for_backward(torch.as_tensor(y)), skip=x), dict(m.calls))
+
+
+def _unit_input() -> torch.Tensor:
+    return torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(62))
 
 
 def check_fsdp_forward(fsdp_forward: Callable, world_sizes: tuple[int, ...] = (2, 4)) -> str:
     """`fsdp_forward(unit, shard, x)`: `unit` is an nn.Linear(5, 3) whose parameters are
     empty, `shard` this rank's slice of its flat parameters (weight then bias, zero-padded
-    to a multiple of K). Gather, compute, free: the output must be the full layer's and the
-    parameters empty again afterwards."""
+    to a multiple of K), `x` an input that needs its gradient. Gather, compute, free: the
+    output must be the full layer's, and afterwards no storage of the gathered parameters
+    may hold a byte, neither the parameters' nor the view autograd saved for backward."""
     refuse_library("fsdp_forward", fsdp_forward)
-    x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(62))
-    want = _unit_twin()(x).detach()
+    want = _unit_twin()(_unit_input()).detach()
     for k in world_sizes:
         got = run_on_ranks("fsdp_forward", _run_fsdp_forward, k, fsdp_forward, crash_hints={
             "must be a matrix": "called the unit while its parameters were still empty: "
                                 "all-gather the shard and set each p.data first"})
-        for r, (y, sizes, calls) in enumerate(got):
+        for r, (y, kept, saved, calls) in enumerate(got):
             where = f"fsdp_forward on {k} ranks, rank {r}"
             if "all_gather" not in calls:
                 raise ExerciseError(f"{where}: no all-gather: each rank holds only its slice; "
@@ -118,10 +151,15 @@ def check_fsdp_forward(fsdp_forward: Callable, world_sizes: tuple[int, ...] = (2
                     f"{where}: the output differs from the full layer's. The gathered vector "
                     "is the weight (15 numbers, view it as (3, 5)) then the bias (3); the rest "
                     "is padding. Set p.data for each parameter before calling the unit.")
-            if any(sizes):
-                raise ExerciseError(f"{where}: the parameters still hold {sum(sizes)} numbers "
-                                    "after the forward. Free them (p.data = torch.empty(0, "
-                                    "dtype=p.dtype)): keeping every unit whole is what ZeRO-3 "
-                                    "exists to avoid.")
+            if kept:
+                raise ExerciseError(f"{where}: the parameters still hold {kept} numbers after "
+                                    "the forward. Free them: keeping every unit whole is what "
+                                    "ZeRO-3 exists to avoid.")
+            if saved:
+                raise ExerciseError(
+                    f"{where}: the parameters look empty, but autograd saved a view of the "
+                    f"gathered weight for backward, and its storage still holds {saved} "
+                    "numbers: p.data = torch.empty(0) only repoints the parameter. Shrink the "
+                    "storage itself, p.untyped_storage().resize_(0), as fsdp.py does.")
     return (f"fsdp_forward: gather, compute, free on {', '.join(map(str, world_sizes))} ranks; "
             "output equals the full layer")

@@ -1,6 +1,7 @@
-"""Lesson 11's exercise checks: the gradient norm across a tp x pp layout, and fp16's
-dynamic loss scale, which every rank skips and halves together when any rank's gradients
-overflowed and grows back after a run of clean steps."""
+"""Lesson 11's exercise checks: the gradient norm across a tp x pp layout, a tied embedding
+on both pipeline ends included, and fp16's dynamic loss scale, which every rank skips and
+halves together when any rank's gradients overflowed and grows back after a run of clean
+steps."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from .precision import LossScaler
 # the output bias (replicated); the gain is large, so counting it tp times shows
 _SHAPES = ((3, 4), (4,), (4, 3), (4,))
 _REPLICATED = (False, True, False, True)
+# the tied embedding: first in the first stage's list, last in the last stage's (the head),
+# one summed gradient on both ends, replicated over tp as minipar's trainer keeps it
+_TIED_SHAPE = (5, 4)
 _LAYOUTS = ((2, 2), (2, 1), (1, 2))  # (tp, pp): the 4-rank layout first catches most mistakes
 
 
@@ -25,29 +29,45 @@ def _gradient(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
 
 
-def _stage_gradients(stage: int, tp_rank: int) -> list[torch.Tensor]:
-    """Stage `stage`'s gradients as tp rank `tp_rank` holds them: shards seeded per
-    (stage, tp rank), replicated tensors per stage only (the same on every tp rank)."""
+def _tied_gradient() -> torch.Tensor:
+    return 2 * _gradient(_TIED_SHAPE, 7)
+
+
+def _stage_gradients(stage: int, tp_rank: int, pp: int = 1) -> list[tuple[torch.Tensor, bool,
+                                                                           bool]]:
+    """Stage `stage`'s (gradient, replicated, tied) as tp rank `tp_rank` holds them: shards
+    seeded per (stage, tp rank), replicated tensors per stage only (the same on every tp
+    rank), the tied embedding on the first stage and, when pp > 1, again on the last."""
     grads = []
     for i, (shape, rep) in enumerate(zip(_SHAPES, _REPLICATED, strict=True)):
         if rep:  # no tp rank in the seed: every tp rank holds the same values
-            grads.append(3 * _gradient(shape, 100 * stage + i))
+            grads.append((3 * _gradient(shape, 100 * stage + i), True, False))
         else:
-            grads.append(_gradient(shape, 100 * stage + 10 * (tp_rank + 1) + i))
+            grads.append((_gradient(shape, 100 * stage + 10 * (tp_rank + 1) + i), False, False))
+    if stage == 0:
+        grads.insert(0, (_tied_gradient(), True, True))
+    if stage == pp - 1 and pp > 1:
+        grads.append((_tied_gradient(), True, True))
     return grads
 
 
 def _squares(stage: int, tp_rank: int, replicated: bool) -> float:
-    """Sum of squares of one rank's shards, or of its stage's replicated tensors."""
-    return sum(float(g.pow(2).sum()) for g, rep in
-               zip(_stage_gradients(stage, tp_rank), _REPLICATED, strict=True) if rep == replicated)
+    """Sum of squares of one rank's shards, or of its stage's replicated tensors (the tied
+    embedding left out: `_TIED` holds it)."""
+    return sum(float(g.pow(2).sum()) for g, rep, tie in _stage_gradients(stage, tp_rank)
+               if rep == replicated and not tie)
+
+
+_TIED = float(_tied_gradient().pow(2).sum())
 
 
 def _run_norm(fn: Callable, tp: int, pp: int) -> dict:
     groups = Mesh(pp=pp, tp=tp).connect()
     stage, tp_rank = groups.coords["pp"], groups.coords["tp"]
-    # fresh tensors and list: the reference regenerates its own, whatever the learner edits
-    out = fn(_stage_gradients(stage, tp_rank), list(_REPLICATED), groups.tp, groups.pp)
+    # fresh tensors and lists: the reference regenerates its own, whatever the learner edits
+    held = _stage_gradients(stage, tp_rank, pp)
+    out = fn([g for g, _, _ in held], [rep for _, rep, _ in held], [tie for _, _, tie in held],
+             groups.tp, groups.pp)
     try:
         return {"norm": float(out)}
     except (TypeError, ValueError, RuntimeError):
@@ -57,6 +77,13 @@ def _run_norm(fn: Callable, tp: int, pp: int) -> dict:
 _TP_TIMES = ("counted the replicated tensors (replicated[i] True) once per tp rank, tp times "
              "in all: add their squares on one tp rank only (e.g. tp rank 0), or divide them "
              "by the tp size")
+_TIED_TP = ("counted the tied embedding on every tp rank: it is replicated over tp too "
+            "(replicated[i] True), so count it on one tp rank of the first stage only")
+_TIED_TWICE = ("counted the tied embedding (tied[i] True) on both ends of the pipeline: the "
+               "first and last stages hold the same summed gradient, so add its squares on the "
+               "first stage only (dist.get_rank(pp_group) == 0)")
+_TIED_NONE = ("left out the tied embedding (tied[i] True): it is one tensor of the model, so "
+              "count it once, on the first stage")
 _NORMS = ("summed norms, not squares: take the square root once, after both all-reduces of "
           "the sum of squares")
 _NO_PP = ("returned only its own stage's part: all-reduce the sum of squares over pp_group "
@@ -71,30 +98,42 @@ def _wrong_norms(tp: int, pp: int, stage: int, tp_rank: int) -> list[tuple[str, 
     rep = {s: _squares(s, 0, True) for s in range(pp)}
     # how a rank may count the replicated tensors: by one tp rank, a 1/tp share each, every rank
     weights = (lambda r: 1.0 if r == 0 else 0.0, lambda r: 1 / tp, lambda r: 1.0)
+    # which stages count the tied embedding: the first (right), both ends, none
+    ends = {"first": lambda s: s == 0, "both": lambda s: s in (0, pp - 1), "none": lambda s: False}
     wrong = []
     for w in weights:
-        local = {(s, r): shards[s][r] + w(r) * rep[s] for s in range(pp) for r in range(tp)}
-        if tp > 1 and w(1) == 1.0:  # every rank counts them: a mistake even if all else is right
-            wrong.append((_TP_TIMES, math.sqrt(sum(local.values()))))
-        wrong.append((_NORMS, sum(math.sqrt(v) for v in local.values())))
-        if pp > 1:
-            wrong.append((_NO_PP, math.sqrt(sum(local[stage, r] for r in range(tp)))))
-        if tp > 1:
-            wrong.append((_NO_TP, math.sqrt(sum(local[s, tp_rank] for s in range(pp)))))
+        for tied_w in dict.fromkeys((w, weights[2])):  # the tied one like the rest, or everywhere
+            for end, counts in ends.items():
+                if end == "both" and pp == 1:  # one stage holds one copy: same as "first"
+                    continue
+                local = {(s, r): shards[s][r] + w(r) * rep[s] + tied_w(r) * counts(s) * _TIED
+                         for s in range(pp) for r in range(tp)}
+                counting = (_TP_TIMES if tp > 1 and w(1) == 1.0 else
+                            _TIED_TP if tp > 1 and tied_w(1) == 1.0 and counts(0) else
+                            _TIED_TWICE if end == "both" else
+                            _TIED_NONE if end == "none" else None)
+                if counting:  # a mistake even if all else is right
+                    wrong.append((counting, math.sqrt(sum(local.values()))))
+                wrong.append((_NORMS, sum(math.sqrt(v) for v in local.values())))
+                if pp > 1:
+                    wrong.append((_NO_PP, math.sqrt(sum(local[stage, r] for r in range(tp)))))
+                if tp > 1:
+                    wrong.append((_NO_TP, math.sqrt(sum(local[s, tp_rank] for s in range(pp)))))
     return wrong
 
 
 def check_global_grad_norm(global_grad_norm: Callable,
                            layouts: tuple[tuple[int, int], ...] = _LAYOUTS) -> str:
-    """`global_grad_norm(grads, replicated, tp_group, pp_group) -> float` on every rank of
-    a tp x pp layout: `grads` this rank's gradients, `replicated[i]` True where grads[i]
-    is the same on every tp rank. Every rank must return the norm one process would
-    compute over the whole model, each entry counted once."""
+    """`global_grad_norm(grads, replicated, tied, tp_group, pp_group) -> float` on every
+    rank of a tp x pp layout: `grads` this rank's gradients, `replicated[i]` True where
+    grads[i] is the same on every tp rank, `tied[i]` True for the tied embedding, whose
+    summed gradient the first and last stages both hold. Every rank must return the norm
+    one process would compute over the whole model, each entry counted once."""
     refuse_library("global_grad_norm", global_grad_norm)
     for tp, pp in layouts:
         got = run_on_ranks("global_grad_norm", _run_norm, tp * pp, global_grad_norm, tp, pp)
         want = math.sqrt(sum(_squares(s, r, False) + (r == 0) * _squares(s, 0, True)
-                             for s in range(pp) for r in range(tp)))
+                             for s in range(pp) for r in range(tp)) + _TIED)
         for r, out in enumerate(got):
             stage, tp_rank = divmod(r, tp)  # Mesh(pp=, tp=): tp is the fastest dimension
             where = f"global_grad_norm on tp={tp} x pp={pp}, rank {r} (stage {stage}, tp rank " \
@@ -104,16 +143,19 @@ def check_global_grad_norm(global_grad_norm: Callable,
                                     "a float or a one-element tensor")
             if math.isclose(out["norm"], want, rel_tol=1e-6):
                 continue
-            hint = next((h for h, v in _wrong_norms(tp, pp, stage, tp_rank)
-                         if math.isclose(out["norm"], v, rel_tol=1e-6)),
-                        "is off some other way: sum the squares of your shards and, once per "
-                        "tp group, of the replicated tensors; all-reduce that sum over tp_group "
-                        "and pp_group; then take the square root")
+            # distinct mistakes can give one number (on tp=2 x pp=2 the tied embedding counted
+            # on both tp ranks or on both ends): name the first two that match
+            hints = list(dict.fromkeys(h for h, v in _wrong_norms(tp, pp, stage, tp_rank)
+                                       if math.isclose(out["norm"], v, rel_tol=1e-6)))[:2]
+            hint = "; or it ".join(hints) or (
+                "is off some other way: sum the squares of your shards and, once per tp group, "
+                "of the replicated tensors (the tied embedding on the first stage only); "
+                "all-reduce that sum over tp_group and pp_group; then take the square root")
             raise ExerciseError(f"{where}: returned {out['norm']:.6g}, not one process's "
                                 f"{want:.6g}; it {hint}")
     return ("global_grad_norm: one process's norm on every rank of "
             f"{', '.join(f'tp={tp} x pp={pp}' for tp, pp in layouts)}; replicated tensors "
-            "counted once")
+            "counted once, the tied embedding on the first stage only")
 
 
 _SCALE = 1024.0
