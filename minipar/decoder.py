@@ -15,6 +15,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .runtime.device import device
+from .runtime.placement import host_allocations
+
 
 @dataclass(frozen=True)
 class DecoderConfig:
@@ -143,8 +146,9 @@ def rope_tables(head_dim: int, positions: torch.Tensor, base: float = 10000.0,
     context-parallel rank passes the global positions of the tokens it holds."""
     # frequency i turns base^(-2i/d) radians per position (Su et al. 2021); float64 angles,
     # so a float32 and a float64 model see the same tables up to the final cast
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = positions.to(torch.float64)[:, None] * inv_freq.to(positions.device)[None, :]
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64,
+                                      device=positions.device) / head_dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     # each frequency twice, [f0..f(d/2-1), f0..f(d/2-1)]: the rotate-half layout below
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -306,14 +310,14 @@ class Decoder(nn.Module):
         config.check()
         self.config = config
         # built on the meta device (no memory, no draws from the global RNG), then given
-        # real storage on the CPU and filled by init(seed)
+        # real storage on the rank's device and filled by init(seed)
         with torch.device("meta"):
             self.embed = nn.Embedding(config.vocab_size, config.hidden, dtype=dtype)
             self.blocks = nn.ModuleList(self.make_block(config, dtype)
                                         for _ in range(config.layers))
             self.norm = RMSNorm(config.hidden, config.norm_eps, dtype)
             self.head = nn.Linear(config.hidden, config.vocab_size, bias=False, dtype=dtype)
-        self.to_empty(device="cpu")
+        self.to_empty(device=device())
         if config.tied:
             self.head.weight = self.embed.weight  # one Parameter (Press and Wolf 2017)
         self.init(seed)
@@ -324,7 +328,7 @@ class Decoder(nn.Module):
         scaled by 1/sqrt(2 layers) as GPT-2 does (two residual additions per block, so the
         stream's variance stays put with depth), norms to 1. Drawn in float32 on the CPU
         from one generator in parameter order: the same numbers on any machine, and a
-        float64 model holds exactly its float32 twin's values."""
+        float64 model holds exactly its float32 twin's values; copied to the device."""
         generator = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.config.layers)
         for name, param in self.named_parameters():  # a tied weight is listed once
@@ -335,7 +339,9 @@ class Decoder(nn.Module):
                 param.zero_()
                 continue
             std = residual_std if name.endswith(("o_proj.weight", "down.weight")) else 0.02
-            param.copy_(torch.randn(param.shape, generator=generator) * std)
+            with host_allocations():  # the same draws on any device: made here, copied over
+                draw = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            param.copy_(draw * std)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,
                 explicit: bool | None = None) -> torch.Tensor:

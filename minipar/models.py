@@ -9,19 +9,24 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .runtime.device import device
+from .runtime.placement import host_allocations
+
 
 def mlp(sizes: list[int], seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Sequential:
     """Linear layers with tanh between them, initialized from `seed`."""
     if len(sizes) < 2:
         raise ValueError(f"sizes must list at least an input and an output size; got {sizes}")
-    # nn.Linear draws its init from the global RNG: seeding it makes every rank's twin the same
+    # nn.Linear draws its init from the global RNG: seeding it makes every rank's twin the same;
+    # drawn on the host and moved, so a GPU rank holds the CPU's numbers
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
-        layers.append(nn.Linear(a, b, dtype=dtype))
-        if i < len(sizes) - 2:
-            layers.append(nn.Tanh())
-    return nn.Sequential(*layers)
+    with host_allocations():
+        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+            layers.append(nn.Linear(a, b, dtype=dtype))
+            if i < len(sizes) - 2:
+                layers.append(nn.Tanh())
+    return nn.Sequential(*layers).to(device())
 
 
 def mlp_parameters(sizes: list[int]) -> int:
@@ -34,8 +39,10 @@ def linear_stack(width: int, blocks: int, seed: int = 0,
     """`blocks` blocks of Linear(width, width) then tanh, initialized from `seed`: the
     model pipelines split into stages (one block is the smallest piece a stage holds)."""
     torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width, dtype=dtype), nn.Tanh())
-                           for _ in range(blocks)])
+    with host_allocations():  # seeded on the host, then moved (as mlp)
+        stack = nn.Sequential(*[nn.Sequential(nn.Linear(width, width, dtype=dtype), nn.Tanh())
+                                for _ in range(blocks)])
+    return stack.to(device())
 
 
 class FFN(nn.Module):
@@ -81,9 +88,10 @@ def regression_data(samples: int, features: int, outputs: int = 1, seed: int = 0
     """(x, y) with y a fixed random nonlinear function of x plus noise."""
     # a generator of its own: the data does not depend on, nor disturb, the global RNG
     generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(samples, features, generator=generator, dtype=dtype)
-    # / sqrt(features): x @ w has variance about 1, so tanh is not saturated
-    w = torch.randn(features, outputs, generator=generator, dtype=dtype) / features**0.5
-    y = torch.tanh(x @ w) + noise * torch.randn(samples, outputs, generator=generator,
-                                                dtype=dtype)
-    return x, y
+    with host_allocations():  # drawn on the host: the same data on any device
+        x = torch.randn(samples, features, generator=generator, dtype=dtype)
+        # / sqrt(features): x @ w has variance about 1, so tanh is not saturated
+        w = torch.randn(features, outputs, generator=generator, dtype=dtype) / features**0.5
+        y = torch.tanh(x @ w) + noise * torch.randn(samples, outputs, generator=generator,
+                                                    dtype=dtype)
+    return x.to(device()), y.to(device())

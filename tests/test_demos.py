@@ -15,6 +15,9 @@ from minipar.sharded import demo as sharded
 from minipar.slow_networks import demo as slow_networks
 from minipar.tensor_parallel import demo as tensor_parallel
 
+# every rank of these tests runs under the placement trap (issue 43, conftest.py)
+pytestmark = pytest.mark.usefixtures("placement_trap_on")
+
 
 @pytest.mark.parametrize("technique, args", [
     (basics, (("hello", "split_work"), 4, 20)), (collectives, (1 << 12, 1)),

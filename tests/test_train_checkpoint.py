@@ -18,6 +18,9 @@ from minipar.train.loop import train
 from minipar.train.model_part import trainer_mesh
 from minipar.train.sharded_checkpoint import checkpoint_dir, verify_checkpoint
 
+# every rank of these tests runs under the placement trap (issue 43, conftest.py)
+pytestmark = pytest.mark.usefixtures("placement_trap_on")
+
 
 @pytest.fixture(scope="module")
 def uninterrupted(corpus):  # noqa: F811

@@ -25,6 +25,9 @@ from minipar.train.loop import build_part, train
 from minipar.train.model_part import trainer_mesh
 from minipar.train.optim import global_norm
 
+# every rank of these tests runs under the placement trap (issue 43, conftest.py)
+pytestmark = pytest.mark.usefixtures("placement_trap_on")
+
 # (parallel degrees and techniques, train.recompute)
 FOUR_RANKS = [
     (dict(dp=2, tp=2), "none"),

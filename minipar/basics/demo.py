@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..demo import Check, Context, Row, best_run, combine, one_process, start_clock
 from ..plots import render_timeline, to_png
-from ..runtime import rank, world_size
+from ..runtime import device, rank, world_size
 from .steps import busy_work, hello, synchronized_steps
 
 
@@ -22,7 +22,7 @@ def _split_work(tasks: int, units: int) -> float:
     # round-robin (me, me + K, ...): task sizes grow with t, so each rank gets early and late
     # ones; float64 so the sum matches one process's to 1e-9
     local = torch.tensor([sum(busy_work(units + t) for t in range(me, tasks, size))],
-                         dtype=torch.float64)
+                         dtype=torch.float64, device=device())
     dist.all_reduce(local)
     return local.item()
 

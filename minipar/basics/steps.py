@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import device, rank, world_size
+from ..runtime.placement import host_allocations
 from ..trace import record
 
 
@@ -24,11 +25,13 @@ def hello() -> float:
 
 
 def busy_work(units: int, size: int = 96) -> float:
-    """Deterministic CPU work: `units` small matrix products; returns a checksum."""
+    """Deterministic work on this rank's device: `units` small matrix products; returns a
+    checksum."""
     generator = torch.Generator().manual_seed(0)
-    # / sqrt(size): x @ a keeps its scale, so tanh neither saturates nor vanishes
-    a = torch.randn(size, size, generator=generator) / size**0.5
-    x = torch.eye(size)
+    with host_allocations():  # the same seeded draw on any device
+        # / sqrt(size): x @ a keeps its scale, so tanh neither saturates nor vanishes
+        a = (torch.randn(size, size, generator=generator) / size**0.5).to(device())
+    x = torch.eye(size, device=device())
     for _ in range(units):
         # each product depends on the last: the work cannot be skipped or reordered
         x = torch.tanh(x @ a)
@@ -56,11 +59,11 @@ def synchronized_steps(steps: int = 3, units: int = 40, slow_rank: int | None = 
     me = rank()
     slow = me == slow_rank
     my_units = round(units * slowdown) if slow and straggle == "work" else units
-    total = torch.zeros(1, dtype=torch.float64)
+    total = torch.zeros(1, dtype=torch.float64, device=device())
     for step in range(steps):
         with record("compute", f"step {step}", step=step):
             start = time.perf_counter()
-            total = torch.tensor([busy_work(my_units)], dtype=torch.float64)
+            total = torch.tensor([busy_work(my_units)], dtype=torch.float64, device=device())
             if slow and straggle == "sleep":
                 # sleep, not more work: a sleep costs the same on any number of cores
                 time.sleep((slowdown - 1) * (time.perf_counter() - start))

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from ..runtime import device
+
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
               q_pos: torch.Tensor | None = None, k_pos: torch.Tensor | None = None
@@ -27,8 +29,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     # 1 / sqrt(d): "Attention Is All You Need"'s scaling, keeping the scores' variance near 1
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
-        q_pos = torch.arange(q.shape[-2]) if q_pos is None else q_pos
-        k_pos = torch.arange(k.shape[-2]) if k_pos is None else k_pos
+        q_pos = torch.arange(q.shape[-2], device=q.device) if q_pos is None else q_pos
+        k_pos = torch.arange(k.shape[-2], device=k.device) if k_pos is None else k_pos
         # -inf before the softmax, not 0 after it: exp(-inf) = 0 and the rest still sums to 1
         scores = scores.masked_fill(k_pos[None, :] > q_pos[:, None], float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
@@ -42,7 +44,7 @@ def blocked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks:
     attention (the same blocks, the same skipped work); FlashAttention tiles the same way
     inside one device."""
     seq = q.shape[-2]
-    pos = torch.arange(seq)
+    pos = torch.arange(seq, device=device())
     cuts = torch.tensor_split(pos, blocks)
     outs = []
     for q_pos in cuts:
@@ -128,12 +130,12 @@ def positions(rank: int, world_size: int, seq_len: int, balanced: bool) -> torch
                          f"{math.ceil(seq_len / parts) * parts} or use another length")
     c = seq_len // parts
     if not balanced:
-        return torch.arange(rank * c, (rank + 1) * c)
+        return torch.arange(rank * c, (rank + 1) * c, device=device())
     # the zig-zag layout of Megatron's context parallelism: chunk r (cheap) pairs with chunk
     # 2K-1-r (expensive), so causal work is even over the ranks
     mirror = parts - 1 - rank
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c),
-                      torch.arange(mirror * c, (mirror + 1) * c)])
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c, device=device()),
+                      torch.arange(mirror * c, (mirror + 1) * c, device=device())])
 
 
 def chunks(pos: torch.Tensor, balanced: bool) -> list[slice]:

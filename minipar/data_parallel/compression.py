@@ -38,6 +38,7 @@ from torch import nn
 
 from .. import collectives
 from ..runtime import rank, world_size
+from ..runtime.placement import host_allocations
 from .ddp import shard, shard_weight
 
 
@@ -128,7 +129,8 @@ class RandK(TopK):
         if self._generator is None:  # seeded on first use, inside the rank
             self._generator = torch.Generator().manual_seed(self.seed * 1_000_003 + rank())
         k = self._k(flat)
-        indices = torch.randperm(flat.numel(), generator=self._generator)[:k]
+        with host_allocations():  # a CPU generator draws on the host, moved just below
+            indices = torch.randperm(flat.numel(), generator=self._generator)[:k]
         indices = indices.to(device=flat.device, dtype=torch.int32)
         # the n/k scale makes the compressor unbiased: each entry survives with probability k/n
         values = flat[indices.long()] * (flat.numel() / k)

@@ -23,7 +23,7 @@ from torch import nn
 from ..context_parallel import positions as cp_positions
 from ..context_parallel.ring_core import ring_core
 from ..decoder import Decoder, rope_tables, run_block
-from ..runtime import rank, world_size
+from ..runtime import device, rank, world_size
 from ..tensor_parallel import (
     SEQUENCE_DIM,
     gather_from_parallel_region,
@@ -121,7 +121,7 @@ def held_positions(groups: MeshGroups, seq_len: int) -> torch.Tensor:
     or its cp rank's chunks of the balanced layout."""
     cp = world_size(groups.cp)
     if cp == 1:
-        return torch.arange(seq_len)
+        return torch.arange(seq_len, device=device())
     return cp_positions(rank(groups.cp), cp, seq_len, balanced=True)
 
 

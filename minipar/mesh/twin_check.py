@@ -25,7 +25,8 @@ from torch import nn
 from .. import collectives
 from ..data_parallel import shard
 from ..decoder import Decoder, DecoderConfig, cross_entropy, decoder
-from ..runtime import rank, world_size
+from ..runtime import device, rank, world_size
+from ..runtime.placement import host_allocations
 from ..tensor_parallel import twin_slice
 from .decoder_layers import decoder_layers
 from .mesh import Mesh, MeshGroups
@@ -72,8 +73,8 @@ class MeshDecoder:
         self.model.sum_tied_gradients()  # after the reduction: the sum is of averages
         if loss is None:
             return None
-        return collectives.all_reduce(torch.tensor([loss], dtype=torch.float64), op="avg",
-                                      group=self.dp).item()
+        loss = torch.tensor([loss], dtype=torch.float64, device=device())
+        return collectives.all_reduce(loss, op="avg", group=self.dp).item()
 
     def step(self) -> None:
         """Adam's step (ZeRO: each rank steps its slice, then the parameters are gathered;
@@ -108,8 +109,9 @@ def check_against_twin(mesh_dims: dict[str, int], zero: int = 0, steps: int = 2,
     twin_params = dict(twin.named_parameters())
     gap, wrong_grads, losses = 0.0, [], []
     for step in range(steps):
-        ids, targets = (torch.randint(0, config.vocab_size, (ROWS, config.seq_len),
-                                      generator=gen) for _ in range(2))
+        with host_allocations():  # the same seeded batch on any device
+            ids, targets = [torch.randint(0, config.vocab_size, (ROWS, config.seq_len),
+                                          generator=gen).to(device()) for _ in range(2)]
         loss = mesh.forward_backward(ids, targets)
         ref_loss = twin.loss(ids, targets)
         ref_loss.backward()

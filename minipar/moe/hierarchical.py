@@ -24,7 +24,7 @@ import torch
 
 from .. import collectives
 from ..mesh import Mesh
-from ..runtime import rank, ranks_per_node, world_size
+from ..runtime import device, rank, ranks_per_node, world_size
 from .exchange import Compute, Exchange, dispatch_and_combine
 
 
@@ -43,7 +43,7 @@ def node_mesh(per_node: int | None = None) -> Mesh:
 def counts_everywhere(send_counts: list[int], local_group, node_group) -> torch.Tensor:
     """[K, K] counts[src][dst] on every rank, gathered in the same two steps (inside the
     node, then across): the hierarchical way to learn what will arrive."""
-    mine = torch.tensor([send_counts], dtype=torch.int64)
+    mine = torch.tensor([send_counts], dtype=torch.int64, device=device())
     in_node = collectives.all_gather(mine, local_group)  # [n, K]
     return collectives.all_gather(in_node, node_group)  # [nodes * n, K], node-major
 

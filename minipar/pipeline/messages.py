@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
+from ..runtime import device
 from .plan import Action, ActionKind, Schedule
 
 HEADER = 9  # ndim + up to 8 dimensions, sent before an activation of unknown shape
@@ -65,7 +66,7 @@ class Messages:
 
     def _post(self, a: Action) -> None:
         shape, dtype = self.learnt[a]
-        self.posted[a] = collectives.irecv(torch.empty(shape, dtype=dtype),
+        self.posted[a] = collectives.irecv(torch.empty(shape, dtype=dtype, device=device()),
                                            self.plan.rank_of(a.peer_stage), self.group,
                                            **self._tag(a))
 
@@ -78,12 +79,12 @@ class Messages:
             return self.posted.pop(a).wait()
         src = self.plan.rank_of(a.peer_stage)
         if a.kind == ActionKind.RECV_F:  # first step with this batch shape: the shape first
-            header = collectives.recv(torch.zeros(HEADER, dtype=torch.int64), src, self.group,
-                                      **self._tag(a))
+            header = torch.zeros(HEADER, dtype=torch.int64, device=device())
+            header = collectives.recv(header, src, self.group, **self._tag(a))
             shape = header[1:1 + int(header[0])].tolist()
             self.learnt[a] = (shape, self.dtype)
-            return collectives.recv(torch.empty(shape, dtype=self.dtype), src, self.group,
-                                    **self._tag(a))
+            buffer = torch.empty(shape, dtype=self.dtype, device=device())
+            return collectives.recv(buffer, src, self.group, **self._tag(a))
         grad = torch.empty_like(like)  # a gradient has its output's shape: no header needed
         self.learnt[a] = (grad.shape, grad.dtype)
         return collectives.recv(grad, src, self.group, **self._tag(a))
@@ -92,9 +93,9 @@ class Messages:
         """Start sending `tensor` for `a` (SEND_F or SEND_B); `finish` waits for it."""
         dst = self.plan.rank_of(a.peer_stage)
         if self.headers and a.kind == ActionKind.SEND_F:
-            header = torch.zeros(HEADER, dtype=torch.int64)
+            header = torch.zeros(HEADER, dtype=torch.int64, device=tensor.device)
             header[0] = tensor.dim()
-            header[1:1 + tensor.dim()] = torch.tensor(tensor.shape)
+            header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, device=tensor.device)
             self.sends.append(collectives.isend(header, dst, self.group, **self._tag(a)))
         self.sends.append(collectives.isend(tensor, dst, self.group, **self._tag(a)))
 

@@ -24,7 +24,8 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from .. import collectives
-from ..runtime import rank, world_size
+from ..runtime import device, rank, world_size
+from ..runtime.placement import host_allocations
 from ..trace import Event, Timeline, record
 
 Path = tuple[int, ...]
@@ -48,9 +49,12 @@ def skip_model(features: int, width: int, stages: int, seed: int = 0,
     if stages < 3:
         raise ValueError(f"stages must be >= 3 (input, at least one middle, head); got {stages}")
     torch.manual_seed(seed)
-    return nn.ModuleList([nn.Sequential(nn.Linear(features, width, dtype=dtype), nn.Tanh()),
-                          *[Residual(width, dtype) for _ in range(stages - 2)],
-                          nn.Linear(width, 1, dtype=dtype)])
+    with host_allocations():  # seeded on the host, then moved: the same model on any device
+        stages_ = nn.ModuleList([nn.Sequential(nn.Linear(features, width, dtype=dtype),
+                                               nn.Tanh()),
+                                 *[Residual(width, dtype) for _ in range(stages - 2)],
+                                 nn.Linear(width, 1, dtype=dtype)])
+    return stages_.to(device())
 
 
 def plan_paths(stages: int, microbatches: int, skip: int, speeds: Sequence[float] | None = None,
@@ -140,14 +144,16 @@ class _Mailbox:
 
     def get(self, src: int, key: tuple[int, int]) -> torch.Tensor:
         while (src, *key) not in self.kept:
-            kind, mb, rows = collectives.recv(torch.zeros(3, dtype=torch.int64), src).tolist()
-            data = collectives.recv(torch.zeros(rows, self.width, dtype=self.dtype), src)
+            header = torch.zeros(3, dtype=torch.int64, device=device())
+            kind, mb, rows = collectives.recv(header, src).tolist()
+            data = torch.zeros(rows, self.width, dtype=self.dtype, device=device())
+            data = collectives.recv(data, src)
             self.kept[(src, kind, mb)] = data
         return self.kept.pop((src, *key))
 
 
 def _post(dst: int, kind: int, mb: int, data: torch.Tensor) -> list:
-    return [collectives.isend(torch.tensor([kind, mb, data.shape[0]]), dst),
+    return [collectives.isend(torch.tensor([kind, mb, data.shape[0]], device=data.device), dst),
             collectives.isend(data.contiguous(), dst)]
 
 

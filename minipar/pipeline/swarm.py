@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from .. import collectives
-from ..runtime import rank
+from ..runtime import device, rank
 from ..trace import record
 from .engine import split_model
 
@@ -61,7 +61,7 @@ def pick(weights: dict[int, float], rng: random.Random) -> int:
 def _send(op: int, mb: int, dst: int, payload: torch.Tensor | None = None) -> list:
     rows, cols = (payload.shape[0], payload.shape[1]) if payload is not None and \
         payload.dim() == 2 else (0 if payload is None else payload.numel(), 0)
-    pending = [collectives.isend(torch.tensor([op, mb, rows, cols]), dst)]
+    pending = [collectives.isend(torch.tensor([op, mb, rows, cols], device=device()), dst)]
     if payload is not None:
         pending.append(collectives.isend(payload.contiguous(), dst))
     return pending
@@ -75,37 +75,39 @@ def _worker(module: nn.Module, lr: float, slowdown: float, kill_at_step: int | N
     grads: dict[int, torch.Tensor] = {}
     updates = 0  # every step ends with an UPDATE to every worker: a step count
     while True:
-        op, mb, rows, cols = collectives.recv(torch.zeros(4, dtype=torch.int64), 0).tolist()
+        header = torch.zeros(4, dtype=torch.int64, device=device())
+        op, mb, rows, cols = collectives.recv(header, 0).tolist()
         if kill_at_step is not None and updates >= kill_at_step and op != STOP:
             # by step, not by forwards: how many forwards a worker serves depends on its
             # measured speed, so on the machine's load; the steps it sees do not
             os.kill(os.getpid(), signal.SIGKILL)
         dtype = params[0].dtype
         if op == FORWARD:
-            x = collectives.recv(torch.zeros(rows, cols, dtype=dtype), 0)
+            x = collectives.recv(torch.zeros(rows, cols, dtype=dtype, device=device()), 0)
             start = time.perf_counter()
             with record("compute", f"F{mb}", microbatch=mb):
                 x.requires_grad_()
                 y = module(x)
                 time.sleep((slowdown - 1) * (time.perf_counter() - start))
             saved[mb] = (x, y)
-            seconds = torch.tensor([time.perf_counter() - start], dtype=dtype)
+            seconds = torch.tensor([time.perf_counter() - start], dtype=dtype, device=device())
             collectives.send(torch.cat([y.detach().flatten(), seconds]), 0)
         elif op == BACKWARD:
-            g = collectives.recv(torch.zeros(rows, cols, dtype=dtype), 0)
+            g = collectives.recv(torch.zeros(rows, cols, dtype=dtype, device=device()), 0)
             x, y = saved.pop(mb)
             with record("compute", f"B{mb}", microbatch=mb):
                 dx, *dp = torch.autograd.grad(y, [x, *params], g)
             grads[mb] = parameters_to_vector(dp)
             collectives.send(dx, 0)
         elif op == GRADS:
-            ids = collectives.recv(torch.zeros(rows, dtype=torch.int64), 0).tolist()
+            ids = torch.zeros(rows, dtype=torch.int64, device=device())
+            ids = collectives.recv(ids, 0).tolist()
             total = sum((grads[i] for i in ids), torch.zeros_like(grads[ids[0]])) if ids \
                 else parameters_to_vector(params).detach() * 0
             collectives.send(total, 0)
         elif op == UPDATE:
             updates += 1
-            mean = collectives.recv(torch.zeros(rows, dtype=dtype), 0)
+            mean = collectives.recv(torch.zeros(rows, dtype=dtype, device=device()), 0)
             with torch.no_grad():
                 flat = parameters_to_vector(params) - lr * mean
                 torch.nn.utils.vector_to_parameters(flat, params)
@@ -164,7 +166,7 @@ class _Trainer:
         """Receive a reply of `shape` from `worker`; None (the worker marked dead) if it
         has gone."""
         try:
-            return collectives.recv(torch.zeros(shape, dtype=self.dtype), worker)
+            return collectives.recv(torch.zeros(shape, dtype=self.dtype, device=device()), worker)
         except RuntimeError:
             self._died(worker, step)
             return None
@@ -233,7 +235,8 @@ class _Trainer:
             for w in pool:
                 if w in self.dead:
                     continue
-                ids = torch.tensor([mb for mb in counted if route[mb][s] == w], dtype=torch.int64)
+                ids = torch.tensor([mb for mb in counted if route[mb][s] == w], dtype=torch.int64,
+                                   device=device())
                 if not self.deliver(GRADS, 0, w, step, ids):
                     return None
                 part = self.fetch((self.sizes[s],), w, step)

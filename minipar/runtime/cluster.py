@@ -14,6 +14,7 @@ from .. import trace
 from .device import resolve_backend
 from .errors import Results
 from .group import RankGroup, replay
+from .placement import trap_requested
 from .torchrun import run_under_torchrun, under_torchrun
 from .worker import in_rank
 
@@ -42,8 +43,9 @@ def _serialize(fn: Callable, args: tuple, kwargs: dict) -> bytes:
                         f"({type(fn).__name__})")
     try:
         # importable functions and modules travel by name, not by value: the ranks get this
-        # process's sys.path so that they can import them too
-        return cloudpickle.dumps((fn, args, kwargs, list(sys.path)))
+        # process's sys.path so that they can import them too; and whether to run under
+        # the placement trap, read now (the ranks' environment was fixed when they started)
+        return cloudpickle.dumps((fn, args, kwargs, list(sys.path), trap_requested()))
     except Exception as err:
         raise TypeError(
             f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: "

@@ -10,6 +10,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from .placement import host_allocations
+
 BACKENDS = ("auto", "gloo", "nccl")
 
 _device = torch.device("cpu")
@@ -67,7 +69,9 @@ def synchronize() -> None:
 def host_empty_like(t: torch.Tensor) -> torch.Tensor:
     """An uninitialized tensor shaped like `t` in host memory: page-locked (pinned) when the
     rank computes on a GPU, so copies to and from it can run while the GPU computes."""
-    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=_device.type == "cuda")
+    with host_allocations():  # host memory on purpose: the other end of an offload copy
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                           pin_memory=_device.type == "cuda")
 
 
 def compute_ready() -> object | None:

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import traceback
+from contextlib import nullcontext
 from typing import Any
 
 import cloudpickle
@@ -24,6 +25,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from .. import trace
 from .device import _bind_device, rank
+from .placement import placement_trap
 
 STARTUP_TIMEOUT = 60.0
 HOST = "127.0.0.1"
@@ -92,13 +94,14 @@ def _user_traceback(err: BaseException) -> str:
 
 
 def _run_task(task: bytes) -> tuple:
-    fn, args, kwargs, path = cloudpickle.loads(task)
+    fn, args, kwargs, path, mode = cloudpickle.loads(task)
     for entry in path:
         if entry not in sys.path:
             sys.path.append(entry)
     _end_groups_of_the_last_task()
     dist.barrier()  # a common t=0 for every rank's events
-    with trace.capture(rank()) as captured:
+    trap = placement_trap(strict=mode == "1") if mode else nullcontext()  # the caller's choice
+    with trace.capture(rank()) as captured, trap:
         result = fn(*args, **kwargs)
     return result, captured.events
 

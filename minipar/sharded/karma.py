@@ -68,7 +68,7 @@ def fit_copy(sizes: list[int] = COPY_SIZES, repeats: int = 5) -> Link:
     stream, from a host buffer into the device; on CPU, memory into memory)."""
     seconds = []
     for nbytes in sizes:
-        src = host_empty_like(torch.empty(nbytes // 4))
+        src = host_empty_like(torch.empty(nbytes // 4, device=device()))
         dst = torch.empty(nbytes // 4, device=device())
 
         def copy(src=src, dst=dst):

@@ -101,7 +101,7 @@ def _extragradient() -> Check:
     """Extragradient on ranks (F_m all-reduced) against one process's (F averaged in place)."""
     problem = bilinear_problem(20, world_size())
     gamma = STEP["extragradient"] / problem.lipschitz()
-    z0 = torch.zeros(problem.dim, dtype=torch.float64)
+    z0 = torch.zeros(problem.dim, dtype=torch.float64, device=problem.A.device)
     reference = extragradient(problem.operator, z0, gamma, 40, problem.solution())
     start = start_clock()
     run = extragradient_on_ranks(problem, gamma, 40)

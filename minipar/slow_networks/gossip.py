@@ -107,7 +107,7 @@ def consensus_distance(z: torch.Tensor) -> float:
     dist.all_reduce(mean)
     mean /= world_size()
     # float64: the measurement keeps full precision whatever the model's dtype
-    gap = torch.tensor([float((z - mean).pow(2).sum())], dtype=torch.float64)
+    gap = torch.tensor([float((z - mean).pow(2).sum())], dtype=torch.float64, device=z.device)
     dist.all_reduce(gap)
     return float(gap) / world_size()
 

@@ -29,6 +29,7 @@ import torch
 
 from .. import collectives
 from ..data_parallel.compression import Compressor, ErrorFeedback, RandK, TopK
+from ..runtime.placement import host_allocations
 from .saddle import (
     SaddleProblem,
     SaddleRun,
@@ -99,7 +100,7 @@ def masha(problem: SaddleProblem, method: str, gamma: float, steps: int, k: int,
     coin = torch.Generator().manual_seed(seed)
     feedback = ErrorFeedback() if method == "masha2" else None
     run = SaddleRun(method)
-    z = w = torch.zeros(problem.dim, dtype=torch.float64)
+    z = w = torch.zeros(problem.dim, dtype=torch.float64, device=problem.A.device)
     with collectives.meter() as meter:
         mine_w, F_w = _full_operator(problem, m, w)
         run.distances.append(float((z - z_star).norm()))
@@ -111,7 +112,9 @@ def masha(problem: SaddleProblem, method: str, gamma: float, steps: int, k: int,
             sent = (feedback.average(squeeze, delta, "delta") if feedback is not None
                     else squeeze.average(delta))
             z = z_bar - gamma * (F_w + sent)
-            if torch.rand(1, generator=coin).item() < p:
+            with host_allocations():  # a coin flip from a CPU generator, read at once
+                flip = torch.rand(1, generator=coin).item()
+            if flip < p:
                 w = z
                 mine_w, F_w = _full_operator(problem, m, w)
             run.distances.append(float((z - z_star).norm()))

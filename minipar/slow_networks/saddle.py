@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import collectives
-from ..runtime import rank, world_size
+from ..runtime import device, rank, world_size
+from ..runtime.placement import host_allocations
 
 
 @dataclass
@@ -61,7 +62,7 @@ class SaddleProblem:
     def matrix(self) -> torch.Tensor:
         """B with F(z) = B z + q."""
         n, A = self.A.shape[1], self.A.mean(0)
-        eye = self.lam * torch.eye(n, dtype=A.dtype)
+        eye = self.lam * torch.eye(n, dtype=A.dtype, device=A.device)
         return torch.cat([torch.cat([eye, A], 1), torch.cat([-A.t(), eye], 1)])
 
     def solution(self) -> torch.Tensor:
@@ -88,7 +89,8 @@ def bilinear_problem(n: int = 50, parts: int = 4, lam: float = 1.0, spread: floa
     g = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g, dtype=torch.float64)
+        with host_allocations():  # the same seeded problem on any device
+            return torch.randn(*shape, generator=g, dtype=torch.float64).to(device())
 
     # 1/sqrt(n): singular values of order 1 whatever n is
     shared = randn(n, n) / n ** 0.5
@@ -160,8 +162,8 @@ def extragradient_on_ranks(problem: SaddleProblem, gamma: float, steps: int) -> 
         return collectives.all_reduce(problem.part_operator(m, z), op="avg")
 
     with collectives.meter() as meter:
-        return extragradient(F, torch.zeros(problem.dim, dtype=torch.float64), gamma, steps,
-                             z_star, lambda: meter.sent_bytes)
+        z0 = torch.zeros(problem.dim, dtype=torch.float64, device=problem.A.device)
+        return extragradient(F, z0, gamma, steps, z_star, lambda: meter.sent_bytes)
 
 
 def spiral(method: str, gamma: float = 0.2, steps: int = 60) -> torch.Tensor:

@@ -14,6 +14,7 @@ from torch import nn
 
 from .. import collectives
 from ..decoder import RMSNorm
+from ..runtime import device
 from .mappings import (
     _tp,
     copy_to_parallel_region,
@@ -53,8 +54,8 @@ class ColumnParallelLinear(nn.Module):
             sequence_parallel
         self.shared_input = shared_input
         local = _divide("out_features", out_features, size)
-        self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(local, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(torch.empty(local, in_features, dtype=dtype, device=device()))
+        self.bias = nn.Parameter(torch.zeros(local, dtype=dtype, device=device())) if bias else None
         self._rank = me
 
     @classmethod
@@ -101,8 +102,9 @@ class RowParallelLinear(nn.Module):
         self.group, self.input_is_parallel, self.sequence_parallel = group, input_is_parallel, \
             sequence_parallel
         local = _divide("in_features", in_features, size)
-        self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_features, local, dtype=dtype, device=device()))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device())) \
+            if bias else None
         self._rank = me
 
     @classmethod

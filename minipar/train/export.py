@@ -71,7 +71,7 @@ def sample(source: str | Path, prompt: str, tokens: int, temperature: float = 0.
     """`tokens` bytes of text after `prompt`, sampled with a key/value cache, seeded."""
     model, _ = load_model(source)
     tokenizer = ByteTokenizer()
-    ids = torch.tensor([tokenizer.encode(prompt or "\n")])
+    ids = torch.tensor([tokenizer.encode(prompt or "\n")], device=model.embed.weight.device)
     out = generate(model, ids, tokens, temperature, top_k,
                    torch.Generator().manual_seed(seed))
     return tokenizer.decode(out[0].tolist())

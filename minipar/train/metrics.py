@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..runtime import device, synchronize
 from .data import cache_dir
 
 PEAK_SIZE = 1024  # a matmul this large keeps a core's vector units busy (AMX for bf16)
@@ -33,26 +34,30 @@ def _peak_file() -> Path:
 
 
 def measured_peak(dtype: torch.dtype, size: int = PEAK_SIZE, repeats: int = 10) -> float:
-    """FLOP/s of one thread multiplying two size x size matrices of `dtype`: the fastest of
-    `repeats` timed products after a warm-up one (a peak is the best the core does; the
-    fastest is also the one least disturbed by whatever else the machine runs). Cached
-    per dtype, thread count, machine and torch version."""
+    """FLOP/s of this rank's device (one CPU thread, or its GPU) multiplying two size x size
+    matrices of `dtype`: the fastest of `repeats` timed products after a warm-up one (a
+    peak is the best the device does; the fastest is also the one least disturbed by
+    whatever else the machine runs). Cached per dtype, thread count, machine, torch
+    version and device type."""
     key = f"{dtype}|threads={torch.get_num_threads()}|{platform.machine()}|" \
-          f"{platform.processor()}|torch {torch.__version__}|{size}"
+          f"{platform.processor()}|torch {torch.__version__}|{size}|{device().type}"
     path = _peak_file()
     saved = json.loads(path.read_text()) if path.exists() else {}
     if key in saved:
         return saved[key]
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
+    a = torch.randn(size, size, device=device()).to(dtype)
+    b = torch.randn(size, size, device=device()).to(dtype)
+    synchronize()
     start = time.perf_counter()
     a @ b  # warm-up: the first call pays for allocation and kernel choice
+    synchronize()  # a GPU queues the product: wait for it before reading the clock
     first = time.perf_counter() - start
     times = []
     # about a second at most: a dtype the cores lack (fp16 on most CPUs) is slow to time
     for _ in range(max(1, min(repeats, int(1.0 / max(first, 1e-9))))):
         start = time.perf_counter()
         a @ b
+        synchronize()
         times.append(time.perf_counter() - start)
     peak = 2 * size**3 / min(times)  # a multiply and an add per term
     saved[key] = peak

@@ -52,7 +52,7 @@ from ..mesh.model import MeshModel
 from ..mesh.stage_data_parallel import StageDataParallel
 from ..moe.expert_parallel import average_experts_over_ep
 from ..moe.moe_decoder import ExpertParallelBlock, cut_expert_parallel
-from ..runtime import rank, world_size
+from ..runtime import device, rank, world_size
 from ..sharded import FlatShard
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .config import ParallelConfig, TrainConfig
@@ -70,7 +70,8 @@ def decays(name: str, p: nn.Parameter) -> bool:
 def shard_mask(shard: FlatShard, chosen: set[int]) -> torch.Tensor:
     """1 where this rank's slice of `shard` holds an entry of a parameter in `chosen` (ids),
     else 0: which entries of a ZeRO slice decay, or count towards the norm."""
-    flat = shard.flatten([torch.full(p.shape, float(id(p) in chosen)) for p in shard.params])
+    flat = shard.flatten([torch.full(p.shape, float(id(p) in chosen), device=p.device)
+                          for p in shard.params])
     return flat[shard.rank * shard.slice:(shard.rank + 1) * shard.slice].to(shard.master.dtype)
 
 
@@ -157,7 +158,8 @@ class ModelPart:
         if self.sharded is not None:
             return [shard_mask(s, decayed) for s in self.sharded.shards]
         # in the parameter's dtype: a float32 mask would round 1 - lr * wd in float32
-        return [torch.tensor(float(id(p) in decayed), dtype=p.dtype) for _, p in named]
+        return [torch.tensor(float(id(p) in decayed), dtype=p.dtype, device=p.device)
+                for _, p in named]
 
     def owned_gradients(self) -> list[torch.Tensor | None]:
         """The gradients this rank's optimizer steps with: whole parameters' or ZeRO slices'."""
@@ -198,7 +200,8 @@ class ModelPart:
                    and not self.model.holds_tied_copy(p)}  # the tied weight: once
         if self.sharded is not None:
             return [shard_mask(s, counted) for s in self.sharded.shards]
-        return [torch.tensor(float(id(p) in counted), dtype=p.dtype) for _, p in named]
+        return [torch.tensor(float(id(p) in counted), dtype=p.dtype, device=p.device)
+                for _, p in named]
 
     @property
     def module(self) -> nn.Module:
@@ -236,7 +239,8 @@ class ModelPart:
         replicas (ep ranks included) 1/dp."""
         g = self.groups
         copies = self.dp * world_size(g.cp) * world_size(g.tp)
-        total = torch.tensor([0.0 if share is None else share / copies], dtype=torch.float64)
+        total = torch.tensor([0.0 if share is None else share / copies], dtype=torch.float64,
+                             device=device())
         return collectives.all_reduce(total).item()
 
     def reduce_gradients(self) -> None:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
+from ..runtime import device
 from .config import OptimConfig
 
 
@@ -40,7 +41,7 @@ def set_learning_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def squared_norm(grads: Iterable[torch.Tensor | None]) -> torch.Tensor:
     """Sum of squares of the entries this rank owns, in float64 (so the order in which
     ranks add their sums moves nothing that matters)."""
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=device())
     for g in grads:
         if g is not None:
             total += g.detach().to(torch.float64).pow(2).sum()

@@ -59,7 +59,7 @@ class LossScaler:
             return False
         grads = [g for g in owned if g is not None]
         bad = any(not torch.isfinite(g).all() for g in grads)
-        flag = torch.tensor([float(bad)], dtype=torch.float64)
+        flag = torch.tensor([float(bad)], dtype=torch.float64, device=device())
         for group in groups:
             if world_size(group) > 1:
                 # max over the ranks: one rank's inf is everyone's overflow

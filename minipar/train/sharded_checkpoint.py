@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..moe.moe_decoder import moe_decoder
 from ..runtime import rank, world_size
+from ..runtime.placement import host_allocations
 from ..slow_networks.checkpoint_restart import commit, latest_step, write_whole
 from .checkpoint_pieces import Holding, Piece, fill, holdings
 from .config import TrainConfig, from_dict, to_dict
@@ -81,7 +82,8 @@ def save_checkpoint(part: ModelPart, config: TrainConfig, out: str | Path, step:
     for r, pieces in enumerate(everyone):  # the lowest rank holding a piece writes it
         for piece in pieces:
             writer.setdefault(piece.key, (r, piece))
-    mine = {h.piece.key: {k: v.detach().clone() for k, v in h.values.items()}
+    # host copies: a checkpoint written from a GPU loads on any machine
+    mine = {h.piece.key: {k: v.detach().to("cpu", copy=True) for k, v in h.values.items()}
             for h in held if writer[h.piece.key][0] == rank()}
     write_whole(folder / f"rank-{rank()}.pt", lambda f: torch.save(mine, f))
     if rank() == 0:
@@ -150,7 +152,7 @@ def _read_pieces(path: Path) -> dict:
     """A rank's file of pieces (memory-mapped: only the tensors read come off the disk),
     or one line naming the file and what is wrong with it."""
     try:
-        return torch.load(path, mmap=True, weights_only=True)
+        return torch.load(path, mmap=True, weights_only=True, map_location="cpu")
     except FileNotFoundError:
         raise _damaged(path, "missing (a rank's pieces)") from None
     except Exception:  # noqa: BLE001  torch raises RuntimeError, EOFError, zip errors...
@@ -211,7 +213,8 @@ def load_checkpoint(part: ModelPart, config: TrainConfig, out: str | Path,
             sources.append((saved, files[r][saved.key]))
         with torch.no_grad():
             fill(holding, sources)
-    adam_step = torch.tensor(float(manifest["adam_step"]))
+    with host_allocations():  # torch's Adam keeps its step count on the host
+        adam_step = torch.tensor(float(manifest["adam_step"]))
     for state in part.optimizer.state.values():
         state["step"] = adam_step.clone()
     if part.sharded is not None and config.parallel.zero in (1, 2):
@@ -238,7 +241,8 @@ def consolidate(out: str | Path) -> tuple[TrainConfig, int, dict[str, torch.Tens
     state = {}
     for name, entry in manifest["tensors"].items():
         shape = tuple(entry["shape"])
-        whole = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
+        with host_allocations():  # one process's state_dict, in host memory for the file
+            whole = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
         target = Holding(Piece(name, shape, (0,) * len(shape), shape, 0, whole.numel()),
                          {"param": whole.view(-1)})
         sources = [(_saved(name, shape, p), files[p["rank"]][_saved(name, shape, p).key])
