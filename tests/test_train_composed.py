@@ -18,6 +18,7 @@ from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
 
 import minipar
 from minipar import trace
+from minipar.collectives import host_staging
 from minipar.mesh.stage_data_parallel import REDUCTIONS, hidden_and_exposed
 from minipar.tensor_parallel import twin_slice
 from minipar.trace import Event
@@ -77,6 +78,23 @@ def test_a_composition_on_4_ranks_trains_as_one_process(cluster4, corpus, one_pr
     config = tiny(corpus, **parallel)
     config = replace(config, train=replace(config.train, recompute=recompute))
     _assert_same_run(cluster4.run(train, config, None, True), one_process, config)
+
+
+def _staged_train(config):
+    before = host_staging.staged_messages
+    with host_staging.forced():  # every message through host memory, as gloo on a GPU
+        run = train(config, None, True)
+    return run, host_staging.staged_messages - before
+
+
+def test_a_composition_staged_through_host_memory_trains_as_one_process(cluster4, corpus,  # noqa: F811
+                                                                        one_process):
+    """Ranks sharing a GPU over gloo stage every message (collectives/host_staging.py):
+    the pipeline's sends, the dp reduction inside backward, tp's collectives."""
+    config = tiny(corpus, pp=2, dp=2, zero=1, microbatches=2)
+    results = cluster4.run(_staged_train, config)
+    assert all(staged > 100 for _, staged in results)  # 20 steps of sends and reductions
+    _assert_same_run([run for run, _ in results], one_process, config)
 
 
 def _sampler(config, part):

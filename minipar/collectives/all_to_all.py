@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from ..runtime import device
 from .comm import _agree, _check_tensor, _Comm, validating
+from .host_staging import wire_device
 
 
 def _check_counts(name: str, counts: list[int], size: int, total: int | None) -> None:
@@ -60,7 +61,7 @@ def all_to_all(tensor: torch.Tensor, send_counts: list[int] | None = None,
     if recv_counts is None:
         recv_counts = swap_counts(send_counts, group)
     elif validating() and comm.size > 1:
-        _agree_counts(comm, send_counts, recv_counts, tensor.device)
+        _agree_counts(comm, send_counts, recv_counts, tensor)
     # torch.split takes sizes (tensor_split takes split points): one piece per destination
     pieces = torch.split(tensor.contiguous(), send_counts)
     tail = tuple(tensor.shape[1:])
@@ -74,9 +75,9 @@ def all_to_all(tensor: torch.Tensor, send_counts: list[int] | None = None,
 
 
 def _agree_counts(comm: _Comm, send_counts: list[int], recv_counts: list[int],
-                  device: torch.device) -> None:
+                  tensor: torch.Tensor) -> None:
     """With validation on: every rank's recv_counts must be what the others send it."""
-    mine = torch.tensor(send_counts, dtype=torch.int64, device=device)
+    mine = torch.tensor(send_counts, dtype=torch.int64, device=wire_device(tensor, comm.group))
     everyone = [torch.empty_like(mine) for _ in range(comm.size)]
     dist.all_gather(everyone, mine, group=comm.group)
     expected = [int(row[comm.rank]) for row in everyone]

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import trace
+from .host_staging import post, wire_device
 from .network import pay_for_sends
 
 OPS = ("sum", "avg", "max")
@@ -136,7 +137,7 @@ class _Comm:
             # all sends and receives posted at once: two ranks that send to each other cannot
             # deadlock, as they would with a blocking send before a blocking recv (NCCL runs them as
             # one group)
-            requests = dist.batch_isend_irecv(ops)
+            requests = post(ops)  # through host memory where gloo meets a GPU tensor
             for request, (index, a, b, peer, chunk, nbytes) in zip(
                     requests[first_recv:], recv_meta, strict=True):
                 # receives first, in order: on_arrival reduces early segments while later ones are
@@ -240,7 +241,7 @@ def _agree(comm: _Comm, tensor: torch.Tensor, op: str = "-", algorithm: str = "-
     # crc32, not hash(): Python salts str hashes per process, so ranks would disagree
     meta = [len(shape), *shape, *([0] * (8 - len(shape))), zlib.crc32(str(tensor.dtype).encode()),
             _CODES[op], _CODES[algorithm], root]
-    mine = torch.tensor(meta, dtype=torch.int64, device=tensor.device)
+    mine = torch.tensor(meta, dtype=torch.int64, device=wire_device(tensor, comm.group))
     everyone = [torch.empty_like(mine) for _ in range(comm.size)]
     # torch's own collective, not minipar's: the handshake is neither metered nor traced
     dist.all_gather(everyone, mine, group=comm.group)

@@ -17,12 +17,13 @@ from .comm import split_bounds
 
 
 def _marked(rank: int, numel: int) -> torch.Tensor:
-    return (torch.arange(numel, dtype=torch.float64) + 1) * 2.0**rank
+    return (torch.arange(numel, dtype=torch.float64, device=runtime.device()) + 1) * 2.0**rank
 
 
 def _contributors(values: torch.Tensor, start: int) -> set[int] | None:
     """The set of ranks summed into a message holding elements start.., or None."""
-    masks = values / (torch.arange(values.numel(), dtype=torch.float64) + 1 + start)
+    masks = values / (torch.arange(values.numel(), dtype=torch.float64, device=values.device)
+                      + 1 + start)
     mask = masks[0].item() if values.numel() else 0.0
     if not values.numel() or not torch.all(masks == mask) or mask != int(mask) or mask < 1:
         return None

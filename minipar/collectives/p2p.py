@@ -18,6 +18,7 @@ from .comm import (
     _meters,
     _segments,
 )
+from .host_staging import host_buffer, post, stages
 from .network import pay_for_sends
 
 
@@ -63,7 +64,10 @@ def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None
     # the emulated network charges the sender here, so isend returns only after that sleep
     pay_for_sends((peer, (b - a) * data.element_size()) for a, b in segments)
     # the same segments and tags as exchange(), so a plain recv() on the other side matches
-    works = [dist.isend(data[a:b], peer, group, tag) for tag, (a, b) in enumerate(segments)]
+    # each segment on its own (not one batch): NCCL wants every rank of a group in the
+    # first batch it sees, and a pipeline's first message is between two ranks only
+    works = post([dist.P2POp(dist.isend, data[a:b], peer, group, tag)
+                  for tag, (a, b) in enumerate(segments)], together=False)
     return PendingSend(works, data, dst, start, label, fields)
 
 
@@ -103,8 +107,9 @@ def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None
     data = tensor.view(-1)
     # as in isend: a global rank
     peer = src if group is None else dist.get_global_rank(group, src)
-    works = [dist.irecv(data[a:b], peer, group, tag) for tag, (a, b) in enumerate(_segments(data))
-             if b > a]
+    ops = [dist.P2POp(dist.irecv, data[a:b], peer, group, tag)
+           for tag, (a, b) in enumerate(_segments(data)) if b > a]
+    works = post(ops, together=False)  # as in isend: each segment on its own
     return PendingRecv(works, tensor, src, label, fields)
 
 
@@ -126,7 +131,10 @@ def recv_any(tensor: torch.Tensor) -> int:
     _check_tensor(tensor)
     start = trace.now()
     # no src: gloo receives from any rank and returns which one it was
-    source = dist.recv(tensor)
+    landing = host_buffer(tensor, copy=False) if stages(tensor) else tensor
+    source = dist.recv(landing)
+    if landing is not tensor:
+        tensor.copy_(landing)
     _account(Transfer("recv_any", "p2p", 0, "recv", source, None,
                       tensor.numel() * tensor.element_size()), start, trace.now())
     for m in _meters:

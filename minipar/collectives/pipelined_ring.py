@@ -29,6 +29,7 @@ from .comm import (
     _scratch,
     _segments,
 )
+from .host_staging import post
 
 
 @dataclass
@@ -99,7 +100,7 @@ def pipelined_ring_all_reduce(tensor: torch.Tensor, op: str = "sum",
                 a, b = incoming[j]
                 ops.append(dist.P2POp(dist.irecv, landing[a:b], left, group, step * tags + j))
             # the send and the receive of one segment posted together, as in _Comm.exchange
-            works = dist.batch_isend_irecv(ops)
+            works = post(ops)
             if j < len(outgoing):
                 a, b = outgoing[j]
                 sent.append(_InFlight(works[0], step, out_i, chunks[out_i][a:b], None, start))

@@ -31,21 +31,28 @@ The files, in the order a run passes through them: `device` (backend, device, ra
 from .cluster import DEFAULT_TIMEOUT, START_METHODS, Cluster, launch
 from .device import (
     BACKENDS,
+    DEVICES,
+    allocator_history,
     compute_ready,
     cpu_cores,
     device,
+    device_name,
     gpu_count,
     host_empty_like,
+    memory_peak,
     on_copy_stream,
     rank,
+    reset_memory_peak,
     resolve_backend,
+    resolve_device,
     synchronize,
     world_size,
 )
 from .errors import RankDied, RankError, RankTimeout, Results
 from .torchrun import ranks_per_node, under_torchrun
 
-__all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "START_METHODS", "Cluster", "RankDied", "RankError",
-           "RankTimeout", "Results", "compute_ready", "cpu_cores", "device", "gpu_count",
-           "host_empty_like", "launch", "on_copy_stream", "rank", "ranks_per_node",
-           "resolve_backend", "synchronize", "under_torchrun", "world_size"]
+__all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "DEVICES", "START_METHODS", "Cluster", "RankDied",
+           "RankError", "RankTimeout", "Results", "allocator_history", "compute_ready",
+           "cpu_cores", "device", "device_name", "gpu_count", "host_empty_like", "launch",
+           "memory_peak", "on_copy_stream", "rank", "ranks_per_node", "reset_memory_peak",
+           "resolve_backend", "resolve_device", "synchronize", "under_torchrun", "world_size"]

@@ -11,7 +11,7 @@ from typing import Any
 import cloudpickle
 
 from .. import trace
-from .device import resolve_backend
+from .device import resolve_backend, resolve_device
 from .errors import Results
 from .group import RankGroup, replay
 from .placement import trap_requested
@@ -67,7 +67,7 @@ class Cluster:
 
     def __init__(self, world_size: int, backend: str = "auto", *,
                  timeout: float = DEFAULT_TIMEOUT, threads_per_rank: int = 1,
-                 start_method: str | None = None) -> None:
+                 start_method: str | None = None, device: str = "auto") -> None:
         self.world_size = _check_world_size(world_size)
         self.timeout = _check_timeout(timeout)
         if start_method is None:
@@ -81,6 +81,7 @@ class Cluster:
             raise ValueError(f"threads_per_rank must be an int >= 1; got {threads_per_rank!r}")
         self.start_method, self.threads_per_rank = start_method, threads_per_rank
         self.backend = resolve_backend(backend, self.world_size)
+        self.device = resolve_device(device, self.backend)  # "cpu" or "cuda"
         self.restarts = 0
         self._closed = False
         self._group: RankGroup | None = None
@@ -93,7 +94,7 @@ class Cluster:
         # dropped first: if RankGroup() raises, no stale (stopped) group stays behind
         self._group = None
         self._group = RankGroup(self.world_size, self.backend, self.start_method,
-                                 self.threads_per_rank)
+                                 self.threads_per_rank, self.device)
 
     def run(self, fn: Callable, *args: Any, timeout: float | None = None, **kwargs: Any) -> Results:
         """Run `fn(*args, **kwargs)` on every rank; return the results in rank order."""
@@ -154,23 +155,26 @@ class Cluster:
 
     def __repr__(self) -> str:
         state = "running" if self._group and self._group.alive else "stopped"
-        return f"Cluster(world_size={self.world_size}, backend={self.backend!r}, {state})"
+        return (f"Cluster(world_size={self.world_size}, backend={self.backend!r}, "
+                f"device={self.device!r}, {state})")
 
 
 def launch(fn: Callable, world_size: int, *args: Any, backend: str = "auto",
            timeout: float = DEFAULT_TIMEOUT, tolerate_deaths: bool = False,
-           **kwargs: Any) -> Results:
+           device: str = "auto", **kwargs: Any) -> Results:
     """Run `fn(*args, **kwargs)` on `world_size` fresh ranks; return their results in rank order.
 
     A rank that dies ends the run with a RankError, unless `tolerate_deaths`: then its
     result is a `RankDied` and the others finish (for code written to survive a dead
-    peer, as SWARM is). Under torchrun (RANK and WORLD_SIZE set) this process joins that
-    process group and runs `fn` here instead; every process gets the full list of results.
+    peer, as SWARM is). `device="cuda"` with gloo puts the ranks on the GPUs there are,
+    several on one card if need be (see `resolve_device`). Under torchrun (RANK and
+    WORLD_SIZE set) this process joins that process group and runs `fn` here instead;
+    every process gets the full list of results.
     """
     world_size = _check_world_size(world_size)
     timeout = _check_timeout(timeout)
     if under_torchrun():
-        return run_under_torchrun(fn, world_size, args, kwargs, backend, timeout)
+        return run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, device)
     task = _serialize(fn, args, kwargs)  # fail on bad input before starting processes
-    with Cluster(world_size, backend, timeout=timeout) as cluster:
+    with Cluster(world_size, backend, timeout=timeout, device=device) as cluster:
         return cluster._run(task, timeout, tolerate_deaths)

@@ -4,6 +4,7 @@ touches torch.cuda; everything else asks these functions."""
 from __future__ import annotations
 
 import os
+import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from .placement import host_allocations
 
 BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")  # auto: a GPU per rank under NCCL, else the CPU
 
 _device = torch.device("cpu")
 _copy_stream = None  # this rank's second CUDA stream for host<->device copies, made on first use
@@ -44,19 +46,42 @@ def resolve_backend(backend: str, ranks_per_machine: int) -> str:
     return backend
 
 
-def _bind_device(backend: str, local_rank: int) -> None:
+def resolve_device(device_: str, backend: str) -> str:
+    """Turn "auto" into "cuda" under NCCL or "cpu" under gloo; check the others.
+
+    "cuda" under gloo puts the ranks on the GPUs there are, several ranks on one card
+    when there are more ranks than cards (rank r on GPU r mod count): a course's one GPU
+    runs a whole mesh, and minipar's messages reach gloo through host memory
+    (collectives/host_staging.py)."""
+    if device_ not in DEVICES:
+        allowed = ", ".join(map(repr, DEVICES))
+        raise ValueError(f"device must be one of {allowed}; got {device_!r}")
+    if device_ == "auto":
+        return "cuda" if backend == "nccl" else "cpu"
+    if device_ == "cpu" and backend == "nccl":
+        raise ValueError("device='cpu' with backend='nccl': NCCL moves GPU memory only; use "
+                         "backend='gloo' for CPU ranks")
+    if device_ == "cuda" and gpu_count() == 0:
+        raise ValueError("device='cuda' but torch sees no GPU here (a CPU-only build, or no "
+                         "driver): use device='cpu'; `minipar doctor` says what this machine has")
+    return device_
+
+
+def _bind_device(backend: str, local_rank: int, device_: str = "auto") -> None:
     global _device
-    if backend == "nccl":
-        # NCCL wants each rank bound to its own GPU before its first collective
-        torch.cuda.set_device(local_rank)
-        _device = torch.device("cuda", local_rank)
+    if resolve_device(device_, backend) == "cuda":
+        # NCCL wants each rank bound to its own GPU before its first collective; under gloo
+        # ranks may share a card, so they wrap around the ones there are
+        index = local_rank if backend == "nccl" else local_rank % gpu_count()
+        torch.cuda.set_device(index)
+        _device = torch.device("cuda", index)
     else:
         _device = torch.device("cpu")
-_copy_stream = None  # this rank's second CUDA stream for host<->device copies, made on first use
 
 
 def device() -> torch.device:
-    """The device this rank computes on: its own GPU under NCCL, else the CPU."""
+    """The device this rank computes on: its own GPU under NCCL, a GPU it may share with
+    other ranks under gloo with device="cuda", else the CPU."""
     return _device
 
 
@@ -102,6 +127,44 @@ def on_copy_stream(ready: object | None = None) -> Iterator[None]:
             _copy_stream.wait_event(ready)
         yield
     _copy_stream.synchronize()
+
+
+def device_name() -> str:
+    """What this rank computes on, as its maker names it: the GPU's name ("NVIDIA H100
+    80GB HBM3"), or the CPU's architecture on a CPU."""
+    if _device.type == "cuda":
+        return torch.cuda.get_device_name(_device)
+    return f"CPU ({platform.processor() or platform.machine()})"
+
+
+def reset_memory_peak() -> None:
+    """Start counting `memory_peak` afresh from here (a no-op on CPU)."""
+    if _device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(_device)
+
+
+def memory_peak() -> int | None:
+    """The most bytes torch's allocator held on this rank's GPU since the last
+    `reset_memory_peak` (torch.cuda.max_memory_allocated); None on CPU, where torch keeps
+    no such count."""
+    return torch.cuda.max_memory_allocated(_device) if _device.type == "cuda" else None
+
+
+@contextmanager
+def allocator_history(path: str | os.PathLike) -> Iterator[None]:
+    """Record every allocation and free on this rank's GPU inside the block, with its
+    Python stack, and write them to `path` (a pickle that https://pytorch.org/memory_viz
+    draws). CUDA's allocator only: on CPU it refuses."""
+    if _device.type != "cuda":
+        raise ValueError("the allocator snapshot records CUDA's caching allocator, and this "
+                         "rank computes on the CPU; leave the snapshot off here")
+    # private but documented API (torch.cuda.memory, "Understanding CUDA Memory Usage")
+    torch.cuda.memory._record_memory_history(max_entries=100_000)
+    try:
+        yield
+    finally:
+        torch.cuda.memory._dump_snapshot(os.fspath(path))
+        torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def rank(group: dist.ProcessGroup | None = None) -> int:

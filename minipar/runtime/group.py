@@ -55,8 +55,9 @@ def _main_module_hidden() -> Iterator[None]:
 class RankGroup:
     """The processes of one set of ranks, their pipes and their output files."""
 
-    def __init__(self, size: int, backend: str, start_method: str, threads: int) -> None:
-        self.size, self.backend = size, backend
+    def __init__(self, size: int, backend: str, start_method: str, threads: int,
+                 device: str = "cpu") -> None:
+        self.size, self.backend, self.device = size, backend, device
         self.io_dir = tempfile.mkdtemp(prefix="minipar-")
         # the launcher hosts the rendezvous store (is_master=True) on a port the OS picks (0), and
         # does not wait for workers: they connect only once started, below
@@ -91,7 +92,7 @@ class RankGroup:
         for r in range(self.size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_worker_main, name=f"minipar-rank-{r}",
-                               args=(r, self.size, self.backend, self.store.port,
+                               args=(r, self.size, self.backend, self.device, self.store.port,
                                      self.io_dir, self._lifeline, threads, child_end))
             self.conns.append(parent_end)
             self.procs.append(proc)  # before start: stop() ends it even if start is cut short

@@ -87,7 +87,7 @@ def _attempt_store(timeout: float) -> dict:
 
 
 def run_under_torchrun(fn: Callable, size: int, args: tuple, kwargs: dict, backend: str,
-                        timeout: float) -> Results:
+                        timeout: float, device: str = "auto") -> Results:
     env_size = int(os.environ["WORLD_SIZE"])
     if size != env_size:
         raise ValueError(f"world_size={size} but torchrun started {env_size} processes; "
@@ -96,7 +96,7 @@ def run_under_torchrun(fn: Callable, size: int, args: tuple, kwargs: dict, backe
         local_size = int(os.environ.get("LOCAL_WORLD_SIZE", size))
         backend = resolve_backend(backend, local_size)
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        _bind_device(backend, local_rank)
+        _bind_device(backend, local_rank, device)
         if backend == "gloo":
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout, 60)),

@@ -119,7 +119,7 @@ def _end_groups_of_the_last_task() -> None:
         dist.destroy_process_group(group)
 
 
-def _worker_main(rank_: int, size: int, backend: str, port: int, io_dir: str,
+def _worker_main(rank_: int, size: int, backend: str, device: str, port: int, io_dir: str,
                  lifeline: Any, threads: int, conn: Any) -> None:
     _die_with_parent(lifeline)
     try:
@@ -145,7 +145,7 @@ def _worker_main(rank_: int, size: int, backend: str, port: int, io_dir: str,
         # itself; all ranks are on this machine, so loopback. setdefault: a user's choice wins
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
     try:
-        _bind_device(backend, rank_)
+        _bind_device(backend, rank_, device)
         # a client (is_master=False) of the store the launcher hosts: rendezvous without env vars
         store = dist.TCPStore(HOST, port, None, False, datetime.timedelta(seconds=STARTUP_TIMEOUT))
         # timeout: long, so that the launcher's own timeout (which reports where each rank

@@ -190,11 +190,11 @@ def tolerance(reference: TrainConfig, losses: Sequence[float],
                             f"with {other.train.accumulation}: the same sums in another order")
 
 
-def run_config(config: TrainConfig, backend: str = "auto", timeout: float = DEFAULT_TIMEOUT
-               ) -> Run:
+def run_config(config: TrainConfig, backend: str = "auto", timeout: float = DEFAULT_TIMEOUT,
+               device: str = "auto") -> Run:
     """Train `config` on fresh ranks (dp x pp x tp x cp of them); the Run holding losses."""
     return first_with_losses(launch(train, ranks_of(config), config, None, backend=backend,
-                                    timeout=timeout))
+                                    device=device, timeout=timeout))
 
 
 def against_one_process(losses: Sequence[float], config: TrainConfig,
@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m minipar.train com
         check(one_process(base), 1)
         variants = configurations(args.config, shared, args.configurations)
         result = compare(base, variants,
-                         lambda c: run_config(c, backend=args.backend, timeout=args.timeout))
+                         lambda c: run_config(c, backend=args.backend, device=args.device,
+                                              timeout=args.timeout))
         save(result, Path(args.out))
         print(report(result))
         print(f"wrote {Path(args.out) / 'compare.png'} and compare.json")

@@ -18,7 +18,7 @@ from functools import cache
 from ..cli import nonnegative_int, positive_int
 from ..cost import RECOMPUTE
 from ..pipeline import SCHEDULES
-from ..runtime import BACKENDS, DEFAULT_TIMEOUT
+from ..runtime import BACKENDS, DEFAULT_TIMEOUT, DEVICES
 from .config import PRECISIONS, SECTIONS
 
 
@@ -104,9 +104,14 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
 
 
 def add_launch_flags(parser: argparse.ArgumentParser) -> None:
-    """--backend and --timeout: how the spawned ranks talk and how long they may wait."""
+    """--backend, --device and --timeout: how the spawned ranks talk, where they compute,
+    and how long they may wait."""
     parser.add_argument("--backend", choices=BACKENDS, default="auto",
                         help="auto: NCCL with a GPU per rank if there are enough, else gloo")
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="auto: a GPU per rank under NCCL, else the CPU; cuda with "
+                             "--backend gloo: every rank on the GPUs there are (several "
+                             "ranks may share one)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                         help=f"seconds a rank may wait in one operation (default "
                              f"{DEFAULT_TIMEOUT})")
