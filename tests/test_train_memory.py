@@ -20,7 +20,7 @@ import minipar
 from minipar.sharded.memory_tracker import KINDS
 from minipar.train.data import BatchSampler, load_tokens
 from minipar.train.loop import build_part, train, train_step
-from minipar.train.memory_report import memory_by_kind, predicted_memory
+from minipar.train.memory_report import memory_by_kind, memory_table, predicted_memory
 from minipar.train.precision import LossScaler
 
 FP64 = 8  # bytes per value: the tiny configs train in float64
@@ -51,6 +51,17 @@ def test_one_process_measures_exactly_what_it_holds(corpus, tmp_path):  # noqa: 
     assert {k: predicted[k] for k in KINDS[:3]} == {k: measured[k] for k in KINDS[:3]}
     saved = json.loads((tmp_path / "memory.json").read_text())
     assert [r["rank"] for r in saved] == [0] and saved[0]["measured"] == measured
+    assert row["allocator_peak"] is None  # torch counts no allocator peak on a CPU
+    assert "allocator peak" not in memory_table(saved)
+
+
+def test_on_a_gpu_the_table_shows_the_allocators_peak_beside_tracker_and_planner():
+    kinds = dict.fromkeys(KINDS, 2**20)
+    rows = [{"rank": r, "coords": {"dp": r}, "measured": kinds, "predicted": kinds,
+             "allocator_peak": (5 + r) * 2**20} for r in range(2)]
+    table = memory_table(rows)
+    assert "allocator peak: the most torch held on the GPU over the run" in table
+    assert table.splitlines()[-1].split()[-1] == "6.000"  # rank 1's 6 MiB, last column
 
 
 def test_zero_1_halves_the_optimizer_state_on_2_ranks(cluster2, corpus):  # noqa: F811

@@ -29,7 +29,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..cli import OneLineParser, output_folder, positive_int, run_command
-from ..runtime import launch, under_torchrun
+from ..runtime import launch, resolve_backend, resolve_device, under_torchrun
 from ..runtime.torchrun import elastic_attempt
 from .compare import against_one_process, first_with_losses, one_process, run_config
 from .compare import main as compare_main
@@ -65,6 +65,9 @@ def parser(prog: str = "python -m minipar.train") -> OneLineParser:
                         "; e.g. kill@1:5); only a torchrun job's first attempt fails")
     p.add_argument("--check", action="store_true",
                    help="also train on one process and compare the loss curves")
+    p.add_argument("--allocator-snapshot", action="store_true",
+                   help="on a GPU: record every allocation into OUT/allocator_rank<r>.pickle "
+                        "(drop it on https://pytorch.org/memory_viz)")
     add_launch_flags(p)
     return p
 
@@ -156,13 +159,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m minipar.train") -
         if force and (out / "checkpoints").exists():
             # a new run: the old one's checkpoints go (under torchrun every process tries)
             shutil.rmtree(out / "checkpoints", ignore_errors=under_torchrun())
+        if args.allocator_snapshot and resolve_device(
+                args.device, resolve_backend(args.backend, ranks)) != "cuda":
+            raise ValueError("--allocator-snapshot records CUDA's allocator, and these ranks "
+                             "compute on the CPU; leave it out here, or pass --device cuda")
         runs = launch(train, ranks, config, out, False, resume, args.stop_after, args.fault,
-                      backend=args.backend, timeout=args.timeout)
+                      args.allocator_snapshot, backend=args.backend, device=args.device,
+                      timeout=args.timeout)
         if not args.check:
             return 0
         one, bound, gap = against_one_process(
             first_with_losses(runs).losses, config,
-            lambda c: run_config(c, backend=args.backend, timeout=args.timeout))
+            lambda c: run_config(c, backend=args.backend, device=args.device,
+                                 timeout=args.timeout))
         same = gap.largest <= bound.bound
         print(f"loss curve {'matches' if same else 'does NOT match'} one process: largest "
               f"gap {gap.largest:.1e} at step {gap.step} of {len(one.losses)}; tolerance "

@@ -36,14 +36,15 @@ import torch.distributed as dist
 from .. import trace
 from ..moe.moe_decoder import moe_decoder
 from ..pipeline import SCHEDULES
-from ..runtime import rank, world_size
+from ..runtime import allocator_history, rank, reset_memory_peak, world_size
 from ..trace import record
 from .config import LoopConfig, TrainConfig, check, describe, to_toml
 from .curves import save_run_pictures
 from .data import BatchSampler, load_tokens
+from .device_peak import Peak, run_peak
 from .faults import Fault
 from .memory_report import memory_rows, save_memory
-from .metrics import MetricsLog, cores_in_use, measured_peak, mfu, read_metrics
+from .metrics import MetricsLog, mfu, read_metrics
 from .model_part import ModelPart
 from .optim import clip_, global_norm, learning_rate
 from .precision import COMPUTE_DTYPES, PARAM_DTYPES, LossScaler
@@ -59,6 +60,7 @@ class Run:
     records: list[dict] = field(default_factory=list)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # keep_weights=True
     memory: dict = field(default_factory=dict)  # this rank's bytes by kind (memory_report.py)
+    peak: str = ""  # what MFU divided by, and where it came from (device_peak.py)
 
     @property
     def losses(self) -> list[float]:
@@ -91,15 +93,6 @@ def refuse_unbuilt(config: TrainConfig) -> None:
 
 
 SYNCHRONOUS = tuple(name for name in SCHEDULES if name not in ("pipedream", "terapipe"))
-
-
-def _shared_peak(dtype: torch.dtype) -> float:
-    """The measured peak per core, timed by rank 0 alone (ranks timing at once would slow
-    each other) and sent to the others."""
-    box = [measured_peak(dtype) if rank() == 0 else None]
-    if world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _gathered(events: list) -> list:
@@ -161,14 +154,21 @@ def build_part(config: TrainConfig) -> ModelPart:
 
 def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool = False,
           resume: bool = False, stop_after: int | None = None,
-          fault: Fault | None = None) -> Run:
+          fault: Fault | None = None, allocator_snapshot: bool = False) -> Run:
     """Train `config` on this rank (every rank of the run calls it); write metrics.jsonl,
     config.toml, memory.json and sharded checkpoints (every train.checkpoint_every steps
     and at the end) into `out` and return the step records, this rank's memory by kind
     (and, with `keep_weights`, this rank's parameters under the twin's names). `resume`
     continues from the latest complete checkpoint in `out`, on any mesh; `stop_after`
     ends the run after that step as if it were stopped there (its checkpoint saved);
-    `fault` makes one rank fail at one step (faults.py: rehearsing failures)."""
+    `fault` makes one rank fail at one step (faults.py: rehearsing failures);
+    `allocator_snapshot` (on a GPU) records every allocation into
+    `out`/allocator_rank<r>.pickle, for https://pytorch.org/memory_viz."""
+    if allocator_snapshot:
+        if out is None:
+            raise ValueError("allocator_snapshot needs the run folder (out) to write into")
+        with allocator_history(Path(out) / f"allocator_rank{rank()}.pickle"):
+            return train(config, out, keep_weights, resume, stop_after, fault)
     check(config, world_size())
     refuse_unbuilt(config)
     if (resume or stop_after is not None) and out is None:
@@ -176,6 +176,7 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
                          "checkpoints")
     loop = config.train
     tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
+    reset_memory_peak()  # the allocator's peak (on a GPU) counts this run from its model on
     part = build_part(config)
     # the same seed and step -> the same global batch for any dp; each replica takes its rows
     sampler = BatchSampler(tokens.train, config.model.seq_len, loop.batch_size,
@@ -187,9 +188,10 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
     sampler.load_state_dict({"step": first})  # the batches follow the step: nothing else
     stop = loop.steps if stop_after is None else min(stop_after, loop.steps)
     # MFU against the peak of the dtype the matmuls run in (bf16 on a CPU: AMX if it has it)
-    meter = _Meter(config, _shared_peak(COMPUTE_DTYPES[loop.precision]))
-    log = _open_log(config, out, resume, first)
-    run, events = Run(), []
+    peak = run_peak(COMPUTE_DTYPES[loop.precision])
+    meter = _Meter(config, peak)
+    log = _open_log(config, out, resume, first, peak)
+    run, events = Run(peak=peak.describe(COMPUTE_DTYPES[loop.precision])), []
     for step in range(first, stop):
         lr = learning_rate(step, config.optim, loop.steps)
         with _watched(step, config, out, fault, events):
@@ -218,15 +220,17 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
 
 # the pieces around the loop: the log, the traced step, the record, when to evaluate and save
 
-def _open_log(config: TrainConfig, out: str | Path | None, resume: bool, first: int
-              ) -> MetricsLog | None:
+def _open_log(config: TrainConfig, out: str | Path | None, resume: bool, first: int,
+              peak: Peak) -> MetricsLog | None:
     """Rank 0's metrics.jsonl (kept up to `first` on a resume) and config.toml, and the
-    run's first lines; None on other ranks or without `out`."""
+    run's first lines (what MFU divides by among them); None on other ranks or without
+    `out`."""
     if out is None or rank() != 0:
         return None
     log = MetricsLog(Path(out) / "metrics.jsonl", keep_until=first if resume else None)
     (Path(out) / "config.toml").write_text(to_toml(config))
     print(describe(config), flush=True)
+    print(peak.describe(COMPUTE_DTYPES[config.train.precision]), flush=True)
     if resume:
         print(f"resuming after step {first} of {config.train.steps}" if first else
               "resume: no complete checkpoint yet, starting at step 0", flush=True)
@@ -252,8 +256,8 @@ def _watched(step: int, config: TrainConfig, out: str | Path | None, fault: Faul
 class _Meter:
     """Turns a step's loss, norm and seconds into its record: tokens per second and MFU."""
 
-    def __init__(self, config: TrainConfig, peak: float) -> None:
-        self.steps, self.ranks = config.train.steps, world_size()
+    def __init__(self, config: TrainConfig, peak: Peak) -> None:
+        self.steps = config.train.steps
         self.tokens = config.train.batch_size * config.model.seq_len
         self.flops, self.peak = config.model.flops_per_token(), peak
 
@@ -265,7 +269,8 @@ class _Meter:
         tokens_per_s = self.tokens / seconds
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
                   "tokens_per_s": tokens_per_s,
-                  "mfu": mfu(self.flops, tokens_per_s, self.peak, cores_in_use(self.ranks)),
+                  "mfu": mfu(self.flops, tokens_per_s, self.peak.per_device,
+                             self.peak.devices),
                   "seconds": seconds}
         if scaler.enabled:
             record.update(loss_scale=scaler.scale, skipped=overflow)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .. import cost
 from ..report import format_table
-from ..runtime import rank, world_size
+from ..runtime import memory_peak, rank, world_size
 from ..sharded.memory_tracker import KINDS, MemoryTracker
 from .config import TrainConfig
 from .model_part import ModelPart, trainer_mesh
@@ -93,11 +93,14 @@ def predicted_memory(config: TrainConfig) -> dict[str, float]:
 
 def memory_rows(part: ModelPart, config: TrainConfig, ids: torch.Tensor,
                 targets: torch.Tensor) -> tuple[dict, list[dict]]:
-    """This rank's row (rank, mesh coordinates, measured and predicted bytes by kind) and,
-    on rank 0, every rank's (others get []). A collective, as `memory_by_kind`."""
+    """This rank's row (rank, mesh coordinates, measured and predicted bytes by kind and,
+    on a GPU, the allocator's peak over the run) and, on rank 0, every rank's (others get
+    []). A collective, as `memory_by_kind`."""
     mine = {"rank": rank(), "coords": trainer_mesh(config).coords(rank()),
             "measured": memory_by_kind(part, ids, targets, config.train.batch_size),
-            "predicted": predicted_memory(config)}
+            "predicted": predicted_memory(config),
+            # torch.cuda.max_memory_allocated: every tensor, workspaces and buffers too
+            "allocator_peak": memory_peak()}
     if world_size() == 1:
         return mine, [mine]
     everyone = [None] * world_size() if rank() == 0 else None
@@ -112,10 +115,16 @@ def memory_table(rows: list[dict]) -> str:
         where = " ".join(f"{k}{row['coords'][k]}" for k in dims) or "the only rank"
         cells = {kind: f"{row['measured'][kind] / MIB:.3f} / {row['predicted'][kind] / MIB:.3f}"
                  for kind in KINDS}
-        shown.append({"rank": f"{row['rank']} ({where})", **cells})
+        peak = row.get("allocator_peak")
+        shown.append({"rank": f"{row['rank']} ({where})", **cells,
+                      "allocator": "" if peak is None else f"{peak / MIB:.3f}"})
+    # the allocator's column only where there is one: torch counts no peak on a CPU
+    allocator = [("allocator", "allocator peak")] if any(r["allocator"] for r in shown) else []
     return ("memory per rank, MiB, measured (each kind at its peak in one step) / predicted "
-            "(the planner's formulas)\n"
-            + format_table(shown, [("rank", "rank"), *[(k, k) for k in KINDS]]))
+            "(the planner's formulas)"
+            + ("; allocator peak: the most torch held on the GPU over the run" if allocator
+               else "") + "\n"
+            + format_table(shown, [("rank", "rank"), *[(k, k) for k in KINDS], *allocator]))
 
 
 def save_memory(out: Path, rows: list[dict]) -> str:

@@ -6,9 +6,10 @@ MFU = (model FLOPs per token x tokens per second) / peak FLOP/s of the cores in 
 (PaLM, Chowdhery et al. 2022, appendix B). Model FLOPs per token are
 `DecoderConfig.flops_per_token`: 6 N (forward and backward of every matmul weight) plus
 the attention scores' 12 L T h; recomputation's extra forward is not counted (that is
-"hardware FLOPs"). The peak is never a data sheet's: it is a large matmul timed here, on
-one thread (each rank computes on one), in the run's dtype, and cached like the fitted
-machine. Above 100% means the formula or the peak is wrong.
+"hardware FLOPs"). On a CPU the peak is never a data sheet's: it is a large matmul timed
+here, on one thread (each rank computes on one), in the run's dtype, and cached like the
+fitted machine; on a GPU, device_peak.py takes the maker's figure where it knows the card.
+Above 100% means the formula or the peak is wrong.
 """
 
 from __future__ import annotations
@@ -26,19 +27,22 @@ import torch
 from ..runtime import device, synchronize
 from .data import cache_dir
 
-PEAK_SIZE = 1024  # a matmul this large keeps a core's vector units busy (AMX for bf16)
+# a matmul this large keeps a core's vector units busy (AMX for bf16); a GPU needs a far
+# larger one to fill its streaming multiprocessors and hide each launch
+PEAK_SIZES = {"cpu": 1024, "cuda": 8192}
 
 
 def _peak_file() -> Path:
     return cache_dir() / "peak_flops.json"
 
 
-def measured_peak(dtype: torch.dtype, size: int = PEAK_SIZE, repeats: int = 10) -> float:
+def measured_peak(dtype: torch.dtype, size: int | None = None, repeats: int = 10) -> float:
     """FLOP/s of this rank's device (one CPU thread, or its GPU) multiplying two size x size
     matrices of `dtype`: the fastest of `repeats` timed products after a warm-up one (a
     peak is the best the device does; the fastest is also the one least disturbed by
     whatever else the machine runs). Cached per dtype, thread count, machine, torch
-    version and device type."""
+    version and device type. `size` defaults to the device type's in PEAK_SIZES."""
+    size = size or PEAK_SIZES.get(device().type, PEAK_SIZES["cpu"])
     key = f"{dtype}|threads={torch.get_num_threads()}|{platform.machine()}|" \
           f"{platform.processor()}|torch {torch.__version__}|{size}|{device().type}"
     path = _peak_file()
