@@ -1,4 +1,4 @@
-"""The `minipar` command: tour, bench, lessons, train, doctor."""
+"""The `minipar` command: tour, bench, lessons, train, gpu-check, doctor."""
 
 from __future__ import annotations
 
@@ -61,6 +61,10 @@ def _parser() -> OneLineParser:
         description="Train the trainer's decoder: see `minipar train --help` and `minipar "
                     "train compare --help`.")
     commands.add_parser(
+        "gpu-check", add_help=False,
+        help="run what minipar claims about GPUs on the GPUs there are (skips without one)",
+        description="See `minipar gpu-check --help`.")
+    commands.add_parser(
         "doctor", help="what this machine gives minipar: torch build, backends, cores",
         description="Print, on one screen, the torch build (CPU or CUDA), the backends, GPUs "
                     "and cores, what backend='auto' picks, and the extras the lessons need.")
@@ -73,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         from .train.__main__ import main as train_main
 
         return train_main(argv[1:], prog="minipar train")
+    if argv[:1] == ["gpu-check"]:
+        from .gpu_check import main as gpu_check_main
+
+        return gpu_check_main(argv[1:], prog="minipar gpu-check")
     args = _parser().parse_args(argv)
     return run_command(f"minipar {args.command}", lambda: _run(args))
 

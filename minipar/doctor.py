@@ -30,6 +30,18 @@ def _installed(module: str) -> str:
     return "yes" if importlib.util.find_spec(module) else "no"
 
 
+def _gpu_check(gpus: int) -> str:
+    from .gpu_check import parts_here
+
+    runs = [name.split(".")[0] for name, what in parts_here(gpus) if what == "runs"]
+    if not runs:
+        return "nothing runs without a GPU (`minipar gpu-check --on-cpu` tests it on CPU ranks)"
+    skipped = [f"part {name.split('.')[0]} {what}" for name, what in parts_here(gpus)
+               if what != "runs"]
+    return f"parts {', '.join(runs)} run here (`minipar gpu-check`)" + \
+        (f"; {'; '.join(skipped)}" if skipped else "")
+
+
 def report() -> list[tuple[str, str]]:
     """(what, value) lines describing this machine for minipar."""
     gpus = gpu_count()
@@ -48,6 +60,7 @@ def report() -> list[tuple[str, str]]:
         ("CPU cores", f"{cores}: more ranks than that take turns on them"),
         ("backend='auto'", f"{auto} for 2 ranks"
          + ("" if auto == "nccl" else " (nccl needs one GPU per rank)")),
+        ("GPU check", _gpu_check(gpus)),
         ("fitted machine", str(saved) if saved.exists() else
          "none yet (`minipar bench collectives` fits and saves one)"),
         ("lessons", f"jupyterlab {_installed('jupyterlab')}, ipywidgets "
