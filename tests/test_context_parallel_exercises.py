@@ -9,6 +9,9 @@ from minipar.context_parallel import block_attention, merge
 from minipar.context_parallel.exercises import check_merge, check_ring_step
 from minipar.grading import ExerciseError
 
+# the exercise checks' ranks run under the placement trap (issue 43, conftest.py)
+pytestmark = pytest.mark.usefixtures("placement_trap_on")
+
 
 def merge_right(out_a, lse_a, out_b, lse_b):
     lse = torch.logaddexp(lse_a, lse_b)

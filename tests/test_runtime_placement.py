@@ -95,3 +95,11 @@ def test_ranks_run_under_the_trap_when_the_launcher_asks(monkeypatch):
     monkeypatch.setenv(TRAP_ENV, "1")
     with pytest.raises(minipar.RankError, match="PlacementError"):
         minipar.launch(stray, 1, timeout=60)
+
+
+def test_a_tensor_someone_elses_code_makes_is_theirs_even_when_minipar_calls_it():
+    """A learner's function, a test's or a notebook cell's, run by minipar (a rank runs
+    every task from worker.py): the trap judges only minipar's own lines."""
+    with placement_trap():
+        scope = as_minipar("y = make()\n", make=lambda: torch.zeros(3))
+    assert scope["y"].shape == (3,)

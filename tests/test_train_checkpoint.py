@@ -12,6 +12,7 @@ import torch
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
 
 import minipar
+from minipar.runtime.placement import placement_trap
 from minipar.slow_networks.checkpoint_restart import latest_step
 from minipar.tensor_parallel import twin_slice
 from minipar.train.loop import train
@@ -151,7 +152,9 @@ def test_an_export_loads_into_the_one_process_twin_with_plain_torch(cluster4, co
 
     config = _with(tiny(corpus), pp=2, tp=2)
     cluster4.run(train, config, tmp_path / "run", False, False, 10)
-    written = export(tmp_path / "run", tmp_path / "model.pt")
+    with placement_trap():  # export and sampling run here, not in a rank: trap them here
+        written = export(tmp_path / "run", tmp_path / "model.pt")
+        text = sample(written, "def ", 30, seed=3)
     meta = json.loads((tmp_path / "model.pt.json").read_text())
     model = decoder(from_dict(meta["config"]).model, dtype=torch.float64)
     model.load_state_dict(torch.load(written, weights_only=True))  # strict: every key
@@ -164,12 +167,12 @@ def test_an_export_loads_into_the_one_process_twin_with_plain_torch(cluster4, co
     assert meta["step"] == 10
     assert loss == pytest.approx(uninterrupted.records[10]["loss"], rel=1e-10)
     # text from the file and from the run folder: seeded, so the same
-    text = sample(written, "def ", 30, seed=3)
     assert text.startswith("def ") and text == sample(tmp_path / "run", "def ", 30, seed=3)
     # the same weights as safetensors (the tied head a copy of its own), the same numbers
     from safetensors.torch import load_file
 
-    other = export(tmp_path / "run", tmp_path / "model.safetensors")
+    with placement_trap():
+        other = export(tmp_path / "run", tmp_path / "model.safetensors")
     twin = decoder(from_dict(meta["config"]).model, dtype=torch.float64)
     twin.load_state_dict(load_file(other))
     for name, weight in model.state_dict().items():

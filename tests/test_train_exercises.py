@@ -9,6 +9,9 @@ from minipar.train.exercises import check_global_grad_norm, check_loss_scale
 from minipar.train.optim import global_norm
 from minipar.train.precision import LossScaler
 
+# the exercise checks' ranks run under the placement trap (issue 43, conftest.py)
+pytestmark = pytest.mark.usefixtures("placement_trap_on")
+
 
 def norm(grads, replicated, tied, tp_group, pp_group, *, replicated_once=True,
          groups=("tp", "pp"), sqrt_first=False, tied_ends="first", tied_tp_once=True):

@@ -10,6 +10,7 @@ import torch
 from .. import collectives, runtime
 from ..grading import ExerciseError, refuse_library, run_on_ranks
 from ..models import mlp
+from ..runtime.placement import host_allocations
 from .ddp import shard
 
 
@@ -18,7 +19,9 @@ def _hook_model() -> torch.nn.Module:
 
 
 def _hook_batch() -> torch.Tensor:
-    return torch.randn(12, 5, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    with host_allocations():  # a CPU generator draws on the host: moved just below
+        x = torch.randn(12, 5, generator=torch.Generator().manual_seed(12), dtype=torch.float64)
+    return x.to(runtime.device())
 
 
 class _WatchedWork:
@@ -122,8 +125,8 @@ def check_overlapped_hook(averager_class: type, world_size: int = 4) -> str:
 
 def _run_bucketed(fn: Callable, sizes: list[int], bucket_bytes: int) -> tuple:
 
-    grads = [torch.full((n,), float(runtime.rank() + 1) * (i + 1), dtype=torch.float32)
-             for i, n in enumerate(sizes)]
+    grads = [torch.full((n,), float(runtime.rank() + 1) * (i + 1), dtype=torch.float32,
+                        device=runtime.device()) for i, n in enumerate(sizes)]
     calls: list[int] = []
     inside = [0]  # minipar's all-reduce may call torch's: count the outer call once
     original, original_torch = collectives.all_reduce, torch.distributed.all_reduce

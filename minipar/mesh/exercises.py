@@ -57,7 +57,8 @@ def _run_groups(fn: Callable, dims: dict[str, int]) -> dict | str:
     if len({str(c) for c in _gather_calls(calls)}) > 1:
         return {"calls": calls, "members": None}  # groups paired up wrongly: do not use them
     for name in dims:
-        members = torch.zeros(runtime.world_size(), dtype=torch.float64)
+        members = torch.zeros(runtime.world_size(), dtype=torch.float64,
+                              device=runtime.device())
         # one-hot rank vectors summed over the group: the ones mark who is really in it
         members[runtime.rank()] = 1
         dist.all_reduce(members, group=groups[name])

@@ -8,6 +8,7 @@ import torch
 
 from .. import runtime
 from ..grading import ExerciseError, refuse_library, run_on_ranks
+from ..runtime.placement import host_allocations
 from .routing import route
 
 _ROUTING_CASES = [
@@ -59,14 +60,16 @@ def _dispatch_experts(rank: int, world_size: int, experts_per_rank: int) -> torc
     sends zero rows to one peer (send_counts must still have an entry for it)."""
     gen = torch.Generator().manual_seed(50 + rank)
     owners = world_size - 1 if rank == 0 and world_size > 1 else world_size
-    return torch.randint(0, experts_per_rank * owners, (_DISPATCH_ROWS,), generator=gen)
+    with host_allocations():  # a CPU generator draws on the host: moved just below
+        experts = torch.randint(0, experts_per_rank * owners, (_DISPATCH_ROWS,), generator=gen)
+    return experts.to(runtime.device())
 
 
 def _call_dispatch(fn: Callable, experts_per_rank: int) -> torch.Tensor:
     me, k = runtime.rank(), runtime.world_size()
     expert = _dispatch_experts(me, k, experts_per_rank)
-    x = torch.arange(_DISPATCH_ROWS, dtype=torch.float64)[:, None] + 100 * me + torch.zeros(
-        _DISPATCH_ROWS, 3)
+    rows = torch.arange(_DISPATCH_ROWS, dtype=torch.float64, device=runtime.device())
+    x = rows[:, None].expand(-1, 3) + 100 * me
     return fn(x, expert, experts_per_rank)
 
 

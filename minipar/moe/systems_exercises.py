@@ -8,7 +8,8 @@ from collections.abc import Callable
 import torch
 
 from ..grading import ExerciseError, refuse_library, run_on_ranks
-from ..runtime import rank, world_size
+from ..runtime import device, rank, world_size
+from ..runtime.placement import host_allocations
 from .layer import MoELayer
 from .pipeline_moe import PipelineMoE, partial_output
 
@@ -22,7 +23,7 @@ def _rows(source: int, world: int) -> torch.Tensor:
     """Rank `source`'s rows, grouped by destination: each row is [1000 * source + dest, i]."""
     counts = send_counts(source, world)
     rows = [[1000.0 * source + d, float(i)] for d in range(world) for i in range(counts[d])]
-    return torch.tensor(rows, dtype=torch.float64).reshape(-1, 2)
+    return torch.tensor(rows, dtype=torch.float64, device=device()).reshape(-1, 2)
 
 
 def _expected_rows(dest: int, world: int) -> torch.Tensor:
@@ -93,8 +94,10 @@ def _twin() -> MoELayer:
 def _partials_with(fn: Callable) -> tuple[bool, str]:
     """On one rank: the learner's partial output against this rank's share of the layer
     (PipelineMoE's all-reduce of the shares is tested to be the layer)."""
-    twin = _twin()
-    x = torch.randn(24, 8, generator=torch.Generator().manual_seed(13), dtype=torch.float64)
+    with host_allocations():  # the twin and its input: the reference, on the host
+        twin = _twin()
+        x = torch.randn(24, 8, generator=torch.Generator().manual_seed(13),
+                        dtype=torch.float64)
     layer = PipelineMoE(twin)
     twin(x)
     routing = twin.last_routing

@@ -9,6 +9,7 @@ import torch
 from .. import runtime
 from ..grading import ExerciseError, refuse_library, run_on_ranks
 from ..models import linear_stack, mse
+from ..runtime.placement import host_allocations
 from .plan import Schedule, add_communication, peak_in_flight
 from .simulate import simulate, validate
 
@@ -57,8 +58,9 @@ def _stage_layers(k: int) -> list[torch.nn.Module]:
 
 def _stage_batch() -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(22)
-    return (torch.randn(3, 4, generator=g, dtype=torch.float64),
-            torch.randn(3, 4, generator=g, dtype=torch.float64))
+    with host_allocations():  # a CPU generator draws on the host: moved just below
+        x, target = (torch.randn(3, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    return x.to(runtime.device()), target.to(runtime.device())
 
 
 def _mse_to(target: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

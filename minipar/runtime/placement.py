@@ -82,9 +82,13 @@ def _caller() -> tuple[tuple[str, int], tuple[str, int] | None] | None:
     name = frame.f_code.co_filename
     if name.startswith(TORCH) and not name.startswith(TORCH_MODULES):
         return None
-    inner, builder, f = None, None, frame
+    # the code that called the factory: minipar's, or a module's constructor in torch;
+    # anyone else's (a test, a notebook cell, a learner's exercise) is theirs to place
+    in_torch_module = name.startswith(TORCH_MODULES)
+    inner, builder, f = _minipar(frame), None, frame
     while f is not None:
-        inner = inner or _minipar(f)
+        if in_torch_module:
+            inner = inner or _minipar(f)
         if f.f_code.co_name == "__init__" and isinstance(f.f_locals.get("self"), torch.nn.Module):
             builder = f.f_back
         f = f.f_back

@@ -9,23 +9,26 @@ from torch import nn
 
 from .. import collectives, runtime
 from ..grading import ExerciseError, refuse_library, run_on_ranks
+from ..runtime.placement import host_allocations
 
 _NUMEL, _STEPS, _LR, _BETA = 12, 3, 0.1, 0.9
 
 
 def _gradient(rank: int, step: int) -> torch.Tensor:
-    return torch.randn(_NUMEL, dtype=torch.float64,
-                       generator=torch.Generator().manual_seed(100 * step + rank))
+    with host_allocations():  # a CPU generator draws on the host: moved just below
+        grad = torch.randn(_NUMEL, dtype=torch.float64,
+                           generator=torch.Generator().manual_seed(100 * step + rank))
+    return grad.to(runtime.device())
 
 
 def _start() -> torch.Tensor:
-    return torch.linspace(-1, 1, _NUMEL, dtype=torch.float64)
+    return torch.linspace(-1, 1, _NUMEL, dtype=torch.float64, device=runtime.device())
 
 
 def _run_zero1(fn: Callable) -> tuple[list[torch.Tensor], int, dict[str, int]]:
     k, me = runtime.world_size(), runtime.rank()
     flat = _start()
-    momentum = torch.zeros(_NUMEL // k, dtype=torch.float64)
+    momentum = torch.zeros(_NUMEL // k, dtype=torch.float64, device=runtime.device())
     history = []
     with collectives.meter() as m:
         for step in range(_STEPS):
@@ -78,7 +81,9 @@ def check_zero1_step(zero1_step: Callable, world_sizes: tuple[int, ...] = (2, 4)
 
 def _unit_twin() -> nn.Linear:
     torch.manual_seed(61)
-    return nn.Linear(5, 3, dtype=torch.float64)  # 18 numbers: padded for 4 ranks
+    with host_allocations():  # seeded on the host, then moved: the same unit anywhere
+        unit = nn.Linear(5, 3, dtype=torch.float64)  # 18 numbers: padded for 4 ranks
+    return unit.to(runtime.device())
 
 
 def _held_numbers(tensors: list[torch.Tensor], skip: torch.Tensor | None = None) -> int:
@@ -116,7 +121,7 @@ def _run_fsdp_forward(fn: Callable) -> tuple[torch.Tensor, int, int, dict[str, i
     flat = torch.cat([flat, flat.new_zeros(size * k - flat.numel())])
     unit = _unit_twin()
     for p in unit.parameters():
-        p.data = torch.empty(0, dtype=torch.float64)
+        p.data = torch.empty(0, dtype=torch.float64, device=p.device)
     # a layer's input needs its gradient, so autograd saves the weight for backward
     x = _unit_input().requires_grad_(True)
     with collectives.meter() as m:
@@ -126,7 +131,9 @@ def _run_fsdp_forward(fn: Callable) -> tuple[torch.Tensor, int, int, dict[str, i
 
 
 def _unit_input() -> torch.Tensor:
-    return torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(62))
+    with host_allocations():  # a CPU generator draws on the host: moved just below
+        x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(62))
+    return x.to(runtime.device())
 
 
 def check_fsdp_forward(fsdp_forward: Callable, world_sizes: tuple[int, ...] = (2, 4)) -> str:

@@ -21,6 +21,7 @@ from .. import collectives, runtime
 from ..grading import ExerciseError, refuse_library, run_on_ranks
 from ..models import mlp, mse, regression_data
 from ..runtime import RankError, launch, rank
+from ..runtime.placement import host_allocations
 from .checkpoint_restart import latest_step, train_resumable
 
 # out-peers: rank 0 sends to two ranks, rank 2 receives from two; strongly connected
@@ -29,7 +30,8 @@ PUSH_SUM_STEPS = 60
 
 
 def _start(r: int) -> torch.Tensor:
-    return torch.tensor([float(r * r + 1), 10.0 * r], dtype=torch.float64)
+    return torch.tensor([float(r * r + 1), 10.0 * r], dtype=torch.float64,
+                        device=runtime.device())
 
 
 def _gossip(push_sum: Callable) -> dict:
@@ -188,8 +190,10 @@ _FEEDBACK_STEPS, _FEEDBACK_SIZE, _FEEDBACK_K = 6, 20, 3
 
 def _feedback_gradient(rank: int, step: int) -> torch.Tensor:
     # a seed per (rank, step): the checker regenerates any rank's gradient on its own
-    return torch.randn(_FEEDBACK_SIZE, dtype=torch.float64,
-                       generator=torch.Generator().manual_seed(1000 * rank + step))
+    with host_allocations():  # a CPU generator draws on the host: moved just below
+        grad = torch.randn(_FEEDBACK_SIZE, dtype=torch.float64,
+                           generator=torch.Generator().manual_seed(1000 * rank + step))
+    return grad.to(runtime.device())
 
 
 def _topk_reference(grad: torch.Tensor, residual: torch.Tensor, k: int,
@@ -204,8 +208,8 @@ def _topk_reference(grad: torch.Tensor, residual: torch.Tensor, k: int,
 def _run_feedback(fn: Callable) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
     """Each step: compress this rank's gradient, average what was sent over the ranks (the
     update every rank applies). Returns each step's (sent, residual) and the applied sum."""
-    residual = torch.zeros(_FEEDBACK_SIZE, dtype=torch.float64)
-    applied = torch.zeros(_FEEDBACK_SIZE, dtype=torch.float64)
+    residual = torch.zeros(_FEEDBACK_SIZE, dtype=torch.float64, device=runtime.device())
+    applied = torch.zeros_like(residual)
     steps = []
     for step in range(_FEEDBACK_STEPS):
         grad = _feedback_gradient(runtime.rank(), step)

@@ -9,16 +9,19 @@ import torch
 
 from .. import runtime
 from ..grading import ExerciseError, refuse_library, run_on_ranks
+from ..runtime.placement import host_allocations
 
 
 def _call_g(g_class: type) -> tuple[list[float], list[float], bool]:
     # a different partial sum on every rank, so a g that skips the all-reduce shows
-    partial = (torch.arange(4, dtype=torch.float64) + 1) * (runtime.rank() + 1)
+    partial = (torch.arange(4, dtype=torch.float64, device=runtime.device()) + 1) \
+        * (runtime.rank() + 1)
     x = partial.clone().requires_grad_(True)
     y = g_class.apply(x)
     unchanged = torch.equal(x.detach(), partial)  # the caller's tensor must keep its values
     # a different upstream gradient on every rank: an all-reduce in backward would show
-    upstream = torch.arange(4, dtype=torch.float64) + 10 * (runtime.rank() + 1)
+    upstream = torch.arange(4, dtype=torch.float64, device=runtime.device()) \
+        + 10 * (runtime.rank() + 1)
     y.backward(upstream)
     return y.detach().tolist(), x.grad.tolist(), unchanged
 
@@ -56,9 +59,11 @@ H, FFN, TOKENS = 8, 16, 5  # the MLP the check splits: hidden 8, inner width 16,
 def _mlp_twin() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [tokens, h], W_up [ffn, h], W_down [h, ffn]: nn.Linear's layout, float64."""
     g = torch.Generator().manual_seed(41)
-    return (torch.randn(TOKENS, H, dtype=torch.float64, generator=g),
-            torch.randn(FFN, H, dtype=torch.float64, generator=g) / H**0.5,
-            torch.randn(H, FFN, dtype=torch.float64, generator=g) / FFN**0.5)
+    with host_allocations():  # a CPU generator draws on the host: moved just below
+        drawn = (torch.randn(TOKENS, H, dtype=torch.float64, generator=g),
+                 torch.randn(FFN, H, dtype=torch.float64, generator=g) / H**0.5,
+                 torch.randn(H, FFN, dtype=torch.float64, generator=g) / FFN**0.5)
+    return tuple(t.to(runtime.device()) for t in drawn)
 
 
 def _mlp_one_process() -> tuple:
