@@ -27,15 +27,19 @@ def rounding_of(stated: str) -> float:
     return 0.5 * 10.0 ** (exponent - decimals)
 
 
+def rounds_to(value: float, stated: str) -> bool:
+    """Whether `value`, rounded as the prose rounds `stated`, is `stated`."""
+    slack = rounding_of(stated) * (1 + 1e-9)  # float noise on an exact tie
+    return math.isfinite(value) and abs(value - float(stated.replace(",", ""))) <= slack
+
+
 def held(value: float, stated: str, what: str) -> float:
     """Hold a computed `value` to the figure the prose `stated`, to the prose's rounding.
 
     Prints `what = stated` (so the lesson's output shows each figure its prose quotes)
     and returns `value` for the next step of the problem. A figure that the computation
     does not round to raises an AssertionError naming both numbers."""
-    slack = rounding_of(stated) * (1 + 1e-9)  # float noise on an exact tie
-    target = float(stated.replace(",", ""))
-    if not math.isfinite(value) or abs(value - target) > slack:
+    if not rounds_to(value, stated):
         raise AssertionError(f"{what}: the lesson says {stated}, the calculation gives "
                              f"{value:.6g}; fix the prose or the calculation")
     print(f"{what} = {stated}")

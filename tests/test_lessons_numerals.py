@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from minipar.lessons import lesson_notebooks
-from minipar.worked import rounding_of
+from minipar.worked import rounds_to
 
 LESSONS = Path(__file__).resolve().parent.parent / "lessons"
 CORE = lesson_notebooks(LESSONS)
@@ -88,9 +88,7 @@ def _is_a_claim(figure: str) -> bool:
 
 
 def _explained(figure: str, computed: list[float]) -> bool:
-    target = float(figure.replace(",", ""))
-    slack = rounding_of(figure) * (1 + 1e-9)
-    return any(abs(abs(v) * s - target) <= slack for v in computed for s in SCALES)
+    return any(rounds_to(abs(v) * s, figure) for v in computed for s in SCALES)
 
 
 def unexplained(path: Path) -> list[str]:

@@ -1,6 +1,6 @@
 import pytest
 
-from minipar.worked import held, rounding_of
+from minipar.worked import held, rounding_of, rounds_to
 
 
 def test_the_rounding_is_half_the_last_written_digit():
@@ -26,3 +26,9 @@ def test_a_wrong_figure_fails_naming_both_numbers(value, stated):
 def test_a_stated_figure_that_is_not_a_number_gets_one_clear_line():
     with pytest.raises(ValueError, match="not a figure"):
         held(1.0, "about 1", "x")
+
+
+def test_rounds_to_is_the_prose_rounding_held_and_the_numerals_test_share():
+    assert rounds_to(121.74, "121.7") and not rounds_to(121.76, "121.7")
+    assert rounds_to(8.44e22, "8.4e22") and rounds_to(190_160, "1.9e5")
+    assert not rounds_to(float("nan"), "1") and not rounds_to(float("inf"), "1")
