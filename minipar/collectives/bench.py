@@ -15,7 +15,7 @@ import torch.distributed as dist
 from .. import collectives, trace
 from ..machine import Machine
 from ..report import format_table, human_bytes, progress, save_results, spread
-from ..runtime import Cluster
+from ..runtime import Cluster, device
 from .fit import fit_machine
 
 COLLECTIVE_SIZES = [1 << 10 << (2 * i) for i in range(9)]  # 1 KiB ... 64 MiB
@@ -28,7 +28,7 @@ def _time_round_robin(algorithms: list[str], nbytes: int, rounds: int) -> dict[s
     see the same machine conditions (validation and tracing off, one warm-up each)."""
 
 
-    tensor = torch.zeros(nbytes // 4)  # float32: 4 bytes an element
+    tensor = torch.zeros(nbytes // 4, device=device())  # float32: 4 bytes an element
     times: dict[str, list[float]] = {a: [] for a in algorithms}
     previous = trace.set_recording(False)
     with collectives.validation(False):

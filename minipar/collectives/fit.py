@@ -14,7 +14,7 @@ import torch.distributed as dist
 from .. import trace
 from ..cost import fit_alpha_beta
 from ..machine import Machine
-from ..runtime import Cluster, cpu_cores, rank
+from ..runtime import Cluster, cpu_cores, device, rank
 from .comm import _Comm, validation
 from .p2p import recv, send
 
@@ -23,7 +23,8 @@ PINGPONG_SIZES = [4, 4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
 def reduce_seconds_per_byte(nbytes: int = 16 << 20, repeats: int = 5) -> float:
     """gamma: seconds per byte for an in-place add, on one thread."""
-    a, b = torch.zeros(nbytes // 4), torch.ones(nbytes // 4)  # float32: 4 bytes an element
+    # float32: 4 bytes an element
+    a, b = (torch.zeros(nbytes // 4, device=device()), torch.ones(nbytes // 4, device=device()))
     best = math.inf
     for _ in range(repeats):
         start = time.perf_counter()
@@ -46,9 +47,10 @@ def ring_shift(sizes: list[int], repeats: int = 5) -> list[float]:
     that share cores wake each other up step after step)."""
     steps = 2 * (dist.get_world_size() - 1)
     mine = [t / steps for t in _timed(sizes, repeats, _shift_once)]
-    everyone = [torch.zeros(len(sizes), dtype=torch.float64) for _ in range(dist.get_world_size())]
+    everyone = [torch.zeros(len(sizes), dtype=torch.float64, device=device())
+                for _ in range(dist.get_world_size())]
     # a step takes as long as its slowest rank: every rank gets the per-size maximum
-    dist.all_gather(everyone, torch.tensor(mine, dtype=torch.float64))
+    dist.all_gather(everyone, torch.tensor(mine, dtype=torch.float64, device=device()))
     return torch.stack(everyone).max(dim=0).values.tolist()
 
 
@@ -75,7 +77,8 @@ def _timed(sizes: list[int], repeats: int, once, halve: bool = False) -> list[fl
     with validation(False):
         for nbytes in sizes:
             # float32 elements; at least one, so the 4-byte size still sends a message
-            buffer, spare = torch.zeros(max(nbytes // 4, 1)), torch.zeros(max(nbytes // 4, 1))
+            buffer = torch.zeros(max(nbytes // 4, 1), device=device())
+            spare = torch.zeros_like(buffer)
             times = []
             # small messages are bimodal on shared cores: time more of them; the largest
             # are steady and take the longest, so fewer do

@@ -12,7 +12,7 @@ import torch
 from .. import trace
 from ..models import mlp, mlp_parameters
 from ..report import format_table, progress, ratio_cell, save_results
-from ..runtime import Cluster, world_size
+from ..runtime import Cluster, device, world_size
 from .ddp import DataParallel
 
 DP_SIZES = {  # name: (layer sizes, samples per rank): compute-bound vs communication-bound
@@ -43,7 +43,7 @@ def _dp_throughput(variant: str, sizes: list[int], per_rank: int, steps: int) ->
     else:
         wrapped = model
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(batch, sizes[0])
+    x = torch.randn(batch, sizes[0], device=device())
     times = []
     with trace.capture() as captured:
         for step in range(steps + 2):

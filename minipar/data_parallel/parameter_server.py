@@ -154,8 +154,8 @@ def _async_server(flat: torch.Tensor, workers: list[int], steps: int, lr: float,
                   max_staleness: int | None) -> ServerReport:
     report = ServerReport("server")
     # the version travels as a one-element tensor: send and recv move tensors only
-    version = torch.zeros(1, dtype=torch.float64)
-    header, grad = torch.zeros(1, dtype=torch.float64), torch.empty_like(flat)
+    version = torch.zeros(1, dtype=torch.float64, device=flat.device)
+    header, grad = torch.zeros_like(version), torch.empty_like(flat)
     remaining = {w: steps for w in workers}
     for w in workers:
         collectives.send(version, w)
@@ -185,7 +185,7 @@ def _async_server(flat: torch.Tensor, workers: list[int], steps: int, lr: float,
 def _async_worker(model: nn.Module, flat: torch.Tensor, batches: Sequence, loss_fn: Callable,
                   slow: dict[int, float]) -> ServerReport:
     report = ServerReport("worker")
-    version = torch.zeros(1, dtype=torch.float64)
+    version = torch.zeros(1, dtype=torch.float64, device=flat.device)
     workers = world_size() - 1
     index = rank() - 1
     for step, (x, y) in enumerate(batches):

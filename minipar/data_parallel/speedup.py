@@ -14,7 +14,7 @@ from ..collectives import fit_machine
 from ..cost import CommStep
 from ..machine import Machine
 from ..models import mlp
-from ..runtime import Cluster, world_size
+from ..runtime import Cluster, device, world_size
 from .compression import ErrorFeedback, Int8, PowerSGD, TopK
 from .ddp import DataParallel
 
@@ -34,7 +34,7 @@ def _lab_steps(width: int, per_rank: int, bucket_bytes: int | None, compression:
     """Median step time on this rank; compute and all-reduce spans go into the Timeline."""
 
     model = mlp([width, width, width, width], seed=0)  # seed 0 on every rank: equal replicas
-    x = torch.randn(per_rank, width)
+    x = torch.randn(per_rank, width, device=device())
     parallel = world_size() > 1
     wrapped = DataParallel(model, bucket_bytes, overlap=True) \
         if parallel and compression == "none" else model

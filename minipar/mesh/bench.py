@@ -30,7 +30,8 @@ from .. import cost
 from ..collectives import fit_machine
 from ..decoder import Decoder, DecoderConfig, decoder
 from ..report import format_table, progress, save_results
-from ..runtime import Cluster
+from ..runtime import Cluster, device
+from ..runtime.placement import host_allocations
 from .planner import OPTIMIZER_BYTES_PER_PARAM, Hardware, Layout, estimate
 from .twin_check import MeshDecoder, connect
 
@@ -52,8 +53,10 @@ def _config() -> cost.TransformerConfig:
 
 def _data(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, SHAPE["vocab"], (BATCH, SHAPE["seq_len"]), generator=gen),
-            torch.randint(0, SHAPE["vocab"], (BATCH, SHAPE["seq_len"]), generator=gen))
+    with host_allocations():  # a CPU generator draws on the host: moved just below
+        ids, targets = (torch.randint(0, SHAPE["vocab"], (BATCH, SHAPE["seq_len"]),
+                                      generator=gen) for _ in range(2))
+    return ids.to(device()), targets.to(device())
 
 
 def configurations(ranks: int) -> list[tuple[int, int, int]]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import collectives
-from ..runtime import rank
+from ..runtime import device, rank
 from .sbp import Broadcast, Placement, Split, placement
 
 
@@ -90,7 +90,8 @@ def reshard(local: torch.Tensor | None, shape: tuple[int, ...], src_ranks: list[
         if m.dst == me and m.src != me:
             size = list(shape)
             size[dim] = m.stop - m.start
-            pieces[m.start] = collectives.recv(torch.empty(size, dtype=dtype), m.src)
+            pieces[m.start] = collectives.recv(torch.empty(size, dtype=dtype, device=device()),
+                                               m.src)
     for p in pending:
         p.wait()
     if me not in dst_ranks:

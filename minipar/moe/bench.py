@@ -12,7 +12,8 @@ import torch
 from .. import trace
 from ..models import FFN
 from ..report import format_table, progress, ratio_cell, save_results
-from ..runtime import Cluster, rank, world_size
+from ..runtime import Cluster, device, rank, world_size
+from ..runtime.placement import host_allocations
 from .expert_parallel import ExpertParallelMoE
 from .layer import MoELayer
 
@@ -23,14 +24,15 @@ def _moe_step(model: str, tokens: int, hidden: int, ffn: int, experts: int, k: i
     on more than one rank), and the share spent in all-to-all (EP only)."""
 
     torch.manual_seed(0)
-    if model == "dense":
-        layer = FFN(hidden, k * ffn)  # the same active parameters as k experts
-    else:
-        layer = MoELayer(hidden, ffn, experts, k, capacity_factor=1.25)
-        if world_size() > 1:
-            layer = ExpertParallelMoE(layer)
+    with host_allocations():  # seeded on the host, then moved: the same layer on any device
+        # a dense FFN has the same active parameters as k experts
+        layer = FFN(hidden, k * ffn) if model == "dense" else \
+            MoELayer(hidden, ffn, experts, k, capacity_factor=1.25)
+    layer = layer.to(device())
+    if model != "dense" and world_size() > 1:
+        layer = ExpertParallelMoE(layer)
     local = tokens // world_size()
-    x = torch.randn(tokens, hidden)[rank() * local:(rank() + 1) * local]
+    x = torch.randn(tokens, hidden, device=device())[rank() * local:(rank() + 1) * local]
     times = []
     with trace.capture() as captured:
         for step in range(steps + 1):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .. import collectives
-from ..runtime import rank, world_size
+from ..runtime import device, rank, world_size
 from ..trace import record
 from .exchange import Compute, Exchange
 
@@ -158,7 +158,8 @@ def step_seconds(step, repeats: int = 3, group=None) -> float:
         start = time.perf_counter()
         step()
         runs.append(time.perf_counter() - start)
-    seconds = torch.tensor([sorted(runs[1:])[repeats // 2]], dtype=torch.float64)
+    seconds = torch.tensor([sorted(runs[1:])[repeats // 2]], dtype=torch.float64,
+                           device=device())
     return collectives.all_reduce(seconds, op="max", group=group).item()
 
 

@@ -17,7 +17,7 @@ from .. import trace
 from ..collectives import fit_machine
 from ..models import linear_stack, mse
 from ..report import format_table, progress, ratio_cell, save_results, spread
-from ..runtime import Cluster, rank, world_size
+from ..runtime import Cluster, device, rank, world_size
 from . import Pipeline, Schedule, peak_in_flight, schedule, simulate, split_model
 from .simulate import costs_from_timeline
 
@@ -31,7 +31,7 @@ def schedule_step_seconds(name: str, microbatches: int, virtual: int, width: int
     k = world_size()
     model = linear_stack(width, k * virtual * layers_per_stage)
     pipe = Pipeline(split_model(model, k * virtual), schedule(name, k, microbatches, virtual))
-    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    x, y = torch.randn(batch, width, device=device()), torch.randn(batch, width, device=device())
     times = []
     for step in range(steps + 1):
         dist.barrier()
@@ -51,7 +51,7 @@ def _in_turns(name: str, microbatches: int, width: int, batch: int, layers_per_s
     model = linear_stack(width, k * layers_per_stage)
     single = linear_stack(width, k * layers_per_stage)
     pipe = Pipeline(split_model(model, k), schedule(name, k, microbatches))
-    x, y = torch.randn(batch, width), torch.randn(batch, width)
+    x, y = torch.randn(batch, width, device=device()), torch.randn(batch, width, device=device())
     one, steps = [], []
     for _ in range(rounds + 1):  # round 0 warms up (and sends the shape headers)
         dist.barrier()
@@ -122,7 +122,7 @@ def _activation_peak(name: str, microbatches: int, width: int, batch: int,
     k = world_size()
     pipe = Pipeline(split_model(linear_stack(width, k * layers_per_stage), k),
                     schedule(name, k, microbatches))
-    x = torch.randn(batch, width)
+    x = torch.randn(batch, width, device=device())
     pipe.train_step(x, x, lambda out, t: ((out - t) ** 2).mean())
     return pipe.activations.peak
 

@@ -126,7 +126,8 @@ class KFAC:
                 raise FloatingPointError(f"K-FAC's {which} factor of layer {i} is not finite: "
                                          "training diverged; lower lr or raise damping")
             wide = factor.double()  # float32 factors can lose definiteness in rounding
-            damped = wide + self.damping * torch.eye(wide.shape[0], dtype=wide.dtype)
+            damped = wide + self.damping * torch.eye(wide.shape[0], dtype=wide.dtype,
+                                                     device=wide.device)
             cholesky, info = torch.linalg.cholesky_ex(damped)
             if info.item() == 0:  # the cheap way: a Cholesky factor, then its inverse
                 inverse = torch.cholesky_inverse(cholesky)

@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import trace
 from ..models import mse
-from ..runtime import rank, world_size
+from ..runtime import device, rank, world_size
 from .engine import Pipeline, split_model
 from .kfac import KFAC, kfac_step
 from .plan import Action
@@ -93,6 +93,7 @@ def train_pipefisher(model_fn: Callable[[], nn.Sequential], batches: list, name:
     opt = _optimizer(pipe.parameters(), optimizer, lr)
     out: dict = {"losses": [], "seconds": [], "kfac_seconds": []}
     for step, (x, y) in enumerate(batches):
+        x, y = x.to(device()), y.to(device())  # the caller's batches may be on the host
         dist.barrier()
         measuring = kfac is not None and fill and step == 1  # step 0 sent shape headers
         with trace.capture() if measuring else nullcontext() as captured:

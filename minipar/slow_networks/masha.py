@@ -29,6 +29,7 @@ import torch
 
 from .. import collectives
 from ..data_parallel.compression import Compressor, ErrorFeedback, RandK, TopK
+from ..runtime import device
 from ..runtime.placement import host_allocations
 from .saddle import (
     SaddleProblem,
@@ -75,8 +76,8 @@ def naive_extragradient(problem: SaddleProblem, method: str, gamma: float, steps
         return squeeze.average(problem.part_operator(m, z))
 
     with collectives.meter() as meter:
-        return extragradient(F, torch.zeros(problem.dim, dtype=torch.float64), gamma, steps,
-                             z_star, lambda: meter.sent_bytes, method)
+        start = torch.zeros(problem.dim, dtype=torch.float64, device=device())
+        return extragradient(F, start, gamma, steps, z_star, lambda: meter.sent_bytes, method)
 
 
 def masha(problem: SaddleProblem, method: str, gamma: float, steps: int, k: int,

@@ -13,7 +13,8 @@ import torch
 from .. import trace
 from ..decoder import DecoderBlock, DecoderConfig, SwiGLU, rope_tables
 from ..report import format_table, progress, ratio_cell, save_results
-from ..runtime import Cluster, world_size
+from ..runtime import Cluster, device, world_size
+from ..runtime.placement import host_allocations
 from .parallel_block import ParallelDecoderBlock, ParallelSwiGLU
 
 TP_HIDDEN = (256, 512, 1024, 1536)
@@ -27,14 +28,15 @@ def _tp_step_seconds(kind: str, hidden: int, tokens: int, steps: int) -> float:
     config = DecoderConfig(hidden=hidden, heads=hidden // 64, kv_heads=hidden // 128,
                            seq_len=tokens // 4)
     rope: tuple = ()
+    with host_allocations():  # seeded on the host, then moved: the same twin on any device
+        twin = SwiGLU(hidden, config.ffn) if kind == "mlp" else DecoderBlock(config)
+    twin = twin.to(device())
     if kind == "mlp":
-        twin = SwiGLU(hidden, config.ffn)
         block = ParallelSwiGLU(twin) if world_size() > 1 else twin
     else:
-        twin = DecoderBlock(config)
         block = ParallelDecoderBlock(twin) if world_size() > 1 else twin
-        rope = rope_tables(config.head_dim, torch.arange(config.seq_len))
-    x = torch.randn(4, tokens // 4, hidden)  # [batch, seq, hidden]
+        rope = rope_tables(config.head_dim, torch.arange(config.seq_len, device=device()))
+    x = torch.randn(4, tokens // 4, hidden, device=device())  # [batch, seq, hidden]
     times = []
     for step in range(steps + 1):
         # both ranks start the clock together: the slower rank's time is the step's

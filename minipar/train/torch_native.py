@@ -219,7 +219,7 @@ class NativeRun:
     def _batch_loss(self, mine: float | None) -> float:
         """The batch's mean loss on every rank: dp ranks' means averaged, or the last
         stage's sent to all."""
-        box = torch.tensor([mine or 0.0], dtype=torch.float64)
+        box = torch.tensor([mine or 0.0], dtype=torch.float64, device=device())
         dist.all_reduce(box)
         if self.stage is not None:
             return box.item()  # only the last stage added its loss

@@ -58,7 +58,7 @@ def _rank_side(algorithm: str, numel: int) -> tuple:
     from minipar import collectives
 
     # rank r starts at 2**r: a sum's binary digits name exactly the ranks added into it
-    tensor = torch.full((numel,), float(2 ** minipar.rank()))
+    tensor = torch.full((numel,), float(2 ** minipar.rank()), device=minipar.device())
     initial = tensor.tolist()
     with collectives.meter(snapshots=True) as m:
         collectives.all_reduce(tensor, algorithm=algorithm)
