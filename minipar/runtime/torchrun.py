@@ -8,6 +8,7 @@ import datetime
 import os
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from .. import trace
 from .device import _bind_device, rank, resolve_backend, world_size
 from .errors import Results
+from .placement import placement_trap, trap_requested
 from .worker import in_rank
 
 
@@ -104,7 +106,9 @@ def run_under_torchrun(fn: Callable, size: int, args: tuple, kwargs: dict, backe
         atexit.register(_leave_process_group)
     started = time.perf_counter()
     dist.barrier()  # a common t=0 for every rank's events, as in worker._run_task
-    with trace.capture(rank()) as captured:
+    mode = trap_requested()  # the placement trap, as launch's ranks run it (placement.py)
+    trap = placement_trap(strict=mode == "1") if mode else nullcontext()
+    with trace.capture(rank()) as captured, trap:
         result = fn(*args, **kwargs)
     gathered: list = [None] * size
     # every process gets every rank's result, as launch() returns them on one machine
