@@ -187,7 +187,8 @@ class PowerSGD(Compressor):
         q = self._q.get(key)
         if q is None or q.shape != (m, r):
             generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))  # same everywhere
-            q = torch.randn(m, r, generator=generator, dtype=like.dtype)
+            with host_allocations():  # a CPU generator draws on the host: moved just below
+                q = torch.randn(m, r, generator=generator, dtype=like.dtype).to(like.device)
         return q
 
     def _approximate(self, matrix: torch.Tensor, key: str, reduce: bool) -> torch.Tensor:
@@ -348,6 +349,7 @@ def _plan(params: list[tuple[str, nn.Parameter]], budget: float) -> dict[str, Co
     errors = [[float((p.grad - c.round_trip(p.grad, name)).pow(2).sum()) / norm
                for c in menus[name]] for name, p in params]
     sizes = [[c.payload_bytes(p.grad) for c in menus[name]] for name, p in params]
-    picks = torch.tensor(choose_levels(errors, sizes, budget), dtype=torch.int64)
+    picks = torch.tensor(choose_levels(errors, sizes, budget), dtype=torch.int64,
+                         device=params[0][1].device)
     collectives.broadcast(picks, src=0)  # every rank must compress each layer the same way
     return {name: menus[name][int(i)] for (name, _), i in zip(params, picks, strict=True)}
