@@ -78,14 +78,11 @@ class LocalReplica(Protocol):
         """Set the parameters from a flat vector."""
 
 
-class SGDReplica:
-    """A module in memory, trained with plain SGD (`p -= lr * grad`)."""
+class ModuleReplica:
+    """A replica whose parameters are a module's in memory (`self.model`): the flat vector
+    is theirs, in `model.parameters()` order."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable, lr: float) -> None:
-        self.model, self.loss_fn, self.lr = model, loss_fn, lr
-
-    def local_step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> float:
-        return _local_step(self.model, x, y, self.loss_fn, self.lr, step)
+    model: nn.Module
 
     def vector(self) -> torch.Tensor:
         with torch.no_grad():
@@ -94,6 +91,16 @@ class SGDReplica:
     def load_vector(self, flat: torch.Tensor) -> None:
         with torch.no_grad():
             vector_to_parameters(flat, self.model.parameters())
+
+
+class SGDReplica(ModuleReplica):
+    """A module in memory, trained with plain SGD (`p -= lr * grad`)."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable, lr: float) -> None:
+        self.model, self.loss_fn, self.lr = model, loss_fn, lr
+
+    def local_step(self, x: torch.Tensor, y: torch.Tensor, step: int) -> float:
+        return _local_step(self.model, x, y, self.loss_fn, self.lr, step)
 
 
 def _average(flat: torch.Tensor) -> torch.Tensor:
