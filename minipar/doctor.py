@@ -33,11 +33,11 @@ def _installed(module: str) -> str:
 def _gpu_check(gpus: int) -> str:
     from .gpu_check import parts_here
 
-    runs = [name.split(".")[0] for name, what in parts_here(gpus) if what == "runs"]
+    parts = parts_here(gpus)
+    runs = [name.split(".")[0] for name, what in parts if what == "runs"]
     if not runs:
         return "nothing runs without a GPU (`minipar gpu-check --on-cpu` tests it on CPU ranks)"
-    skipped = [f"part {name.split('.')[0]} {what}" for name, what in parts_here(gpus)
-               if what != "runs"]
+    skipped = [f"part {name.split('.')[0]} {what}" for name, what in parts if what != "runs"]
     return f"parts {', '.join(runs)} run here (`minipar gpu-check`)" + \
         (f"; {'; '.join(skipped)}" if skipped else "")
 

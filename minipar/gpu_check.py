@@ -46,13 +46,23 @@ NCCL_COMPOSITIONS = ("dp2", "tp2", "pp2")  # with 2 GPUs; all of COMPOSITIONS wi
 MIB = 2**20
 
 
+# each part, and the GPUs it needs: what `minipar doctor` and `run_check` both read
+PARTS = (("1. one GPU, one rank", 1), ("2. one GPU, ranks over gloo", 1),
+         ("3. the offload copy stream", 1), ("4. NCCL over 2+ GPUs", 2))
+
+
+def _skipped(needs: int, gpus: int) -> str | None:
+    """Why a part needing `needs` GPUs does not run on `gpus`, or None when it runs."""
+    if gpus >= needs:
+        return None
+    return "no GPU" if gpus == 0 and needs == 1 else f"needs {needs} GPUs, {gpus} here"
+
+
 def parts_here(gpus: int | None = None) -> list[tuple[str, str]]:
     """(part, what this machine does with it): what `minipar doctor` prints."""
     gpus = gpu_count() if gpus is None else gpus
-    one = "runs" if gpus >= 1 else "skipped: no GPU"
-    many = "runs" if gpus >= 2 else f"skipped: needs 2 GPUs, {gpus} here"
-    return [("1. one GPU, one rank (fp32, bf16)", one), ("2. one GPU, ranks over gloo", one),
-            ("3. the offload copy stream", one), ("4. NCCL over 2+ GPUs", many)]
+    return [(name, "runs" if (why := _skipped(needs, gpus)) is None else f"skipped: {why}")
+            for name, needs in PARTS]
 
 
 def _config(preset: str, **overrides):
@@ -124,29 +134,27 @@ def _offload() -> tuple[bool, bool]:
     from .sharded.offload import Offload
     from .sharded.offload_bench import batch, offload_model
 
-    def trained(offload: str | None) -> tuple[torch.Tensor, bool]:
+    def trained(offload: str | None) -> tuple[torch.Tensor, Offload | None]:
         model, (x, y) = offload_model(48, 6, torch.float64, seed=3), batch(16, 48, torch.float64)
         adam = lambda params: torch.optim.Adam(params, lr=1e-2)  # noqa: E731
-        step = Offload(model, adam, offload, "host") if offload else None
-        opt = None if step else adam(model.parameters())
-        for _ in range(3):
-            if step:
-                mse(step(x), y).backward()
-                step.step()
-            else:
+        off = None if offload is None else Offload(model, adam, offload, "host")
+        if off is None:
+            opt = adam(model.parameters())
+            for _ in range(3):
                 opt.zero_grad()
                 mse(model(x), y).backward()
                 opt.step()
-        if step:
-            step.gather_parameters()
-            pinned = all(layer.host.is_pinned() for layer in step.layers)
         else:
-            pinned = True
-        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), pinned
+            for _ in range(3):
+                mse(off(x), y).backward()
+                off.step()
+            off.gather_parameters()
+        return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), off
 
     reference, _ = trained(None)
-    swapped, pinned = trained("swap")
+    swapped, off = trained("swap")
     equal = torch.allclose(swapped, reference, rtol=1e-12, atol=1e-14)
+    pinned = all(layer.host.is_pinned() for layer in off.layers)
     return equal, pinned or device().type != "cuda"
 
 
@@ -193,15 +201,17 @@ def run_check(on_cpu: bool = False, out: Callable[[str], None] = print) -> bool:
     was skipped. True when nothing failed."""
     gpus = gpu_count()
     device, preset = ("cpu", "tiny") if on_cpu else ("cuda", "small")
-    parts = [("1. one GPU, one rank", lambda: _one_rank(preset, device)),
-             ("2. one GPU, ranks over gloo",
-              lambda: _compositions(tuple(COMPOSITIONS), "gloo", device)),
-             ("3. the offload copy stream", lambda: _offload_part(device)),
-             ("4. NCCL over 2+ GPUs", lambda: _nccl(gpus))]
+    runs = (lambda: _one_rank(preset, device),
+            lambda: _compositions(tuple(COMPOSITIONS), "gloo", device),
+            lambda: _offload_part(device), lambda: _nccl(gpus))
     failed, started = False, time.perf_counter()
-    for name, part in parts:
-        if name.startswith("4") and (on_cpu or gpus < 2):
-            out(f"{name}: skipped: {'--on-cpu' if on_cpu else f'needs 2 GPUs, {gpus} here'}")
+    for (name, needs), part in zip(PARTS, runs, strict=True):
+        if on_cpu:  # CPU ranks stand in for one GPU: the parts needing more are skipped
+            why = "--on-cpu" if needs > 1 else None
+        else:
+            why = _skipped(needs, gpus)
+        if why is not None:
+            out(f"{name}: skipped: {why}")
             continue
         try:
             lines = part()

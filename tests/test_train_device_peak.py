@@ -26,18 +26,17 @@ def test_each_card_finds_its_own_row_not_a_shorter_name_inside_it():
 
 def test_on_a_cpu_mfu_divides_by_the_timed_matmul_times_the_cores():
     peak = run_peak(torch.float32)
-    assert peak.source == "measured" and peak.datasheet is None and peak.unit == "core"
+    assert peak.datasheet is None and peak.unit == "core"
     assert peak.per_device == peak.measured > 0 and peak.devices == cores_in_use(1) == 1
-    line = peak.describe(torch.float32)
+    line = peak.describe()
     assert line.startswith("peak ") and "a float32 matmul timed here on CPU" in line
 
 
 def test_the_head_line_says_which_peak_a_gpu_run_divides_by():
-    known = Peak(989.4 * TFLOPS, 2, "data sheet", 742e12, 989.4 * TFLOPS,
-                 "NVIDIA H100 80GB HBM3", "GPU")
+    known = Peak(torch.bfloat16, 742e12, 989.4 * TFLOPS, 2, "NVIDIA H100 80GB HBM3", "GPU")
     assert known.total == 2 * 989.4 * TFLOPS
-    assert known.describe(torch.bfloat16) == (
+    assert known.describe() == (
         "peak       989.4 TFLOP/s per GPU x 2 (MFU divides by it): NVIDIA H100 80GB HBM3's "
         "data sheet, bfloat16; a bfloat16 matmul timed here reaches 742, 75% of it")
-    unknown = Peak(50e12, 1, "measured", 50e12, None, "Some Future GPU", "GPU")
-    assert unknown.describe(torch.bfloat16).endswith("no data sheet known for this card")
+    unknown = Peak(torch.bfloat16, 50e12, None, 1, "Some Future GPU", "GPU")
+    assert unknown.describe().endswith("no data sheet known for this card")

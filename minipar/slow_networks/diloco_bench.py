@@ -16,7 +16,6 @@ import math
 from pathlib import Path
 
 import torch
-from torch.nn.utils import vector_to_parameters
 
 from .. import collectives
 from ..data_parallel import DataParallel, shard
@@ -57,23 +56,21 @@ def _curve(method: str, h: int = 1, outer_lr: float = OUTER_LR,
     # built outside the meter: its start-up broadcast is not training traffic
     ddp = DataParallel(model, bucket_bytes=None, overlap=False) if method == "ddp" else None
     with collectives.meter() as meter:
-        if ddp is not None:
+        def held_out(step: int, *_theta: torch.Tensor) -> None:
+            # after a DiLoCo round the model holds the global parameters: evaluate it as is
+            with torch.no_grad():
+                curve.append((step + 1, meter.sent_bytes, mse(model(hx), hy).item()))
+
+        if ddp is None:
+            diloco(OptimizerReplica(model, mse, _adamw(model.parameters())), train, h,
+                   outer_lr, outer_momentum, on_round=held_out)
+        else:
             opt = _adamw(model.parameters())
             for step, (x, y) in enumerate(train):
                 opt.zero_grad()
                 mse(ddp(shard(x)), shard(y)).backward()  # gradients averaged by its end
                 opt.step()
-                with torch.no_grad():
-                    curve.append((step + 1, meter.sent_bytes, mse(model(hx), hy).item()))
-        else:
-            def held_out(step: int, theta: torch.Tensor) -> None:
-                twin = _model()
-                vector_to_parameters(theta.clone(), twin.parameters())
-                with torch.no_grad():
-                    curve.append((step + 1, meter.sent_bytes, mse(twin(hx), hy).item()))
-
-            diloco(OptimizerReplica(model, mse, _adamw(model.parameters())), train, h,
-                   outer_lr, outer_momentum, on_round=held_out)
+                held_out(step)
     return curve
 
 

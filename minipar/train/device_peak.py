@@ -62,24 +62,28 @@ def datasheet_peak(name: str, dtype: torch.dtype) -> float | None:
 class Peak:
     """What MFU divides by: `per_device` FLOP/s times `devices`, and where it came from."""
 
-    per_device: float
-    devices: int
-    source: str  # "data sheet" or "measured"
+    dtype: torch.dtype  # the dtype the run's matmuls run in
     measured: float  # the matmul timed on this device, per device
     datasheet: float | None  # the maker's figure, for a card in DATASHEET
+    devices: int
     name: str  # the device, as its maker names it
     unit: str  # what one device is: "core" or "GPU"
+
+    @property
+    def per_device(self) -> float:
+        """The data sheet's figure where there is one, else the timed matmul."""
+        return self.datasheet or self.measured
 
     @property
     def total(self) -> float:
         return self.per_device * self.devices
 
-    def describe(self, dtype: torch.dtype) -> str:
+    def describe(self) -> str:
         """The run's head line: the peak MFU divides by, and where it came from."""
-        kind = str(dtype).removeprefix("torch.")
+        kind = str(self.dtype).removeprefix("torch.")
         head = (f"{'peak':<10} {self.per_device / TFLOPS:.4g} TFLOP/s per {self.unit} x "
                 f"{self.devices} (MFU divides by it): ")
-        if self.source == "data sheet":
+        if self.datasheet:
             return (head + f"{self.name}'s data sheet, {kind}; a {kind} matmul timed here "
                     f"reaches {self.measured / TFLOPS:.4g}, "
                     f"{self.measured / self.datasheet:.0%} of it")
@@ -107,8 +111,6 @@ def run_peak(dtype: torch.dtype) -> Peak:
     box = [measured_peak(dtype) if rank() == 0 else None]
     if world_size() > 1:
         dist.broadcast_object_list(box, src=0)
-    measured, name, gpu = box[0], device_name(), device().type == "cuda"
-    sheet = datasheet_peak(name, dtype) if gpu else None
-    per_device, source = (sheet, "data sheet") if sheet else (measured, "measured")
-    return Peak(per_device, devices_in_use(world_size()), source, measured, sheet, name,
-                "GPU" if gpu else "core")
+    name, gpu = device_name(), device().type == "cuda"
+    return Peak(dtype, box[0], datasheet_peak(name, dtype) if gpu else None,
+                devices_in_use(world_size()), name, "GPU" if gpu else "core")

@@ -191,7 +191,7 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
     peak = run_peak(COMPUTE_DTYPES[loop.precision])
     meter = _Meter(config, peak)
     log = _open_log(config, out, resume, first, peak)
-    run, events = Run(peak=peak.describe(COMPUTE_DTYPES[loop.precision])), []
+    run, events = Run(peak=peak.describe()), []
     for step in range(first, stop):
         lr = learning_rate(step, config.optim, loop.steps)
         with _watched(step, config, out, fault, events):
@@ -230,7 +230,7 @@ def _open_log(config: TrainConfig, out: str | Path | None, resume: bool, first: 
     log = MetricsLog(Path(out) / "metrics.jsonl", keep_until=first if resume else None)
     (Path(out) / "config.toml").write_text(to_toml(config))
     print(describe(config), flush=True)
-    print(peak.describe(COMPUTE_DTYPES[config.train.precision]), flush=True)
+    print(peak.describe(), flush=True)
     if resume:
         print(f"resuming after step {first} of {config.train.steps}" if first else
               "resume: no complete checkpoint yet, starting at step 0", flush=True)

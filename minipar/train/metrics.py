@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..runtime import device, synchronize
+from ..runtime import device, device_name, synchronize
 from .data import cache_dir
 
 # a matmul this large keeps a core's vector units busy (AMX for bf16); a GPU needs a far
@@ -40,11 +40,12 @@ def measured_peak(dtype: torch.dtype, size: int | None = None, repeats: int = 10
     """FLOP/s of this rank's device (one CPU thread, or its GPU) multiplying two size x size
     matrices of `dtype`: the fastest of `repeats` timed products after a warm-up one (a
     peak is the best the device does; the fastest is also the one least disturbed by
-    whatever else the machine runs). Cached per dtype, thread count, machine, torch
-    version and device type. `size` defaults to the device type's in PEAK_SIZES."""
+    whatever else the machine runs). Cached per dtype, thread count, machine, device,
+    torch version and size. `size` defaults to the device type's in PEAK_SIZES."""
     size = size or PEAK_SIZES.get(device().type, PEAK_SIZES["cpu"])
+    # device_name: the CPU's, or the GPU's (two cards in one box are two keys)
     key = f"{dtype}|threads={torch.get_num_threads()}|{platform.machine()}|" \
-          f"{platform.processor()}|torch {torch.__version__}|{size}|{device().type}"
+          f"{device_name()}|torch {torch.__version__}|{size}"
     path = _peak_file()
     saved = json.loads(path.read_text()) if path.exists() else {}
     if key in saved:
