@@ -10,7 +10,7 @@ from minipar.pipeline import Pipeline, schedule, simulate, split_model
 from minipar.pipeline.pipedream import versions_used
 
 SYNC = [("naive", 1, 1), ("gpipe", 4, 1), ("1f1b", 4, 1), ("1f1b", 3, 1), ("zb_h1", 4, 1),
-        ("looped_bfs", 4, 2), ("interleaved_1f1b", 4, 2)]
+        ("looped_bfs", 4, 2), ("interleaved_1f1b", 4, 2), ("zb_v", 8, 2), ("dualpipev", 8, 2)]
 
 
 def _layers(n_stages):

@@ -59,9 +59,11 @@ def test_each_family_owns_its_rules():
     assert not SCHEDULES["interleaved_1f1b"].fits(3, 8, 2)
     assert not SCHEDULES["naive"].fits(2, 2)
     assert not SCHEDULES["gpipe"].fits(2, 2, 2) and SCHEDULES["looped_bfs"].fits(2, 2, 2)
-    assert [n for n, f in SCHEDULES.items() if f.takes_virtual] == ["interleaved_1f1b",
-                                                                    "looped_bfs"]
-    assert [n for n, f in SCHEDULES.items() if f.split_backward] == ["zb_h1"]
+    assert [n for n, f in SCHEDULES.items() if f.takes_virtual] == [
+        "interleaved_1f1b", "looped_bfs", "zb_v", "dualpipev"]
+    assert [n for n, f in SCHEDULES.items() if f.split_backward] == ["zb_h1", "zb_v",
+                                                                     "dualpipev"]
+    assert not SCHEDULES["zb_v"].fits(2, 4, 3) and not SCHEDULES["dualpipev"].fits(2, 3, 2)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "pipedream"])
@@ -100,8 +102,10 @@ def test_peak_activations_gpipe_m_everywhere_1f1b_p_minus_rank():
 def test_every_schedule_validates_over_a_grid(name):
     for p in (1, 2, 3, 4):
         for m in (1, 2, 3, 4, 8):
-            for v in ((1, 2, 3) if name in ("interleaved_1f1b", "looped_bfs") else (1,)):
-                if (name == "naive" and m != 1) or (name == "interleaved_1f1b" and m % p):
+            for v in ((1, 2, 3) if name in ("interleaved_1f1b", "looped_bfs") else
+                      (2,) if SCHEDULES[name].placement == "v" else (1,)):
+                if (name == "naive" and m != 1) or (name == "interleaved_1f1b" and m % p) \
+                        or (SCHEDULES[name].placement == "v" and m < 2 * p):
                     continue
                 plan = schedule(name, p, m, v)  # validates inside
                 assert plan.stages == p * v

@@ -192,6 +192,34 @@ def test_dp_pp_tp_interleaved_with_zero3_and_sequence_parallel_on_8_ranks(corpus
     _assert_same_run(minipar.launch(train, 8, config, None, True, timeout=60), ref, config)
 
 
+def _v(config, tied):
+    """Four layers for a V's four stages on pp=2, the batch in four micro-batches."""
+    return replace(config, model=replace(config.model, layers=4, tied=tied),
+                   train=replace(config.train, accumulation=1))
+
+
+def test_a_v_schedule_with_the_tied_weight_on_one_rank_trains_as_one_process(
+        cluster2, corpus):  # noqa: F811
+    """DualPipeV puts the embedding (stage 0) and the tied head (stage 3) on pp rank 0:
+    one Parameter there, whose two gradients add up in .grad with nothing to send."""
+    ref = minipar.launch(train, 1, _v(tiny(corpus), True), None, True)[0]
+    config = _v(tiny(corpus, pp=2, schedule="dualpipev", virtual=2, microbatches=4), True)
+    _assert_same_run(cluster2.run(train, config, None, True), ref, config)
+
+
+def test_a_v_schedule_with_data_parallelism_trains_as_one_process(cluster4, corpus):  # noqa: F811
+    """ZB-V inside dp=2 with ZeRO-2 (untied: a V's one shared weight on one rank under
+    data parallelism is refused, below)."""
+    ref = minipar.launch(train, 1, _v(tiny(corpus), False), None, True)[0]
+    config = _v(tiny(corpus, pp=2, dp=2, zero=2, schedule="zb_v", virtual=2,
+                     microbatches=4), False)
+    _assert_same_run(cluster4.run(train, config, None, True), ref, config)
+    tied = _v(tiny(corpus, pp=2, dp=2, zero=1, schedule="dualpipev", virtual=2,
+                   microbatches=4), True)
+    with pytest.raises(minipar.RankError, match="untie them"):
+        cluster4.run(train, tied, None, True)
+
+
 def _moe(config):
     """Every block's feed-forward a dropless mixture of 4 experts (top-2)."""
     return replace(config, model=replace(config.model, experts=4))

@@ -121,6 +121,15 @@ def test_schedule_explorer_simulates_reports_and_measures():
     held = explorer.view.panels[-1]
     assert held["kind"] == "steps" and len(held["series"]) == 4
     explorer.fill.value = False
+    # a V holds its two stages per rank whatever the virtual slider says; only its
+    # overlapped F&B pairs shorten when the overlap slider says a machine overlaps them
+    explorer.virtual.value = 1
+    explorer.name.value = "dualpipev"
+    assert explorer.plan.virtual == 2 and "[9, 9, 9, 9]" in explorer.status.value
+    sequential = explorer.ideal.makespan
+    explorer.overlap.value = 0.7
+    assert explorer.ideal.makespan < sequential
+    explorer.overlap.value = 1.0
     explorer.name.value, explorer.stages.value = "gpipe", 2
     measured = explorer.measure()
     assert sorted({e.kind for e in measured} & {"F", "B"}) == ["B", "F"]

@@ -13,7 +13,9 @@ gradients inside its last backward of the step.
 
 The head is tied to the token embedding, and with pp > 1 the first and last stages hold
 separate copies of that weight. As Megatron-LM does, their gradients are summed between
-the two stages (its "embedding group") so both copies take the same step.
+the two stages (its "embedding group") so both copies take the same step. In a V
+(ZB-V, DualPipeV) both ends live on pipeline rank 0: one weight, as without a pipeline,
+whose gradient adds up on its own.
 """
 
 from __future__ import annotations
@@ -67,12 +69,21 @@ class MeshModel:
         self._prefixes = {s: [p for p, _ in named[cuts[s]:cuts[s + 1]]] for s in mine}
         self.local = nn.ModuleList(stages[s] for s in mine)
         self.first_stage, self.last_stage = 0 in mine, plan.stages - 1 in mine
+        # both ends here (pp = 1, or a V's rank 0): the tied weight is one Parameter
+        self.ends_apart = not (self.first_stage and self.last_stage)
         # the weight the embedding and the head share, on ranks holding either end
         ends = [stages[0][0]] if self.first_stage else []
         ends += [stages[-1][-1]] if self.last_stage else []
         self.tied = ends[0].tied_weight if ends else None
         self.data_parallel = (data_parallel({s: stages[s] for s in mine}, self.tied)
                               if data_parallel is not None else None)
+        if self.pp > 1 and not self.ends_apart and self.tied is not None and \
+                self.data_parallel is not None and any(self.data_parallel.wrappers.values()):
+            # the wrappers would each own the one shared weight: reduced twice, sliced twice
+            raise ValueError(f"schedule {schedule_name!r} puts the tied embedding and head on "
+                             "one pipeline rank, where data parallelism (dp > 1 or ZeRO) would "
+                             "reduce the shared weight once per stage: untie them "
+                             "(model.tied=false) or choose a schedule that loops, such as 1f1b")
         self.pipe = Pipeline(stages, plan, group=groups.pp, make_stage=make_stage)
         self.pipe.reduce_gradients_with(self.data_parallel)
 
@@ -110,7 +121,7 @@ class MeshModel:
         parallelism's reduction and before the step, so both copies then step alike (the
         sum and the average over dp commute: both are linear). Under ZeRO what is summed
         is the reduced slice (`StageDataParallel.tied_holder`)."""
-        if self.pp == 1 or self.tied is None:
+        if not self.ends_apart or self.tied is None:
             return
         holder = self.tied if self.data_parallel is None else self.data_parallel.tied_holder()
         # Megatron-LM's embedding group: the first and the last pipeline rank
@@ -125,4 +136,5 @@ class MeshModel:
     def holds_tied_copy(self, p: nn.Parameter) -> bool:
         """Whether `p` is the last stage's copy of the tied weight (pp > 1): the same entries
         as the first stage's, so a norm counts it there only."""
-        return self.pp > 1 and self.tied is not None and p is self.tied and not self.first_stage
+        return self.ends_apart and self.tied is not None and p is self.tied \
+            and not self.first_stage

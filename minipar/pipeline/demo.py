@@ -21,7 +21,7 @@ from .skippipe import one_process_paths, plan_paths, skip_model, train_paths
 from .swarm import swarm
 
 CASES = (("gpipe", 8, 1), ("1f1b", 8, 1), ("zb_h1", 8, 1), ("interleaved_1f1b", 8, 2),
-         ("looped_bfs", 8, 2))
+         ("looped_bfs", 8, 2), ("zb_v", 8, 2), ("dualpipev", 8, 2))
 WIDTH, BATCH = 64, 64
 
 

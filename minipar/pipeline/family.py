@@ -32,7 +32,9 @@ class ScheduleFamily:
 
     name: str = ""
     takes_virtual: bool = False  # may hold several (virtual) stages per rank
-    split_backward: bool = False  # backward as I then W instead of B
+    split_backward: bool = False  # a backward may be I then W instead of B
+    placement: str = "loop"  # which rank holds stage j (plan.Schedule.rank_of)
+    stages_per_rank: int | None = None  # a family that holds a fixed number (a V: 2)
 
     def check(self, ranks: int, microbatches: int, virtual: int = 1) -> None:
         """Raise ValueError naming the rule a combination breaks."""
@@ -43,6 +45,9 @@ class ScheduleFamily:
             takers = tuple(name for name, f in SCHEDULES.items() if f.takes_virtual)
             raise ValueError(f"virtual stages apply to {takers} only; {self.name!r} needs "
                              "virtual=1")
+        if self.stages_per_rank is not None and virtual != self.stages_per_rank:
+            raise ValueError(f"{self.name!r} holds exactly {self.stages_per_rank} stages per "
+                             f"rank: virtual must be {self.stages_per_rank}; got {virtual}")
 
     def fits(self, ranks: int, microbatches: int, virtual: int = 1) -> bool:
         """Whether `check` accepts the combination."""
@@ -56,11 +61,17 @@ class ScheduleFamily:
         """Each rank's compute actions (F, B or I and W) in order."""
         raise NotImplementedError
 
+    def overlapped(self, p: int, m: int, v: int) -> frozenset[tuple[Action, Action]]:
+        """The (F, B) pairs of `orders` a machine that overlaps them runs as one chunk
+        (DualPipe's F&B); none unless the family says so."""
+        return frozenset()
+
     def build(self, ranks: int, microbatches: int, virtual: int = 1) -> Schedule:
         """The checked plan with its sends and receives, validated by a replay."""
         self.check(ranks, microbatches, virtual)
         plan = Schedule(self.name, ranks, microbatches, virtual,
-                        split_backward=self.split_backward)
+                        split_backward=self.split_backward, placement=self.placement,
+                        overlapped=self.overlapped(ranks, microbatches, virtual))
         plan.actions = add_communication(plan, self.orders(ranks, microbatches, virtual))
         validate(plan)
         return plan

@@ -8,6 +8,11 @@ split in two, as zero-bubble schedules do), and the communication SEND_F / RECV_
 actions; `add_communication` inserts the sends and receives a compute order needs;
 `check_structure` checks placement, counts and send/receive matching
 (`simulate.validate` adds the deadlock check: a replay).
+
+Placement: with v stages per rank there are p·v stages. Megatron-LM's interleaved
+placement loops them over the ranks (stage j on rank j % p); a V (ZB-V, DualPipeV: two
+stages per rank) goes down the ranks and back up, so rank r holds stages r and 2p-1-r
+and the first and last stages meet on rank 0.
 """
 
 from __future__ import annotations
@@ -107,13 +112,19 @@ class Schedule:
     microbatches: int
     virtual: int
     actions: list[list[Action]] = field(default_factory=list)
-    split_backward: bool = False  # backward as I then W instead of B
+    split_backward: bool = False  # a backward may be I then W instead of B
+    placement: str = "loop"  # "loop": stage j on rank j % p; "v": down the ranks and back
+    # (F, B) pairs a machine that overlaps them runs as one F&B chunk (DualPipe's); on one
+    # CPU thread they run one after the other, with their messages around the pair
+    overlapped: frozenset[tuple[Action, Action]] = frozenset()
 
     @property
     def stages(self) -> int:
         return self.ranks * self.virtual
 
     def rank_of(self, stage: int) -> int:
+        if self.placement == "v":  # down the ranks, then back up: 0, 1, .., p-1, p-1, .., 0
+            return stage if stage < self.ranks else 2 * self.ranks - 1 - stage
         return stage % self.ranks  # stage j on rank j % p: Megatron-LM's interleaved placement
 
     def __str__(self) -> str:
@@ -125,33 +136,81 @@ class Schedule:
 
 
 def add_communication(plan: Schedule, compute: list[list[Action]]) -> list[list[Action]]:
-    """Receive what a compute action needs just before it; send what it produced just after."""
-    F, RECV_F, SEND_F = ActionKind.F, ActionKind.RECV_F, ActionKind.SEND_F
-    RECV_B, SEND_B = ActionKind.RECV_B, ActionKind.SEND_B
-    last = plan.stages - 1
+    """Receive what a compute action needs just before it; send what it produced just after.
+    An overlapped (F, B) pair (`plan.overlapped`) is one chunk: both receives before it,
+    both sends after, as DualPipe's overlapped chunk communicates. Receives then follow
+    their sender's order (`_in_send_order`)."""
     out = []
     for r, order in enumerate(compute):
-        actions = []
-        for a in order:
-            # I, like B, produces the input gradient the previous stage waits for; W sends nothing
-            backward = a.kind in (ActionKind.B, ActionKind.I)
-            if a.kind == F and a.stage > 0 and plan.rank_of(a.stage - 1) != r:
-                actions.append(Action(a.stage, RECV_F, a.microbatch))
-            if backward and a.stage < last and plan.rank_of(a.stage + 1) != r:
-                actions.append(Action(a.stage, RECV_B, a.microbatch))
-            actions.append(a)
-            if a.kind == F and a.stage < last and plan.rank_of(a.stage + 1) != r:
-                actions.append(Action(a.stage, SEND_F, a.microbatch))
-            if backward and a.stage > 0 and plan.rank_of(a.stage - 1) != r:
-                actions.append(Action(a.stage, SEND_B, a.microbatch))
+        actions, i = [], 0
+        while i < len(order):
+            pair = order[i:i + 2] if tuple(order[i:i + 2]) in plan.overlapped else order[i:i + 1]
+            for a in pair:
+                actions += _messages(plan, r, a, receives=True)
+            actions += pair
+            for a in pair:
+                actions += _messages(plan, r, a, receives=False)
+            i += len(pair)
         out.append(actions)
+    return _in_send_order(plan, out)
+
+
+def _in_send_order(plan: Schedule, actions: list[list[Action]]) -> list[list[Action]]:
+    """Messages between two ranks match in the order they were posted, whatever they
+    carry (NCCL ignores tags; minipar's tags number a message's segments), so each rank
+    receives from a peer in the order that peer sends. Where a compute action needs a
+    message the peer sent after others not yet received (in a V, activations and
+    gradients cross between the same two ranks out of step), those earlier messages
+    are received first and held until their actions."""
+    sent: dict[tuple[int, int], list[Action]] = defaultdict(list)  # (src, dst) -> receives
+    for r, acts in enumerate(actions):
+        for a in acts:
+            if a.kind.is_send:
+                kind = ActionKind.RECV_F if a.kind == ActionKind.SEND_F else ActionKind.RECV_B
+                sent[(r, plan.rank_of(a.peer_stage))].append(Action(a.peer_stage, kind,
+                                                                    a.microbatch))
+    out = []
+    for r, acts in enumerate(actions):
+        queue = {src: list(sent[(src, r)]) for src in range(plan.ranks)}
+        done: set[Action] = set()
+        mine = []
+        for a in acts:
+            if not a.kind.is_recv:
+                mine.append(a)
+                continue
+            if a in done:
+                continue
+            line = queue[plan.rank_of(a.peer_stage)]
+            upto = line.index(a) + 1 if a in line else 0  # absent: left for the check to name
+            mine += line[:upto] or [a]
+            done.update(line[:upto])
+            del line[:upto]
+        out.append(mine)
     return out
+
+
+def _messages(plan: Schedule, r: int, a: Action, receives: bool) -> list[Action]:
+    """The receives compute action `a` on rank r needs, or the sends it makes."""
+    last = plan.stages - 1
+    # I, like B, produces the input gradient the previous stage waits for; W sends nothing
+    backward = a.kind in (ActionKind.B, ActionKind.I)
+    forward = a.kind == ActionKind.F
+    upstream = a.stage > 0 and plan.rank_of(a.stage - 1) != r
+    downstream = a.stage < last and plan.rank_of(a.stage + 1) != r
+    if receives:
+        wanted = [(forward and upstream, ActionKind.RECV_F),
+                  (backward and downstream, ActionKind.RECV_B)]
+    else:
+        wanted = [(forward and downstream, ActionKind.SEND_F),
+                  (backward and upstream, ActionKind.SEND_B)]
+    return [Action(a.stage, kind, a.microbatch) for needed, kind in wanted if needed]
 
 
 def check_structure(plan: Schedule) -> None:
     """Raise ValueError unless every stage does each micro-batch's F before its backward
-    (I before W), exactly once, on the right rank, and sends match receives in order."""
-    backward = ("I", "W") if plan.split_backward else ("B",)
+    (B, or I before W where the plan splits backward), exactly once, on the right rank,
+    and sends match receives in order."""
+    allowed = (["F", "B"], ["F", "I", "W"]) if plan.split_backward else (["F", "B"],)
     seen: dict[tuple[int, int], list[str]] = defaultdict(list)
     for r, actions in enumerate(plan.actions):
         for a in actions:
@@ -163,37 +222,39 @@ def check_structure(plan: Schedule) -> None:
     for stage in range(plan.stages):
         for mb in range(plan.microbatches):
             kinds = seen.get((stage, mb), [])
-            if kinds != ["F", *backward]:
+            if kinds not in allowed:
                 raise ValueError(f"stage {stage}, micro-batch {mb}: expected "
-                                 f"{' then '.join(['F', *backward])}, got {kinds or 'nothing'}")
+                                 f"{' or '.join(' then '.join(k) for k in allowed)}, got "
+                                 f"{kinds or 'nothing'}")
     extra = [k for k in seen if not (0 <= k[0] < plan.stages and 0 <= k[1] < plan.microbatches)]
     if extra:
         raise ValueError(f"actions for stages/micro-batches that do not exist: {extra[:3]}")
-    # (sender, receiver, "F" or "B") -> (stage received at, micro-batch) in send order
-    channels: dict[tuple[int, int, str], list[tuple[int, int]]] = defaultdict(list)
+    # (sender, receiver) -> what it sends, in order: messages between two ranks match in
+    # the order posted, activations and gradients alike
+    channels: dict[tuple[int, int], list[str]] = defaultdict(list)
     for r, actions in enumerate(plan.actions):
         for a in actions:
             if a.kind.is_send:
-                channels[(r, plan.rank_of(a.peer_stage), a.kind.carries)].append(
-                    (a.peer_stage, a.microbatch))
+                channels[(r, plan.rank_of(a.peer_stage))].append(_message(a.peer_stage, a))
     for r, actions in enumerate(plan.actions):
-        for direction in ("F", "B"):
-            for src in range(plan.ranks):
-                got = [(a.stage, a.microbatch) for a in actions
-                       if a.kind.is_recv and a.kind.carries == direction
-                       and plan.rank_of(a.peer_stage) == src]
-                want = channels.get((src, r, direction), [])
-                if got != want:
-                    what = "activations" if direction == "F" else "gradients"
-                    raise ValueError(f"rank {src} sends {what} to rank {r} for (stage, "
-                                     f"micro-batch) {want} but rank {r} receives {got}: "
-                                     "sends and receives must match in order")
+        for src in range(plan.ranks):
+            got = [_message(a.stage, a) for a in actions
+                   if a.kind.is_recv and plan.rank_of(a.peer_stage) == src]
+            want = channels.get((src, r), [])
+            if got != want:
+                raise ValueError(f"rank {src} sends rank {r} {want} but rank {r} receives "
+                                 f"{got}: sends and receives must match in order")
+
+
+def _message(stage: int, a: Action) -> str:
+    """A message as both ends name it: what it carries, for which stage and micro-batch."""
+    what = "activations" if a.kind.carries == "F" else "gradients"
+    return f"{what} for stage {stage}, micro-batch {a.microbatch}"
 
 
 def peak_in_flight(plan: Schedule) -> list[int]:
-    """Per rank, the most micro-batches whose activations are held at once (after F,
-    until the backward that frees them: B, or W when backward is split)."""
-    frees = ActionKind.W if plan.split_backward else ActionKind.B
+    """Per rank, the most (stage, micro-batch) activations held at once (after F, until
+    the backward that frees them: B, or W where backward is split)."""
     peaks = []
     for actions in plan.actions:
         held = peak = 0
@@ -201,7 +262,7 @@ def peak_in_flight(plan: Schedule) -> list[int]:
             if a.kind == ActionKind.F:
                 held += 1
                 peak = max(peak, held)
-            elif a.kind == frees:
+            elif a.kind in (ActionKind.B, ActionKind.W):
                 held -= 1
         peaks.append(peak)
     return peaks

@@ -4,8 +4,9 @@ the compute order per rank; `schedule` finds the family by name and builds the p
 
 The synchronous families live here; 1F1B, whose order PipeDream reuses, in one_f_one_b.py;
 a variant lives in its own file with its schedule (zero_bubble.py, pipedream.py,
-terapipe_schedule.py).
-With v virtual stages per rank there are p·v stages and stage j lives on rank j % p.
+terapipe_schedule.py, v_schedules.py).
+With v virtual stages per rank there are p·v stages and stage j lives on rank j % p
+(a V's families place them down and back: plan.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from .one_f_one_b import OneFOneB
 from .pipedream import PipeDream
 from .plan import Action, ActionKind, Schedule
 from .terapipe_schedule import TeraPipe
+from .v_schedules import DualPipeV, ZeroBubbleV
 from .zero_bubble import ZeroBubbleH1
 
 F, B = ActionKind.F, ActionKind.B
@@ -98,7 +100,7 @@ class LoopedBFS(ScheduleFamily):
 
 
 for _family in (Naive(), GPipe(), OneFOneB(), PipeDream(), Interleaved(), LoopedBFS(),
-                ZeroBubbleH1(), TeraPipe()):
+                ZeroBubbleH1(), ZeroBubbleV(), DualPipeV(), TeraPipe()):
     SCHEDULES[_family.name] = _family
 VIRTUAL = tuple(name for name, family in SCHEDULES.items() if family.takes_virtual)
 

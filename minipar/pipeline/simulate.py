@@ -6,7 +6,10 @@ for every rank, or one per rank: the last stage also computes the loss, the firs
 input gradient to send back). A message lands `costs["p2p"]` seconds after it is sent
 (latency plus bytes over bandwidth, e.g. from a fitted `cost.Machine`); a receive waits
 until its message has landed. `costs["overhead"]` is the engine's own time per action
-(Python, posting a message), paid by every action on its rank. Events carry the plan's
+(Python, posting a message), paid by every action on its rank. A plan's overlapped
+(F, B) pairs (DualPipe's F&B chunks) take `costs["F&B"]` together when it is given: a
+machine that overlaps one chunk's forward with another's backward; without it they
+take F + B, as on one CPU thread. Events carry the plan's
 labels (`1F0`, `1SEND_F0`, `2RECV_F0`) and kinds (F, B, I, W, send, recv), as the engine
 records them, so a simulated and a measured Timeline can be compared action by action,
 drawn and summarized alike.
@@ -43,6 +46,9 @@ def simulate(plan: Schedule, costs: dict[str, float | list[float]]) -> Timeline:
         raise ValueError(f"costs['p2p'] must be one number of seconds >= 0; got {p2p!r}")
     overhead = _per_rank(costs, "overhead", plan.ranks, 0.0)
     compute = {kind: _per_rank(costs, kind, plan.ranks, 1.0) for kind in ("F", "B", "I", "W")}
+    fused = _per_rank(costs, "F&B", plan.ranks, 0.0) if "F&B" in costs else None
+    # an overlapped pair's share of F&B: each half scaled by F&B / (F + B)
+    in_pair = {a for pair in plan.overlapped for a in pair} if fused else set()
     clock = [0.0] * plan.ranks
     position = [0] * plan.ranks
     landed: dict[tuple[str, int, int], float] = {}  # (direction, stage sent to, mb) -> time
@@ -73,6 +79,8 @@ def simulate(plan: Schedule, costs: dict[str, float | list[float]]) -> Timeline:
                                             peer=plan.rank_of(a.peer_stage)))
                 else:
                     cost = compute[a.kind.value][r]
+                    if a in in_pair:
+                        cost *= fused[r] / (compute["F"][r] + compute["B"][r])
                     clock[r] += overhead[r]
                     # Timelines hold plain strings: the kind's printed form
                     events.append(Event(r, a.kind.value, str(a), clock[r], clock[r] + cost,
@@ -90,15 +98,13 @@ def simulate(plan: Schedule, costs: dict[str, float | list[float]]) -> Timeline:
                              + " and nothing it waits for can still be sent")
 
 
-def in_flight_over_time(timeline: Timeline, split_backward: bool = False
-                        ) -> dict[int, list[tuple[float, int]]]:
+def in_flight_over_time(timeline: Timeline) -> dict[int, list[tuple[float, int]]]:
     """Per rank, (time, micro-batches whose activations are held) steps: +1 when an F
-    ends, -1 when the backward that frees them (B, or W when split) ends."""
-    frees = "W" if split_backward else "B"
+    ends, -1 when the backward that frees them (B, or W where backward is split) ends."""
     curves: dict[int, list[tuple[float, int]]] = {}
     for rank in timeline.ranks:
         changes = sorted((e.end, 1 if e.kind == "F" else -1) for e in timeline.for_rank(rank)
-                         if e.kind in ("F", frees))
+                         if e.kind in ("F", "B", "W"))
         held, points = 0, [(timeline.start, 0)]
         for t, delta in changes:
             held += delta

@@ -66,7 +66,7 @@ class ParallelConfig:
     microbatches: int = 1
     """Micro-batches each pipeline step splits its batch into."""
     virtual: int = 1
-    """Pipeline stages per rank (more than 1 only for interleaved schedules)."""
+    """Pipeline stages per rank: more than 1 for interleaved schedules, exactly 2 for a V."""
     sequence_parallel: bool = False
     """Split the activations that tensor parallelism keeps whole along the sequence."""
 

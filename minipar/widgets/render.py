@@ -42,7 +42,7 @@ def render_speedup(rows: list[dict], title: str = "") -> Figure:
 
 
 def render_pipeline(ideal: Timeline, measured: Timeline | None = None, upto: float | None = None,
-                    split_backward: bool = False, title: str = "",
+                    title: str = "",
                     predicted: Timeline | None = None) -> Figure:
     """The simulated schedule as a Gantt, with the micro-batches each rank holds
     activations for over time; with a measured run, also the simulator's prediction from
@@ -61,7 +61,7 @@ def render_pipeline(ideal: Timeline, measured: Timeline | None = None, upto: flo
         render_timeline(real, ax=ax, title=label)
         ax.set_xlim(0, shared)
     curve_ax = axes[-1]
-    for rank, points in in_flight_over_time(ideal, split_backward).items():
+    for rank, points in in_flight_over_time(ideal).items():
         xs = [p[0] * 1e3 for p in points if upto is None or p[0] <= upto]
         ys = [p[1] for p in points if upto is None or p[0] <= upto]
         curve_ax.step(xs, ys, where="post", label=f"rank {rank}")

@@ -39,33 +39,42 @@ class ScheduleExplorer(w.VBox):
                                       continuous_update=False)
         self.weight_share = w.FloatSlider(min=0.1, max=0.9, value=0.5, step=0.1,
                                           description="W share of B", continuous_update=False)
+        # DualPipeV's overlapped pairs: 1 is one CPU thread (F then B), less is a GPU's overlap
+        self.overlap = w.FloatSlider(min=0.5, max=1.0, value=1.0, step=0.05,
+                                     description="F&B / (F+B)", continuous_update=False)
         self.fill = w.Checkbox(value=False, description="fill bubbles (PipeFisher)")
         self.measure_button = w.Button(description="measure", button_style="primary")
         self.status = w.HTML()
         self.view = GanttView()
         self.measured = self.predicted = None
         for control in (self.name, self.stages, self.microbatches, self.virtual, self.backward,
-                        self.weight_share, self.fill):
+                        self.weight_share, self.overlap, self.fill):
             control.observe(lambda _: self.update(), names="value")
         self.measure_button.on_click(lambda _: self.measure())
         super().__init__([w.HBox([self.name, self.stages, self.microbatches]),
                           w.HBox([self.virtual, self.backward, self.weight_share]),
-                          w.HBox([self.fill, self.measure_button]), self.status, self.view])
+                          w.HBox([self.overlap, self.fill, self.measure_button]),
+                          self.status, self.view])
         full_labels(self)
         self.update()
 
     def costs(self) -> dict[str, float]:
-        """Seconds per action kind: F takes 1 ms, the others relative to it."""
+        """Seconds per action kind: F takes 1 ms, the others relative to it; an overlapped
+        F&B pair (DualPipeV's) a share of F + B."""
         b = self.backward.value
         return {"F": 1e-3, "B": b * 1e-3, "I": b * (1 - self.weight_share.value) * 1e-3,
-                "W": b * self.weight_share.value * 1e-3}
+                "W": b * self.weight_share.value * 1e-3,
+                "F&B": (1 + b) * self.overlap.value * 1e-3}
 
     def update(self) -> None:
         """Rebuild the schedule from the controls and redraw; an impossible choice greys
         the picture and says why instead of leaving the last one up."""
         self.measured, self.predicted = None, None
         try:
-            virtual = self.virtual.value if SCHEDULES[self.name.value].takes_virtual else 1
+            family = SCHEDULES[self.name.value]
+            # a V holds its fixed two stages per rank, whatever the slider says
+            virtual = family.stages_per_rank or (self.virtual.value if family.takes_virtual
+                                                 else 1)
             self.plan = schedule(self.name.value, self.stages.value, self.microbatches.value,
                                  virtual)
         except ValueError as err:
@@ -94,7 +103,7 @@ class ScheduleExplorer(w.VBox):
         panels = [gantt_panel(self.ideal, f"ideal (simulated): bubble {bubble:.1%}")]
         runs, shared = compared_runs(self.predicted, self.measured, ranks)
         panels += [gantt_panel(real, title, axis_ms=shared, plays=False) for title, real in runs]
-        held = in_flight_over_time(self.ideal, self.plan.split_backward)
+        held = in_flight_over_time(self.ideal)
         panels.append(step_panel(held, "activations held (micro-batches) per rank",
                                  "held", self.ideal.makespan * 1e3))
         return panels
