@@ -61,7 +61,7 @@ def test_a_bad_flag_is_one_line(capsys):
     parser = OneLineParser(prog="minipar train")
     add_flags(parser)
     with pytest.raises(SystemExit):
-        parser.parse_args(["--precision", "fp8"])
+        parser.parse_args(["--precision", "fp4"])
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--precision" in err and "bf16" in err
 
@@ -139,7 +139,7 @@ IMPOSSIBLE = [  # (changes to tiny, world size, words the one line must hold)
     ({"optim": {"lr": 0.0}}, None, ["optim.lr", "> 0"]),
     ({"optim": {"min_lr": 0.1}}, None, ["optim.min_lr", "lr=0.003"]),
     ({"optim": {"beta2": 1.0}}, None, ["optim.beta2"]),
-    ({"train": {"precision": "fp8"}}, None, ["train.precision", "bf16"]),
+    ({"train": {"precision": "int4"}}, None, ["train.precision", "bf16"]),
     ({"train": {"recompute": "some"}}, None, ["train.recompute", "selective"]),
     ({"train": {"steps": 0}}, None, ["train.steps", ">= 1"]),
     ({"data": {"val_fraction": 1.0}}, None, ["data.val_fraction"]),

@@ -26,7 +26,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 PRESETS = Path(__file__).parent / "presets"
-PRECISIONS = ("fp32", "fp64", "bf16", "fp16")
+PRECISIONS = ("fp32", "fp64", "bf16", "fp16", "fp8")
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,7 @@ class LoopConfig:
     """Steps between sharded checkpoints in the run folder's checkpoints/ (0: only the run's
     end saves one)."""
     precision: str = "fp32"
-    """Compute precision, one of fp32, fp64, bf16 or fp16 (the last two with fp32 masters)."""
+    """Compute precision: fp32, fp64, bf16, fp16 or fp8 (emulated; the last three, fp32 masters)."""
     recompute: str = "none"
     """Activation recomputation: none, selective (attention scores) or full (each layer)."""
     seed: int = 0

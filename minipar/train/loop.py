@@ -86,6 +86,11 @@ def refuse_unbuilt(config: TrainConfig) -> None:
                          "the trainer splits experts over ep inside dp, beside pp; tensor and "
                          "context parallelism of the expert blocks are not built: use tp = "
                          "cp = 1")
+    if config.train.precision == "fp8" and config.train.recompute != "none":
+        raise ValueError(f"train.precision='fp8' with train.recompute="
+                         f"{config.train.recompute!r}: the recomputed forward would run its "
+                         "matmuls in float32, not the FP8 that forward used; use recompute "
+                         "'none' with fp8")
     if par.zero == 3 and par.ep > 1:
         raise ValueError("parallel.zero=3 with ep > 1 is not built: ZeRO-3 gathers whole "
                          "blocks, whose experts are replicated over fewer ranks (dp) than "

@@ -9,7 +9,7 @@ replicate groups, pp outermost, the order Megatron-LM numbers its ranks in, so a
 tensor-parallel group is neighbouring ranks. The model is `mesh.MeshModel` over
 `mesh.decoder_layers`, the composition lesson 07's `MeshDecoder` shares; every step
 goes through the pipeline engine (one stage when pp = 1), each stage computing in the
-run's precision (`AutocastStage`, the engine's extension point).
+run's precision (`AutocastStage`, or `fp8.Fp8Stage`: the engine's extension point).
 
 Data parallelism runs inside the pipeline's backward (`mesh.StageDataParallel`: lesson
 02's DDP or lesson 06's ZeRO-1/2/3 over each stage, reduced in the stage's last backward
@@ -57,7 +57,7 @@ from ..sharded import FlatShard
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .config import ParallelConfig, TrainConfig
 from .optim import set_learning_rate
-from .precision import AutocastStage, LossScaler
+from .precision import LossScaler, make_stage
 from .recompute import apply_recompute
 
 
@@ -135,10 +135,9 @@ class ModelPart:
             return StageDataParallel(stages, par.zero, adam, self.replicas, tied, experts,
                                      replicate=g.replicate)
 
-        precision = config.train.precision
         self.model = MeshModel(layers, g, par.microbatches, par.schedule, par.virtual,
                                data_parallel=data_parallel,
-                               make_stage=lambda module, i: AutocastStage(module, i, precision))
+                               make_stage=make_stage(config.train.precision))
         # on for the memory step only (memory_report.py)
         self.model.pipe.measure_activations = False
         if par.sequence_parallel:

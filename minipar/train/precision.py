@@ -13,7 +13,7 @@ would leave the replicas (or the shards of one model) holding different weights.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 
 import torch
@@ -23,11 +23,12 @@ from .. import collectives
 from ..pipeline import Stage
 from ..runtime import device, world_size
 
-# what the model's parameters are built in; bf16 and fp16 keep float32 masters
+# what the model's parameters are built in; bf16, fp16 and fp8 keep float32 masters
 PARAM_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.float32,
-                "fp16": torch.float32}
+                "fp16": torch.float32, "fp8": torch.float32}
+# fp8 is emulated (fp8.py): its matmuls run in float32, so MFU divides by float32's peak
 COMPUTE_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bfloat16,
-                  "fp16": torch.float16}
+                  "fp16": torch.float16, "fp8": torch.float32}
 
 
 def autocast(precision: str):
@@ -80,6 +81,15 @@ class LossScaler:
         self.good_steps += 1
         if self.good_steps % self.interval == 0:
             self.scale *= 2
+
+
+def make_stage(precision: str) -> Callable[[nn.Module, int], Stage]:
+    """The pipeline's stage for a precision: emulated FP8 (fp8.py), else autocast."""
+    if precision == "fp8":
+        from .fp8 import Fp8Stage
+
+        return Fp8Stage
+    return lambda module, index: AutocastStage(module, index, precision)
 
 
 class AutocastStage(Stage):
