@@ -18,6 +18,8 @@ from torch import nn
 from .runtime.device import device
 from .runtime.placement import host_allocations
 
+BALANCES = ("none", "aux", "bias")  # moe/balance.py: what each does
+
 
 @dataclass(frozen=True)
 class DecoderConfig:
@@ -50,6 +52,13 @@ class DecoderConfig:
     GELU MLP of width ffn), dropless top-k routing (`minipar.moe.moe_decoder.MoEDecoder`)."""
     top_k: int = 2
     """Experts each token visits when experts > 0."""
+    balance: str = "none"
+    """How training keeps the experts' load even: "none", "aux" (the auxiliary loss) or
+    "bias" (DeepSeek-V3's loss-free bias); minipar.moe.balance."""
+    balance_coef: float = 0.01
+    """The auxiliary loss's weight (Switch Transformer's 0.01)."""
+    bias_rate: float = 0.001
+    """The loss-free bias's step per optimizer step (DeepSeek-V3's 0.001)."""
 
     @property
     def head_dim(self) -> int:
@@ -81,6 +90,13 @@ class DecoderConfig:
         if self.experts < 0 or (self.experts and not 1 <= self.top_k <= self.experts):
             raise ValueError(f"experts must be >= 0 and top_k between 1 and experts; got "
                              f"experts={self.experts}, top_k={self.top_k}")
+        if self.balance not in BALANCES or (self.balance != "none" and not self.experts):
+            raise ValueError(f"balance must be one of {', '.join(BALANCES)}, and other than "
+                             f"'none' only with experts > 0; got balance={self.balance!r}, "
+                             f"experts={self.experts}")
+        if not (self.balance_coef >= 0 and self.bias_rate >= 0):
+            raise ValueError(f"balance_coef and bias_rate must be >= 0; got "
+                             f"{self.balance_coef}, {self.bias_rate}")
 
     def parameters(self) -> int:
         """Exact parameter count of `Decoder(self)`; a tied head shares the embedding's

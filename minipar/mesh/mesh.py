@@ -117,6 +117,17 @@ class Mesh:
                     mine["_".join(names)] = group
         return MeshGroups(self, me, mine)
 
+    def fresh_group(self, *names: str) -> dist.ProcessGroup:
+        """This rank's group over dimensions `names`, created anew (every rank calls it, in
+        the same order): the same ranks as connect's, but collectives on it never queue
+        behind those another thread runs on connect's (gloo matches them by group)."""
+        me, mine = rank(), None
+        for ranks in self.groups(*names):
+            group = dist.new_group(ranks)  # collective: every rank creates every group
+            if me in ranks:
+                mine = group
+        return mine
+
 
 @dataclass
 class MeshGroups:

@@ -8,8 +8,9 @@ each block's experts are split over the `ep` ranks (`ExpertParallelMoE`: tokens 
 all-to-all), while ep sits inside data parallelism as `moe.on_mesh` lays it out: the
 ep ranks hold different rows of the batch, so the dense weights (attention, norms, the
 router) are averaged over dp and ep, an expert's gradient over dp only, divided by ep.
-A balance loss is not part of the objective here (it is computed over each rank's own
-tokens in practice, so it would differ from one process's by design).
+Balancing the experts while training (balance.py: the auxiliary loss or the
+loss-free bias, counts over the global batch) hooks into the trainer's feed-forward
+(`balance_experts`); without it the objective is the cross-entropy alone.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 
 from ..decoder import Decoder, DecoderBlock, DecoderConfig
 from ..mesh import MeshGroups
+from .balance import LoadBalance
 from .dropless import DroplessMoE
 from .expert_parallel import ExpertParallelMoE
 
@@ -61,10 +63,27 @@ def moe_decoder(config: DecoderConfig, seed: int = 0, dtype: torch.dtype = torch
 
 
 class ExpertParallelFeedForward(ExpertParallelMoE):
-    """This rank's experts of a block's `MoEFeedForward`, over the `ep` group."""
+    """This rank's experts of a block's `MoEFeedForward`, over the `ep` group; with a
+    `balance` (`balance_experts`), balanced as it says."""
+
+    balance: LoadBalance | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+        y = super().forward(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+        return y if self.balance is None else self.balance.after_routing(self.last_routing, y)
+
+
+def balance_experts(layers: nn.Module, kind: str, coef: float, rate: float, group,
+                    device: torch.device | None = None) -> list[ExpertParallelFeedForward]:
+    """Give every expert-parallel feed-forward in `layers` a LoadBalance of `kind` (its
+    counts all-reduced over `group`, the ranks holding other tokens); for "bias", its
+    routing rule becomes the biased one. Returns them, in module order."""
+    found = [m for m in layers.modules() if isinstance(m, ExpertParallelFeedForward)]
+    for ff in found:
+        ff.balance = LoadBalance(ff.num_experts, kind, coef, rate, group, device)
+        if kind == "bias":
+            ff.rule = ff.balance.rule(ff.rule.k, ff.rule.order)
+    return found
 
 
 class ExpertParallelBlock(nn.Module):

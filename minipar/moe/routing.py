@@ -80,12 +80,19 @@ def _check(k: int, num_experts: int, capacity_factor: float, order: str) -> None
 
 
 def route(logits: torch.Tensor, k: int, capacity_factor: float = 1.25, min_capacity: int = 1,
-          order: str = "softmax_topk", renormalize: bool = False) -> Routing:
-    """Assign each of T tokens (rows of logits [T, E]) to k experts with capacity limits."""
+          order: str = "softmax_topk", renormalize: bool = False,
+          select_bias: torch.Tensor | None = None) -> Routing:
+    """Assign each of T tokens (rows of logits [T, E]) to k experts with capacity limits.
+    `select_bias` [E] is added to the logits for choosing the k experts only: the gate
+    weights come from the unbiased logits (DeepSeek-V3's auxiliary-loss-free balance)."""
     tokens, num_experts = logits.shape
     _check(k, num_experts, capacity_factor, order)
     probs = logits.softmax(-1)
-    top_logits, expert = logits.topk(k, dim=-1)
+    if select_bias is None:
+        top_logits, expert = logits.topk(k, dim=-1)
+    else:
+        expert = (logits + select_bias).topk(k, dim=-1).indices
+        top_logits = logits.gather(1, expert)
     if order == "topk_softmax":
         weight = top_logits.softmax(-1)
     else:

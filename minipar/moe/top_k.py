@@ -16,11 +16,13 @@ from .rule import Choices, RoutingRule
 
 
 def global_routing(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int,
-                   order: str, group=None) -> Routing:
+                   order: str, group=None, select_bias: torch.Tensor | None = None
+                   ) -> Routing:
     """This rank's routing, with capacity and slots as if the tokens of all ranks (of
-    `group`) were one batch."""
+    `group`) were one batch (`select_bias`: as `route`'s)."""
     tokens, num_experts = logits.shape
-    local = route(logits, k, float(num_experts), 1, order)  # capacity k*T: nothing drops
+    # capacity k*T: nothing drops
+    local = route(logits, k, float(num_experts), 1, order, select_bias=select_bias)
     counts = torch.zeros(k, num_experts, dtype=torch.int64, device=logits.device)
     for j in range(k):
         counts[j] = torch.bincount(local.expert[:, j], minlength=num_experts)

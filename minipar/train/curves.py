@@ -1,5 +1,6 @@
-"""A run's pictures: the loss curves (training per step, validation where evaluated) and
-the Timeline of one traced step, saved beside metrics.jsonl."""
+"""A run's pictures: the loss curves (training per step, validation where evaluated), a
+mixture's expert load per block, and the Timeline of one traced step, saved beside
+metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -39,10 +40,31 @@ def render_curves(runs: dict[str, list[dict]], title: str = "", overlay: bool = 
     return fig
 
 
+def render_loads(records: list[dict]) -> Figure:
+    """Each block's expert load against step (metrics.jsonl's `expert_load`): the busiest
+    expert's token choices over the mean expert's, 1 when even."""
+    fig = Figure(figsize=(7, 3.2), layout="constrained")
+    ax = fig.add_subplot()
+    logged = [r for r in records if "expert_load" in r]
+    for block in range(len(logged[0]["expert_load"])):
+        ax.plot([r["step"] for r in logged],
+                [max(loads) * len(loads) / sum(loads)
+                 for loads in (r["expert_load"][block] for r in logged)],
+                linewidth=1, label=f"block {block}")
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
+    ax.set_xlabel("step")
+    ax.set_ylabel("busiest expert / mean")
+    ax.legend(fontsize=8)
+    ax.set_title("expert load per block", fontsize=10)
+    return fig
+
+
 def save_run_pictures(out: Path, records: list[dict], events: list[Event]) -> None:
-    """loss.png from the records; step.trace.json (open in Perfetto) from the traced step's
-    events of every rank."""
+    """loss.png from the records, load.png for a mixture of experts; step.trace.json
+    (open in Perfetto) from the traced step's events of every rank."""
     fig = render_curves({"this run": records}, title="training and validation loss")
     (out / "loss.png").write_bytes(to_png(fig))
+    if any("expert_load" in r for r in records):
+        (out / "load.png").write_bytes(to_png(render_loads(records)))
     if events:
         Timeline(events).save_chrome(out / "step.trace.json")

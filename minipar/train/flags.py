@@ -17,6 +17,7 @@ from functools import cache
 
 from ..cli import nonnegative_int, positive_int
 from ..cost import RECOMPUTE
+from ..decoder import BALANCES
 from ..pipeline import SCHEDULES
 from ..runtime import BACKENDS, DEFAULT_TIMEOUT, DEVICES
 from .config import PRECISIONS, SECTIONS
@@ -64,6 +65,9 @@ FLAGS: dict[str, tuple[str, dict]] = {
     "--seq-len": ("model.seq_len", {"type": positive_int}),
     "--experts": ("model.experts", {"type": nonnegative_int}),
     "--top-k": ("model.top_k", {"type": positive_int}),
+    "--balance": ("model.balance", {"choices": BALANCES}),
+    "--balance-coef": ("model.balance_coef", {"type": float}),
+    "--bias-rate": ("model.bias_rate", {"type": float}),
 }
 
 

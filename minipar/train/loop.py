@@ -146,6 +146,7 @@ def train_step(part: ModelPart, scaler: LossScaler, ids: torch.Tensor,
         clip_(owned, norm, config.optim.grad_clip)
         with record("compute", "optimizer"):
             part.update(lr)
+    part.end_balance_step()  # experts: the step's loads, logged (and "bias" steps by them)
     scaler.update(overflow)
     return part.mean_over_ranks(loss_share), norm, overflow
 
@@ -206,6 +207,8 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
         record = meter.record(step, loss, lr, norm, seconds, scaler, overflow)
         if _evaluates(step, loop):
             record["val_loss"] = evaluate(part, held_out, loop.eval_batches)
+        if part.loads is not None:
+            record["expert_load"] = part.loads  # per block, per expert: token choices
         run.records.append(record)
         _log(log, record, loop)
         if out is not None and _checkpoints(step, stop, loop):

@@ -51,7 +51,7 @@ from ..mesh.decoder_layers import decoder_layers, held_positions, sum_block_norm
 from ..mesh.model import MeshModel
 from ..mesh.stage_data_parallel import StageDataParallel
 from ..moe.expert_parallel import average_experts_over_ep
-from ..moe.moe_decoder import ExpertParallelBlock, cut_expert_parallel
+from ..moe.moe_decoder import ExpertParallelBlock, balance_experts, cut_expert_parallel
 from ..runtime import device, rank, world_size
 from ..sharded import FlatShard
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -127,6 +127,8 @@ class ModelPart:
         if self.ep > 1:
             average_experts_over_ep((p for _, layer in layers for p in layer.parameters()
                                      if id(p) in self.experts), self.ep)
+        self.balanced = self._balance(config, nn.ModuleList(layer for _, layer in layers))
+        self.loads: list[list[float]] | None = None  # each block's expert loads, last step
 
         def data_parallel(stages: dict[int, nn.Module], tied: nn.Parameter | None
                           ) -> StageDataParallel:
@@ -150,6 +152,33 @@ class ModelPart:
         self.masks = self.decay_masks(named)
         self.norm_masks = self._norm_masks(named)
         self._counted_whole = [bool(m.all()) for m in self.norm_masks]  # no copy needed
+
+    def _balance(self, config: TrainConfig, layers: nn.Module) -> list:
+        """With experts, each block's feed-forward counts its load and balances as
+        model.balance says (moe/balance.py); the auxiliary loss all-reduces its counts over
+        a group of its own, the ranks that hold other tokens (replicate x dp x ep)."""
+        m = config.model
+        if not m.experts:
+            return []
+        mesh = trainer_mesh(config)
+        tokens = [d for d in ("replicate", "dp", "ep") if mesh[d] > 1]
+        group = mesh.fresh_group(*tokens) if m.balance == "aux" and tokens else None
+        return balance_experts(layers, m.balance, m.balance_coef, m.bias_rate, group, device())
+
+    def end_balance_step(self) -> None:
+        """After the optimizer step: every block's expert loads over the step's global batch
+        (one all-reduce over the run, each rank adding its tokens' counts for the blocks it
+        holds), kept in `loads` for the log and, for "bias", stepped by: every rank steps
+        every block's bias, so rank 0 can checkpoint them all."""
+        if not self.balanced:
+            return
+        held = {id(m) for m in self.model.local.modules()}
+        loads = torch.stack([ff.balance.load if id(ff) in held else torch.zeros_like(
+            ff.balance.load) for ff in self.balanced])
+        loads = collectives.all_reduce(loads)
+        for ff, load in zip(self.balanced, loads, strict=True):
+            ff.balance.end_step(load)
+        self.loads = loads.tolist()
 
     def decay_masks(self, named: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
         """Per optimizer tensor, 1 where AdamW decays: by parameter, or by entry of a slice."""
@@ -222,6 +251,8 @@ class ModelPart:
         share of the `batch` rows; the weighted loss on last-stage ranks, else None.
         `last`: the optimizer step's last chunk, whose backward reduces over dp."""
         weight = shard_weight(len(ids), batch, self.dp) * scaler.scale
+        for ff in self.balanced:  # the loss's weight per token: the auxiliary loss's too
+            ff.balance.token_weight = weight / (len(ids) * len(self.positions))
         loss = self.model.forward_backward(ids[:, self.positions], targets[:, self.positions],
                                            self._loss_fn(weight), sync=last)
         return None if loss is None else loss / scaler.scale

@@ -97,7 +97,9 @@ def save_checkpoint(part: ModelPart, config: TrainConfig, out: str | Path, step:
                                     "stop": piece.stop})
         manifest = {"step": step, "adam_step": _adam_step(part.optimizer),
                     "loss_scale": scaler.scale, "good_steps": scaler.good_steps,
-                    "world_size": world_size(), "config": to_dict(config), "tensors": tensors}
+                    "world_size": world_size(), "config": to_dict(config), "tensors": tensors,
+                    # the loss-free balance's biases: state, not parameters (every rank's alike)
+                    "expert_bias": [ff.balance.bias.tolist() for ff in part.balanced]}
         write_whole(folder / MANIFEST, lambda f: f.write_text(json.dumps(manifest, indent=1)))
     commit(directory, step)  # after every rank's file and the manifest
     return folder
@@ -222,6 +224,8 @@ def load_checkpoint(part: ModelPart, config: TrainConfig, out: str | Path,
         # unit from them when it next computes)
         part.sharded.gather_parameters()
     scaler.scale, scaler.good_steps = manifest["loss_scale"], manifest["good_steps"]
+    for ff, bias in zip(part.balanced, manifest.get("expert_bias", []), strict=False):
+        ff.balance.bias.copy_(torch.tensor(bias))
     return step
 
 
