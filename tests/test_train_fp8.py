@@ -9,7 +9,7 @@ import torch
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
 
 import minipar
-from minipar.train.compare import compare
+from minipar.train.compare import compare, report
 from minipar.train.fp8 import E4M3, E5M2, Fp8Linear, quantize
 from minipar.train.loop import build_part, refuse_unbuilt, train
 
@@ -88,3 +88,4 @@ def test_compare_holds_another_precision_to_the_spread_of_training(corpus):  # n
     assert row["other_precision"] and 0 < row["largest_gap"] <= result["seed_spread"]
     assert row["largest_gap"] > 10 * result["tolerance"]  # far outside rounding's bound
     assert row["matches"]
+    assert "within the seeds' spread" in report(result) and "within their bounds" in report(result)

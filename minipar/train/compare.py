@@ -268,9 +268,11 @@ def report(result: dict) -> str:
                                  ("step", "at step"), ("verdict", "verdict")])
     table = "\n".join(line.rstrip() for line in table.splitlines())
     differ = [r["config"] for r in result["rows"] if r.get("matches") is False]
+    # a row in another precision is judged by the seeds' spread: "within", not "match"
+    held = "are within their bounds" if "seed_spread" in result else "match one process"
     verdict = (f"{len(differ)} of {len(result['rows']) - 1} configuration(s) differ from "
                f"one process: {', '.join(differ)}" if differ else
-               f"all {len(result['rows']) - 1} configuration(s) match one process")
+               f"all {len(result['rows']) - 1} configuration(s) {held}")
     spread = (f"\nanother precision is held to the spread of training: "
               f"{result['seed_spread']:.1e} ({result['seed_spread_why']})"
               if "seed_spread" in result else "")
