@@ -24,8 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .family import ScheduleFamily
-from .plan import Action, ActionKind, peak_in_flight
+from .family import SCHEDULES, ScheduleFamily
+from .plan import Action, ActionKind, Schedule, peak_in_flight
+from .simulate import simulate
 
 F, B, I, W = ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W  # noqa: E741
 
@@ -76,7 +77,7 @@ class VShaped(ScheduleFamily):
                              f">= the number of stages, 2 x ranks = {2 * ranks}; got "
                              f"{microbatches}")
 
-    def build(self, ranks: int, microbatches: int, virtual: int = 2):  # V: 2 by default
+    def build(self, ranks: int, microbatches: int, virtual: int = 2) -> Schedule:  # V: 2
         return super().build(ranks, microbatches, virtual)
 
     def written(self, p: int, m: int) -> list[_Order]:
@@ -198,16 +199,14 @@ def dualpipe_table(pp: int, microbatches: int, costs: dict[str, float]) -> list[
     simulated bubble equals the formula when a forward costs what its input gradient
     costs (F = I, the equal chunks of DualPipe's figure) and W <= F; otherwise the
     critical path runs elsewhere and the simulation is the figure to trust."""
-    from .schedules import schedule  # schedules.py registers this file's families
-    from .simulate import simulate
-
     if pp % 2 or pp < 4:
         raise ValueError(f"pp is DualPipe's PP, the number of stages: an even number >= 4 "
                          f"(DualPipeV runs it on PP/2 >= 2 ranks); got {pp}")
     c = {"I": costs["B"] - costs["W"], **costs}
     rows = []
     for method, name, per_rank, formula in _TABLE:
-        plan = schedule(name, pp // per_rank, microbatches, per_rank)
+        # the registry schedules.py fills with this file's families and the others
+        plan = SCHEDULES[name].build(pp // per_rank, microbatches, per_rank)
         timeline = simulate(plan, c)
         busy = [sum(e.duration for e in timeline.for_rank(r) if e.track == "compute")
                 for r in range(plan.ranks)]

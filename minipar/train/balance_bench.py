@@ -15,6 +15,8 @@ from pathlib import Path
 
 from ..report import format_table, progress, save_results
 from ..runtime import launch
+from .config import load_config
+from .loop import train
 
 STEPS, LAST = 300, 100  # the run, and the last steps the table averages over
 EXPERTS, AUX_COEF, BIAS_RATE = 4, 0.01, 0.01
@@ -29,8 +31,6 @@ def imbalance(loads: list[list[float]]) -> float:
 
 
 def _config(kind: str, steps: int):
-    from ..train.config import load_config
-
     return load_config("tiny", {"model.experts": EXPERTS, "model.balance": kind,
                                 "model.balance_coef": AUX_COEF, "model.bias_rate": BIAS_RATE,
                                 "train.steps": steps, "train.eval_every": steps,
@@ -40,8 +40,6 @@ def _config(kind: str, steps: int):
 def measure(steps: int = STEPS, last: int = LAST) -> list[dict]:
     """One row per balance: its imbalance curve, the mean over the last steps, and the
     final training and validation losses."""
-    from ..train.loop import train
-
     rows = []
     for kind in RUNS:
         progress(f"balance {kind}, {steps} steps")
