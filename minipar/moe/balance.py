@@ -19,7 +19,7 @@ busiest expert sets every step's time. Two remedies, one `LoadBalance` per MoE l
   load_i), from the step's loads all-reduced over the same ranks. Nothing is added to
   the loss; an overloaded expert just gets chosen less (DeepSeek-V3: rate 0.001).
 
-Each layer also counts its experts' load per step (`loads`), which the trainer logs in
+Each layer also counts its experts' load per step (`load`), which the trainer logs in
 metrics.jsonl, balanced or not.
 """
 

@@ -7,8 +7,9 @@ pipeline; and each rank holds two stages, like interleaving's chunks, without
 interleaving's extra messages (stages p-1 and p share a rank: no message between them).
 
 - **ZB-V** (Qi et al. 2024, "Zero Bubble Pipeline Parallelism" section 6): zero-bubble's
-  split backward (I, then W later) in a V. With F = I = W its bubble vanishes, at
-  1F1B's peak activation memory.
+  split backward (I, then W later) in a V, at 1F1B's peak activation memory. The paper
+  calls its bubble zero when F = I = W; replayed here (`simulate`), this order leaves
+  (p - 1) x I per rank, about half of ZB-H1's for the same model.
 - **DualPipeV** (DeepSeek-V3's DualPipe, cut in half: DeepSeek's `dualpipev.py`, torch's
   `ScheduleDualPipeV`): in its steady state one chunk's forward runs beside the other
   chunk's backward (`Schedule.overlapped`: F&B), so on a GPU one computes while the
