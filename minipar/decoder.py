@@ -345,6 +345,8 @@ class Decoder(nn.Module):
         stream's variance stays put with depth), norms to 1. Drawn in float32 on the CPU
         from one generator in parameter order: the same numbers on any machine, and a
         float64 model holds exactly its float32 twin's values; copied to the device."""
+        if self.embed.weight.is_meta:  # a dry run's layout (train/dry_run.py): no values
+            return
         generator = torch.Generator().manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.config.layers)
         for name, param in self.named_parameters():  # a tied weight is listed once

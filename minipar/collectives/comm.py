@@ -117,6 +117,9 @@ class _Comm:
         # tensor_split leaves empty chunks when a tensor has fewer elements than ranks: skip them
         sends = [s for s in sends if s[0].numel()]
         recvs = [r for r in recvs if r[0].numel()]
+        if any(t.is_meta for t, _, _ in (*sends, *recvs)):
+            # a dry run builds on the meta device (train/dry_run.py): no values, nothing to send
+            return
         ops, send_meta, recv_meta = [], [], []
         for tensor, peer, chunk in sends:
             # tag = segment index: both ends cut the same segments, so segment j meets segment j

@@ -85,6 +85,18 @@ def device() -> torch.device:
     return _device
 
 
+@contextmanager
+def building_on(where: torch.device) -> Iterator[None]:
+    """`device()` answers `where` inside the block: a dry run builds every module on the
+    meta device (shapes and dtypes, no storage, nothing computed; train/dry_run.py)."""
+    global _device
+    previous, _device = _device, torch.device(where)
+    try:
+        yield
+    finally:
+        _device = previous
+
+
 def synchronize() -> None:
     """Wait for queued GPU work on this rank's device (a no-op on CPU); use before timing."""
     if _device.type == "cuda":

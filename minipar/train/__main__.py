@@ -10,7 +10,8 @@ KIND@RANK:STEP rehearses a failure (kill, raise, hang, disk-full; faults.py).
 the loss curves with compare.py's comparison (to 1e-10 in fp64, 1e-4 in fp32, a measured
 bound in bf16 and fp16). Runs on the CPU processes it spawns (dp x pp x tp x cp of them,
 or --ranks), or under torchrun. Examples: --config tiny --steps 200; --dp 2 --zero 1
---precision fp64 --check.
+--precision fp64 --check. --dry-run --ranks 1024 checks a large config's layout on no
+hardware: each rank's groups, parameters and memory by kind, in seconds.
 
 Subcommands: `compare --precision fp64 "dp=2" "dp=2 zero=1"` trains each configuration
 (space-separated key=value overrides) and the one-process reference, prints a table of
@@ -35,6 +36,7 @@ from .compare import against_one_process, first_with_losses, one_process, run_co
 from .compare import main as compare_main
 from .config import check, load_config, same_run
 from .data import check_corpus
+from .dry_run import dry_run
 from .export import export_main, sample_main
 from .faults import FAULT_KINDS, Fault
 from .flags import add_flags, add_launch_flags, overrides_from_args
@@ -63,6 +65,10 @@ def parser(prog: str = "python -m minipar.train") -> OneLineParser:
     p.add_argument("--fault", type=_fault, default=None, metavar="KIND@RANK:STEP",
                    help=f"make one rank fail at one step, to rehearse it ({', '.join(FAULT_KINDS)}"
                         "; e.g. kill@1:5); only a torchrun job's first attempt fails")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the config and build every stage's layout on the meta device "
+                        "over a fake process group (any --ranks, nothing computed): print each "
+                        "rank's groups, parameters and memory by kind")
     p.add_argument("--check", action="store_true",
                    help="also train on one process and compare the loss curves")
     p.add_argument("--allocator-snapshot", action="store_true",
@@ -110,6 +116,8 @@ def _config(args):
     if fault and (fault.rank >= ranks or fault.step > config.train.steps):
         raise ValueError(f"--fault {fault.kind}@{fault.rank}:{fault.step} would never fire: "
                          f"the run has ranks 0..{ranks - 1} and steps 1..{config.train.steps}")
+    if args.dry_run:  # the layout only: no corpus read, no rank started
+        return config, ranks
     data = config.data
     check_corpus(data.path, data.val_fraction, data.seed, config.model.seq_len)
     if args.check:  # the reference too, before the run rather than after it
@@ -151,6 +159,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m minipar.train") -
     def body() -> int:
         config, ranks = _config(args)
         out = Path(args.out)
+        if args.dry_run:
+            if args.check or args.resume or args.fault:
+                raise ValueError("--dry-run builds the layout and trains nothing: leave out "
+                                 "--check, --resume and --fault")
+            print(dry_run(config, ranks, out))
+            return 0
         # a restarted torchrun worker continues the job: never --force it away
         resume, force = (True, False) if restarted_by_torchrun() else (args.resume, args.force)
         _refuse_other_run(config, out, force, resume)

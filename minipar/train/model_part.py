@@ -151,7 +151,9 @@ class ModelPart:
                           else adam([p for _, p in named]))
         self.masks = self.decay_masks(named)
         self.norm_masks = self._norm_masks(named)
-        self._counted_whole = [bool(m.all()) for m in self.norm_masks]  # no copy needed
+        # which masks are all ones (no copy needed), read at the first norm: a dry run builds
+        # on the meta device, whose tensors hold no values to read (dry_run.py)
+        self._counted_whole: list[bool] | None = None
 
     def _balance(self, config: TrainConfig, layers: nn.Module) -> list:
         """With experts, each block's feed-forward counts its load and balances as
@@ -282,6 +284,8 @@ class ModelPart:
     def norm_gradients(self) -> list[torch.Tensor | None]:
         """The owned gradients, each entry this rank does not count zeroed (a copy; a
         gradient this rank counts whole is passed as it is)."""
+        if self._counted_whole is None:
+            self._counted_whole = [bool(m.all()) for m in self.norm_masks]
         return [g if g is None or whole else g * m for g, m, whole
                 in zip(self.owned_gradients(), self.norm_masks, self._counted_whole, strict=True)]
 
