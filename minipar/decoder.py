@@ -203,10 +203,21 @@ def causal_mask(queries: int, keys: int, device: torch.device | None = None) -> 
     return torch.ones(queries, keys, dtype=torch.bool, device=device).tril(past)
 
 
+def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """k and v [batch, kv_heads, seq, d] repeated to q's heads: kv head j serves query heads
+    j*g .. j*g + g-1 (g = heads/kv_heads), so cutting both into the same number of
+    contiguous chunks (tensor parallelism, Ulysses) keeps each query head with its kv head."""
+    group = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, explicit: bool = False
            ) -> torch.Tensor:
-    """Causal attention over [batch, heads, seq, d]: fused `scaled_dot_product_attention`,
-    or `attention_reference` with explicit=True (same numbers, every step visible)."""
+    """Causal attention of q [batch, heads, seq, d] over k, v [batch, kv_heads, seq, d]
+    (`repeat_kv`): fused `scaled_dot_product_attention`, or `attention_reference` with
+    explicit=True (same numbers, every step visible)."""
+    k, v = repeat_kv(q, k, v)
     if explicit:
         return attention_reference(q, k, v, causal=True)
     if q.shape[-2] != k.shape[-2]:  # a cache's past: is_causal would align the corners wrong
@@ -220,11 +231,12 @@ def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             explicit: bool = False, attend: Callable = attend,
                             keep: Callable | None = None) -> torch.Tensor:
     """The projections q [batch, seq, heads * d], k and v [batch, seq, kv_heads * d] ->
-    attended heads [batch, seq, heads * d]: split into heads, RoPE, each kv head repeated
-    for its query heads, causal attention by `attend(q, k, v, explicit)` (context
-    parallelism passes ring attention). `keep(k, v)`, given this call's rotated keys and
-    values per kv head, returns the ones to attend to: a key/value cache keeps them and
-    returns its past with them (generation.py). Head counts come from the shapes, so a
+    attended heads [batch, seq, heads * d]: split into heads, RoPE, then causal attention
+    by `attend(q, k, v, explicit)`, given k and v per kv head (context parallelism passes
+    ring attention or Ulysses, which moves the kv heads before repeating them).
+    `keep(k, v)`, given this call's rotated keys and values per kv head, returns the ones
+    to attend to: a key/value cache keeps them and returns its past with them
+    (generation.py). Head counts come from the shapes, so a
     tensor-parallel rank passes its local heads through the same code."""
     b, s = q.shape[:2]
     # [b, s, n * d] -> [b, n, s, d]: head i is columns i*d..(i+1)*d of the projection
@@ -232,11 +244,6 @@ def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     if keep is not None:  # cached per kv head, before the repeat: GQA's smaller cache
         k, v = keep(k, v)
-    # kv head j serves the consecutive query heads j*g .. j*g + g-1 (g = heads/kv_heads),
-    # so splitting heads and kv heads into the same number of contiguous chunks (tensor
-    # parallelism) keeps every query head with its kv head
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return attend(q, k, v, explicit).transpose(1, 2).reshape(b, s, -1)
 
 

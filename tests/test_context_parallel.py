@@ -121,7 +121,7 @@ def test_bad_shapes_get_a_clear_error():
         ring_attention(q, q, q, causal=False, balanced=True)
     with pytest.raises(ValueError, match="must have one shape"):
         ring_attention(q, q[..., :3, :], q)
-    with pytest.raises(ValueError, match=r"\[batch, heads, tokens, head_dim\]"):
+    with pytest.raises(ValueError, match=r"q must be \[batch, heads, tokens, head_dim\]"):
         ulysses_attention(q[0], q[0], q[0])
 
 
@@ -150,3 +150,48 @@ def test_ring_plan_counts_the_work_the_ring_does(cluster4, balanced):
     assert [plan[s][1]["src"] for s in range(4)] == [1, 0, 3, 2]
     every = {(qc, kc) for step in plan for row in step for qc, kc, _ in row["cells"]}
     assert len(every) == 64  # every query chunk met every key chunk exactly once
+
+
+def _grouped(kv_heads):
+    """Ulysses with grouped-query attention on this rank: q has H heads, k and v kv_heads
+    (each serving H / kv_heads consecutive query heads); against the one-process attention
+    of q over the repeated k and v, and the bytes each rank sent."""
+    k_, me = world_size(), rank()
+    pos = positions(me, k_, S, balanced=True)
+    q, k, v, w = _full(3)
+    k, v = k[:, :kv_heads], v[:, :kv_heads]
+    q0, k0, v0 = (t.clone().requires_grad_() for t in (q, k, v))
+    group = H // kv_heads
+    ref = attention(q0, k0.repeat_interleave(group, 1), v0.repeat_interleave(group, 1), True)
+    (ref * w).sum().backward()
+    q1, k1, v1 = (t[..., pos, :].clone().requires_grad_() for t in (q, k, v))
+    with collectives.meter() as m:
+        out = ulysses_attention(q1, k1, v1, causal=True, balanced=True)
+        (out * w[..., pos, :]).sum().backward()
+    gaps = [(a - b[..., pos, :]).abs().max().item() for a, b in
+            ((out, ref), (q1.grad, q0.grad), (k1.grad, k0.grad), (v1.grad, v0.grad))]
+    return max(gaps), m.sent_bytes
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_ulysses_moves_grouped_kv_heads_and_replicates_them_past_cp(cluster4, kv_heads):
+    # 4 ranks: 4 kv heads split one per rank; 2 and 1 are first replicated to 4 (verl#1226)
+    one = B * (S // 4) * D * 8  # one head of one rank's slice, float64 bytes
+    for gap, sent in cluster4.run(_grouped, kv_heads):
+        assert gap < 1e-12, gap
+        # q and the output each way, and k and v as 4 heads (after any replication), each
+        # all-to-all sending 3/4 of the rank's tensor: the same as without grouping here
+        assert sent == 2 * (2 * H * one + 2 * 4 * one) * 3 // 4, sent
+
+
+def _ulysses_kv_heads_3_on_2():
+    q, kv = torch.zeros(1, 6, 4, 2), torch.zeros(1, 3, 4, 2)
+    try:
+        ulysses_attention(q, kv, kv)
+    except ValueError as error:
+        return str(error)
+
+
+def test_ulysses_refuses_kv_heads_that_neither_divide_nor_are_divided(cluster2):
+    errors = cluster2.run(_ulysses_kv_heads_3_on_2)
+    assert all("3 kv heads over 2 ranks" in e and "\n" not in e for e in errors), errors

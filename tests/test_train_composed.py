@@ -37,6 +37,10 @@ FOUR_RANKS = [
     (dict(pp=2, tp=2, zero=2, schedule="gpipe", microbatches=2), "full"),
     (dict(pp=2, cp=2, schedule="zb_h1", microbatches=2), "none"),
     (dict(dp=2, cp=2, zero=1), "full"),
+    # Ulysses: 4 query heads over cp 4, its 2 kv heads replicated to 4 (kv-head replication)
+    (dict(cp=4, cp_kind="ulysses"), "selective"),
+    # under tp 2 each rank has 2 heads and 1 kv head, replicated to cp 2
+    (dict(cp=2, tp=2, cp_kind="ulysses", sequence_parallel=True), "none"),
 ]
 
 

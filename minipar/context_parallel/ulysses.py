@@ -5,9 +5,16 @@ Each of K ranks holds [B, H, S/K, D] of q, k and v. One all-to-all per tensor tu
 into [B, H/K, S, D]: rank r gets heads r*H/K.. of every token. Attention per head needs
 nothing from other heads, so each rank attends alone; one more all-to-all returns the
 output to the sequence split. Four all-to-alls, each moving (K-1)/K of a rank's tensor,
-against ring attention's K-1 key/value blocks; but K must divide the number of heads
-(of key/value heads, with grouped-query attention). `balanced` only names the input
-layout: Ulysses' attention is whole-sequence per head, balanced by construction.
+against ring attention's K-1 key/value blocks; but K must divide the number of heads.
+`balanced` only names the input layout: Ulysses' attention is whole-sequence per head,
+balanced by construction.
+
+With grouped-query attention k and v have fewer heads than q (KV, each serving H/KV
+consecutive query heads), and they travel before they are repeated, so the exchange
+moves KV heads, not H. If K divides KV, rank r gets kv heads r*KV/K.., exactly the ones
+its query heads need. If K exceeds KV (eight ranks, two kv heads), there are not enough
+kv heads to go round: each is first replicated K/KV times, so every rank receives the one
+copy its query heads use (verl#1226). K must then be a multiple of KV.
 """
 
 from __future__ import annotations
@@ -49,21 +56,42 @@ class _Reshard(torch.autograd.Function):
         return _exchange(grad.contiguous(), join, split, ctx.group), None, None, None
 
 
+def check_heads(heads: int, kv_heads: int, ranks: int, where: str = "") -> None:
+    """One line (after `where`) if Ulysses cannot split these heads over `ranks`: the query
+    heads must divide by it, and the kv heads divide by it or divide it (then they are
+    replicated)."""
+    if heads % ranks:
+        raise ValueError(f"{where}Ulysses splits the {heads} heads over {ranks} ranks; use a "
+                         f"number of ranks that divides the heads (or ring attention)")
+    if kv_heads % ranks and ranks % kv_heads:
+        raise ValueError(f"{where}Ulysses splits {kv_heads} kv heads over {ranks} ranks: use "
+                         f"a number of ranks that divides them or is a multiple of them")
+
+
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                       balanced: bool = False, group=None) -> torch.Tensor:
-    """Attention of this rank's [B, H, S/K, D] slice (positions as `attention.positions`
-    lays them out) by re-sharding to heads and back; heads must divide by K."""
-    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(f"q, k and v must be [batch, heads, tokens, head_dim] of one shape; "
-                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    size = world_size(group)
-    if q.shape[1] % size:
-        raise ValueError(f"Ulysses splits the {q.shape[1]} heads over {size} ranks; use a "
-                         f"number of ranks that divides the heads (or ring_attention)")
+    """Attention of this rank's [B, H, S/K, D] slice of q (positions as
+    `attention.positions` lays them out) and [B, KV, S/K, D] of k and v (KV = H without
+    grouped-query attention) by re-sharding to heads and back; K must divide the heads,
+    and KV or a multiple of it (module docstring)."""
+    if q.dim() != 4 or k.shape != v.shape or k.shape[::2] != q.shape[::2] \
+            or k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"q must be [batch, heads, tokens, head_dim] and k, v one shape with "
+                         f"kv heads dividing q's heads; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    size, heads, kv_heads = world_size(group), q.shape[1], k.shape[1]
+    check_heads(heads, kv_heads, size)
+    if kv_heads % size:
+        # fewer kv heads than ranks: a copy of each kv head for every rank its queries reach
+        k, v = k.repeat_interleave(size // kv_heads, 1), v.repeat_interleave(size // kv_heads, 1)
     seq_len = q.shape[2] * size
     # after the exchange the tokens come in rank order; positions say where each belongs
     pos = torch.cat([positions(r, size, seq_len, balanced) for r in range(size)])
     qh, kh, vh = (_Reshard.apply(t.contiguous(), 1, 2, group) for t in (q, k, v))
+    # this rank's query heads are consecutive, and so are the kv heads they use: repeat
+    # each for its local query heads, as grouped_query_attention does on one process
+    group_size = qh.shape[1] // kh.shape[1]
+    kh, vh = kh.repeat_interleave(group_size, 1), vh.repeat_interleave(group_size, 1)
     # whole sequences per head: the causal mask needs only the global positions
     out = attention(qh, kh, vh, causal, pos, pos)
     return _Reshard.apply(out, 2, 1, group)

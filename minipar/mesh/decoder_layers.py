@@ -8,8 +8,8 @@ one layer per block and the head, each holding this rank's part of the twin's we
   head gathers the sequence back (backward keeps each rank's slice). The blocks' norms
   then see only their slice: `sum_block_norms_in_backward` sums their gradients over tp.
 - **cp**: each rank holds the tokens of the balanced (zig-zag) layout of every sequence;
-  attention runs ring attention (`context_parallel.ring_core`) and RoPE rotates by the
-  tokens' global positions.
+  attention runs ring attention or Ulysses (`cp_kind`, `context_parallel.attention_cores`)
+  and RoPE rotates by the tokens' global positions.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..context_parallel import positions as cp_positions
-from ..context_parallel.ring_core import ring_core
+from ..context_parallel.attention_cores import CP_CORES
 from ..decoder import Decoder, rope_tables, run_block
 from ..runtime import device, rank, world_size
 from ..tensor_parallel import (
@@ -134,12 +134,13 @@ def tensor_parallel_block(twin_block: nn.Module, groups: MeshGroups,
 
 
 def decoder_layers(twin: Decoder, groups: MeshGroups, sequence_parallel: bool = False,
-                   cut_block: Callable[[nn.Module, MeshGroups], nn.Module] | None = None
-                   ) -> NamedLayers:
+                   cut_block: Callable[[nn.Module, MeshGroups], nn.Module] | None = None,
+                   cp_kind: str = "ring") -> NamedLayers:
     """The decoder as (twin name prefix, layer): embedding, blocks, head, cut for this
     rank's tp and cp coordinates (groups needs dimensions pp, tp and cp). `cut_block`
     cuts each twin block for this rank (the extension point: the mixture of experts'
-    blocks are cut over ep, moe/moe_decoder.py); by default `tensor_parallel_block`."""
+    blocks are cut over ep, moe/moe_decoder.py); by default `tensor_parallel_block`.
+    `cp_kind` names how a cp group attends, a key of `CP_CORES`."""
     c = twin.config
     positions = held_positions(groups, c.seq_len)
     embedding = DecoderEmbedding(twin, groups.tp, sequence_parallel)
@@ -148,7 +149,7 @@ def decoder_layers(twin: Decoder, groups: MeshGroups, sequence_parallel: bool = 
         block = (cut_block(twin_block, groups) if cut_block is not None
                  else tensor_parallel_block(twin_block, groups, sequence_parallel))
         if world_size(groups.cp) > 1:
-            block.attn.core = ring_core(groups.cp)  # keys and values travel the cp ring
+            block.attn.core = CP_CORES[cp_kind](groups.cp)  # the ring, or Ulysses' all-to-all
         blocks.append((f"blocks.{i}.", DecoderLayer(block, positions, c.head_dim, c.rope_base)))
     head = DecoderHead(twin, embedding, groups.tp, sequence_parallel)
     return [("", embedding), *blocks, ("", head)]

@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from ..context_parallel.attention_cores import CP_CORES
+from ..context_parallel.ulysses import check_heads
 from ..cost import RECOMPUTE
 from ..decoder import DecoderConfig
 from ..pipeline import SCHEDULES
@@ -52,7 +54,9 @@ class ParallelConfig:
     tp: int = 1
     """Tensor-parallel degree: ranks each layer's matrices are split over."""
     cp: int = 1
-    """Context-parallel degree: ranks each sequence is split over (ring attention)."""
+    """Context-parallel degree: ranks each sequence is split over (cp_kind's attention)."""
+    cp_kind: str = "ring"
+    """How a cp group attends: ring (keys and values travel) or ulysses (all-to-all to heads)."""
     ep: int = 1
     """Expert-parallel degree, inside dp: each block's experts are split over ep of the dp
     ranks (model.experts > 0); ep divides dp and the experts."""
@@ -292,9 +296,11 @@ def check(config: TrainConfig, world_size: int | None = None) -> None:
         raise ValueError(f"parallel.dp_replicate={p.dp_replicate} (HSDP) needs ZeRO (zero 1, 2 "
                          f"or 3) to shard inside each group, ep = 1, and a divisor of "
                          f"dp={p.dp}: dp_replicate in {_divisors(p.dp)}")
-    if p.schedule not in SCHEDULES:
-        raise ValueError(f"parallel.schedule must be one of {', '.join(SCHEDULES)}; got "
-                         f"{p.schedule!r}")
+    for name, value, allowed in (
+        ("parallel.schedule", p.schedule, SCHEDULES), ("parallel.cp_kind", p.cp_kind, CP_CORES),
+        ("train.precision", t.precision, PRECISIONS), ("train.recompute", t.recompute, RECOMPUTE)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
     ranks = p.dp * p.pp * p.tp * p.cp
     if world_size is not None and ranks != world_size:
         raise ValueError(f"dp x pp x tp x cp = {p.dp} x {p.pp} x {p.tp} x {p.cp} = {ranks} "
@@ -304,14 +310,14 @@ def check(config: TrainConfig, world_size: int | None = None) -> None:
         fits = _divisors(math.gcd(m.heads, m.kv_heads, m.ffn))
         raise ValueError(f"parallel.tp={p.tp} must divide heads={m.heads}, kv_heads={m.kv_heads} "
                          f"and the SwiGLU width {m.ffn}; tp in {fits} would work")
+    if p.cp > 1 and p.cp_kind == "ulysses":  # each tp rank's heads, over cp
+        check_heads(m.heads // p.tp, m.kv_heads // p.tp, p.cp, "parallel.cp_kind='ulysses': ")
     stages = p.pp * p.virtual
-    if stages > m.layers and p.virtual == 1:
-        raise ValueError(f"parallel.pp={p.pp} exceeds model.layers={m.layers}; each pipeline "
-                         f"stage needs a layer: pp <= {m.layers}")
     if stages > m.layers:
-        raise ValueError(f"parallel.pp x virtual = {p.pp} x {p.virtual} = {stages} pipeline "
-                         f"stages exceeds model.layers={m.layers}; each stage needs a layer: "
-                         f"pp x virtual <= {m.layers}")
+        name, value = ("pp", f"={p.pp}") if p.virtual == 1 else ("pp x virtual", f" = {p.pp} x "
+                                                                 f"{p.virtual} = {stages}")
+        raise ValueError(f"parallel.{name}{value} pipeline stages exceeds model.layers="
+                         f"{m.layers}; each stage needs a layer: {name} <= {m.layers}")
     if p.virtual > 1 and m.layers % stages:
         fits = [v for v in _divisors(m.layers) if m.layers % (p.pp * v) == 0]
         raise ValueError(f"model.layers={m.layers} must split evenly over pp x virtual = {p.pp} x "
@@ -342,12 +348,6 @@ def check(config: TrainConfig, world_size: int | None = None) -> None:
                          f"x accumulation = {p.dp} x {p.microbatches} x {t.accumulation} = "
                          f"{split}: a multiple of {split}, e.g. "
                          f"{_near_multiples(t.batch_size, split)}")
-    if t.precision not in PRECISIONS:
-        raise ValueError(f"train.precision must be one of {', '.join(PRECISIONS)}; got "
-                         f"{t.precision!r}")
-    if t.recompute not in RECOMPUTE:
-        raise ValueError(f"train.recompute must be one of {', '.join(RECOMPUTE)}; got "
-                         f"{t.recompute!r}")
     if not o.lr > 0:
         raise ValueError(f"optim.lr must be > 0; got {o.lr}")
     if not 0 <= o.min_lr <= o.lr:

@@ -16,6 +16,7 @@ import textwrap
 from functools import cache
 
 from ..cli import nonnegative_int, positive_int
+from ..context_parallel.attention_cores import CP_CORES
 from ..cost import RECOMPUTE
 from ..decoder import BALANCES
 from ..pipeline import SCHEDULES
@@ -40,6 +41,7 @@ FLAGS: dict[str, tuple[str, dict]] = {
     "--pp": ("parallel.pp", {"type": positive_int}),
     "--tp": ("parallel.tp", {"type": positive_int}),
     "--cp": ("parallel.cp", {"type": positive_int}),
+    "--cp-kind": ("parallel.cp_kind", {"choices": tuple(CP_CORES)}),
     "--ep": ("parallel.ep", {"type": positive_int}),
     "--zero": ("parallel.zero", {"type": int, "choices": (0, 1, 2, 3)}),
     "--dp-replicate": ("parallel.dp_replicate", {"type": positive_int}),

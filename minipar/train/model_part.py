@@ -120,7 +120,7 @@ class ModelPart:
         self.positions = held_positions(g, config.model.seq_len)
         adam = adam_factory(config)
         cut = cut_expert_parallel if config.model.experts else None
-        layers = decoder_layers(twin, g, par.sequence_parallel, cut)
+        layers = decoder_layers(twin, g, par.sequence_parallel, cut, par.cp_kind)
         # experts live on one ep rank each: replicated over dp only (module docstring)
         self.experts = {id(p) for _, layer in layers for m in layer.modules()
                         if isinstance(m, ExpertParallelBlock) for p in m.experts()}
