@@ -2,11 +2,14 @@
 one layer per block and the head, each holding this rank's part of the twin's weights.
 
 - **tp**: blocks are `ParallelDecoderBlock`s (query and kv heads split together, SwiGLU
-  split by its width); the embedding, the final norm and the head are replicated.
-- **sequence parallelism**: the embedding's output is cut along the sequence (each tp
-  rank keeps its slice; backward gathers the slices), the blocks run on slices, and the
-  head gathers the sequence back (backward keeps each rank's slice). The blocks' norms
-  then see only their slice: `sum_block_norms_in_backward` sums their gradients over tp.
+  split by its width); the embedding and the head split the vocabulary (Megatron's
+  vocab-parallel embedding and cross-entropy, `tensor_parallel/vocab_parallel.py`: no
+  rank holds a whole row of logits, and `decoder_loss` is their loss); the final norm is
+  replicated.
+- **sequence parallelism**: the embedding's sum over tp is a reduce-scatter along the
+  sequence, the blocks run on slices, and the head gathers the sequence back (backward
+  keeps each rank's slice). The blocks' norms then see only their slice:
+  `sum_block_norms_in_backward` sums their gradients over tp.
 - **cp**: each rank holds the tokens of the balanced (zig-zag) layout of every sequence;
   attention runs ring attention or Ulysses (`cp_kind`, `context_parallel.attention_cores`)
   and RoPE rotates by the tokens' global positions.
@@ -16,45 +19,48 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import torch
 from torch import nn
 
 from ..context_parallel import positions as cp_positions
 from ..context_parallel.attention_cores import CP_CORES
-from ..decoder import Decoder, rope_tables, run_block
+from ..decoder import Decoder, cross_entropy, rope_tables, run_block
 from ..runtime import device, rank, world_size
 from ..tensor_parallel import (
     SEQUENCE_DIM,
     gather_from_parallel_region,
-    scatter_to_parallel_region,
     sum_sequence_parallel_grads_in_backward,
 )
 from ..tensor_parallel.parallel_block import ParallelDecoderBlock
+from ..tensor_parallel.vocab_parallel import (
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_logits,
+)
 from .mesh import MeshGroups
 from .model import NamedLayers
 
 
 class DecoderEmbedding(nn.Module):
     """ids [batch, tokens this rank holds] -> activations [batch, tokens, hidden] (under
-    sequence parallelism: this tp rank's slice of those tokens)."""
+    sequence parallelism: this tp rank's slice of those tokens). Over tp each rank holds
+    1/tp of the vocabulary's rows (`VocabParallelEmbedding`)."""
 
     def __init__(self, twin: Decoder, tp_group=None, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.embed, self.tied = copy.deepcopy(twin.embed), twin.config.tied
-        self.group, self.sequence_parallel = tp_group, sequence_parallel
+        self.tied = twin.config.tied
+        self.embed = VocabParallelEmbedding(twin.embed, tp_group, sequence_parallel) \
+            if world_size(tp_group) > 1 else copy.deepcopy(twin.embed)
 
     @property
     def tied_weight(self) -> nn.Parameter | None:
         return self.embed.weight if self.tied else None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        if self.sequence_parallel:
-            # every tp rank computed the whole lookup: keep a slice, and gather the gradient
-            # back in backward so the replicated embedding sees every token's
-            return scatter_to_parallel_region(x, self.group, SEQUENCE_DIM)
-        return x
+        return self.embed(ids)
 
 
 class DecoderLayer(nn.Module):
@@ -97,10 +103,12 @@ class DecoderHead(nn.Module):
                  sequence_parallel: bool = False) -> None:
         super().__init__()
         self.norm, self.tied = copy.deepcopy(twin.norm), twin.config.tied
+        self.split = world_size(tp_group) > 1  # the vocabulary's rows split over tp
         if self.tied:
             self.embed = embedding.embed
         else:
-            self.head = copy.deepcopy(twin.head)
+            self.head = VocabParallelHead(twin.head, tp_group) if self.split \
+                else copy.deepcopy(twin.head)
         self.group, self.sequence_parallel = tp_group, sequence_parallel
 
     @property
@@ -109,11 +117,23 @@ class DecoderHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            # the replicated head needs every token; backward keeps this rank's slice
+            # the head needs every token; backward keeps this rank's slice (the gradient is
+            # whole on every rank: vocab_parallel_logits' f summed it over tp)
             x = gather_from_parallel_region(x, self.group, SEQUENCE_DIM)
         x = self.norm(x)
+        weight = self.embed.weight if self.tied else self.head.weight
+        if self.split:  # this rank's slice of the vocabulary's logits
+            return vocab_parallel_logits(x, weight, self.group)
         # F.linear, as the twin's nn.Linear head: the same arithmetic, tied or not
-        return nn.functional.linear(x, self.embed.weight if self.tied else self.head.weight)
+        return nn.functional.linear(x, weight)
+
+
+def decoder_loss(groups: MeshGroups, vocab: int) -> Callable[..., torch.Tensor]:
+    """The cross-entropy of these layers' logits: `decoder.cross_entropy` on one tp rank,
+    the vocab-parallel one (three reductions of per-token values) over tp."""
+    if world_size(groups.tp) == 1:
+        return cross_entropy
+    return partial(vocab_parallel_cross_entropy, vocab=vocab, group=groups.tp)
 
 
 def held_positions(groups: MeshGroups, seq_len: int) -> torch.Tensor:

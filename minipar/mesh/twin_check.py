@@ -24,11 +24,11 @@ from torch import nn
 
 from .. import collectives
 from ..data_parallel import shard
-from ..decoder import Decoder, DecoderConfig, cross_entropy, decoder
+from ..decoder import Decoder, DecoderConfig, decoder
 from ..runtime import device, rank, world_size
 from ..runtime.placement import host_allocations
 from ..tensor_parallel import twin_slice
-from .decoder_layers import decoder_layers
+from .decoder_layers import decoder_layers, decoder_loss
 from .mesh import Mesh, MeshGroups
 from .model import MeshModel
 from .stage_data_parallel import StageDataParallel
@@ -58,6 +58,7 @@ class MeshDecoder:
 
         self.model = MeshModel(decoder_layers(twin, groups), groups, microbatches,
                                data_parallel=data_parallel)
+        self.loss = decoder_loss(groups, twin.config.vocab_size)  # vocab-parallel over tp
         self.sharded = self.model.data_parallel
         self.optimizer = (self.sharded.optimizer if zero
                           else adam(list(self.model.local.parameters())))
@@ -68,7 +69,7 @@ class MeshDecoder:
         dp, me = world_size(self.dp), rank(self.dp)
         # this replica's rows; its loss is their mean, and the average over dp the batch's
         loss = self.model.forward_backward(shard(ids, me, dp), shard(targets, me, dp),
-                                           cross_entropy)
+                                           self.loss)
         self.sharded.reduce_gradients()  # what backward left: ZeRO-1's reduce-scatter
         self.model.sum_tied_gradients()  # after the reduction: the sum is of averages
         if loss is None:

@@ -306,10 +306,10 @@ def check(config: TrainConfig, world_size: int | None = None) -> None:
         raise ValueError(f"dp x pp x tp x cp = {p.dp} x {p.pp} x {p.tp} x {p.cp} = {ranks} "
                          f"ranks, but there are {world_size}; choose degrees whose product is "
                          f"{world_size}")
-    if m.heads % p.tp or m.kv_heads % p.tp or m.ffn % p.tp:
-        fits = _divisors(math.gcd(m.heads, m.kv_heads, m.ffn))
-        raise ValueError(f"parallel.tp={p.tp} must divide heads={m.heads}, kv_heads={m.kv_heads} "
-                         f"and the SwiGLU width {m.ffn}; tp in {fits} would work")
+    if m.heads % p.tp or m.kv_heads % p.tp or m.ffn % p.tp or m.vocab_size % p.tp:
+        fits = _divisors(math.gcd(m.heads, m.kv_heads, m.ffn, m.vocab_size))
+        raise ValueError(f"parallel.tp={p.tp} must divide heads={m.heads}, kv_heads={m.kv_heads}, "
+                         f"the SwiGLU width {m.ffn} and vocab={m.vocab_size}; tp in {fits} works")
     if p.cp > 1 and p.cp_kind == "ulysses":  # each tp rank's heads, over cp
         check_heads(m.heads // p.tp, m.kv_heads // p.tp, p.cp, "parallel.cp_kind='ulysses': ")
     stages = p.pp * p.virtual

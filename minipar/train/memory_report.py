@@ -70,11 +70,11 @@ def predicted_memory(config: TrainConfig) -> dict[str, float]:
     weights' dtype) for a micro-batch of batch / (dp x accumulation x microbatches) rows,
     ceil(layers / pp) layers, min(pp, microbatches) micro-batches in flight (1F1B), seq_len
     / cp tokens per rank, split over tp as Korthikanti's Eq. 2 splits them (all of them
-    under sequence parallelism). Left out, where a
-    measurement differs: the embedding and norms are replicated over tp (only the blocks'
-    matrices are split), a tied embedding has a copy on both pipeline ends, ZeRO pads each
-    flat shard to a multiple of dp, and the formula's activations are Megatron's
-    (dropout masks, 16-bit softmax), not this decoder's."""
+    under sequence parallelism). Left out, where a measurement differs: the norms are
+    replicated over tp (the blocks' matrices, the embedding and the head are split), a
+    tied embedding has a copy on both pipeline ends, ZeRO pads each flat shard to a
+    multiple of dp, and the formula's activations are Megatron's (dropout masks, 16-bit
+    softmax), not this decoder's."""
     m, p, t = config.model, config.parallel, config.train
     dtype = _dtype_name(config)
     params = m.parameters() / (p.pp * p.tp)

@@ -45,9 +45,14 @@ from torch import nn
 
 from .. import collectives
 from ..data_parallel import shard_weight
-from ..decoder import Decoder, cross_entropy
+from ..decoder import Decoder
 from ..mesh import Mesh
-from ..mesh.decoder_layers import decoder_layers, held_positions, sum_block_norms_in_backward
+from ..mesh.decoder_layers import (
+    decoder_layers,
+    decoder_loss,
+    held_positions,
+    sum_block_norms_in_backward,
+)
 from ..mesh.model import MeshModel
 from ..mesh.stage_data_parallel import StageDataParallel
 from ..moe.expert_parallel import average_experts_over_ep
@@ -55,10 +60,14 @@ from ..moe.moe_decoder import ExpertParallelBlock, balance_experts, cut_expert_p
 from ..runtime import device, rank, world_size
 from ..sharded import FlatShard
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from ..tensor_parallel.vocab_parallel import VocabParallelEmbedding, VocabParallelHead
 from .config import ParallelConfig, TrainConfig
 from .optim import set_learning_rate
 from .precision import LossScaler, make_stage
 from .recompute import apply_recompute
+
+# layers whose weight alone is split over tp: each rank counts its slice in the norm
+SPLIT_WEIGHT = (RowParallelLinear, VocabParallelEmbedding, VocabParallelHead)
 
 
 def decays(name: str, p: nn.Parameter) -> bool:
@@ -118,6 +127,7 @@ class ModelPart:
         self.ep, self.zero = par.ep, par.zero
         self.tp_rank = rank(g.tp)
         self.positions = held_positions(g, config.model.seq_len)
+        self.loss = decoder_loss(g, config.model.vocab_size)  # vocab-parallel over tp
         adam = adam_factory(config)
         cut = cut_expert_parallel if config.model.experts else None
         layers = decoder_layers(twin, g, par.sequence_parallel, cut, par.cp_kind)
@@ -217,10 +227,11 @@ class ModelPart:
     def _norm_masks(self, named: list[tuple[str, nn.Parameter]]) -> list[torch.Tensor]:
         """Per optimizer tensor, 1 where this rank counts the entry in the global norm."""
         # a column-parallel layer splits its weight and bias by rows; a row-parallel one its
-        # weight only (its bias is added once, after the sum): the decoder has no biases
+        # weight only (its bias is added once, after the sum), and the vocab-parallel
+        # embedding and head their rows: the decoder has no biases
         split = {id(p) for m in self.model.local.modules()
                  for p in ([m.weight, m.bias] if isinstance(m, ColumnParallelLinear) else
-                           [m.weight] if isinstance(m, RowParallelLinear) else [])
+                           [m.weight] if isinstance(m, SPLIT_WEIGHT) else [])
                  if p is not None}
         ep_rank = rank(self.groups.ep)
         counted = {id(p) for _, p in named
@@ -245,7 +256,7 @@ class ModelPart:
         return self.model.named_parameters()
 
     def _loss_fn(self, weight: float):
-        return lambda logits, targets: cross_entropy(logits, targets) * weight
+        return lambda logits, targets: self.loss(logits, targets) * weight
 
     def forward_backward(self, ids: torch.Tensor, targets: torch.Tensor, batch: int,
                          scaler: LossScaler, last: bool) -> float | None:
