@@ -62,10 +62,10 @@ def check_heads(heads: int, kv_heads: int, ranks: int, where: str = "") -> None:
     replicated)."""
     if heads % ranks:
         raise ValueError(f"{where}Ulysses splits the {heads} heads over {ranks} ranks; use a "
-                         f"number of ranks that divides the heads (or ring attention)")
+                         "number of ranks that divides the heads (or ring attention)")
     if kv_heads % ranks and ranks % kv_heads:
         raise ValueError(f"{where}Ulysses splits {kv_heads} kv heads over {ranks} ranks: use "
-                         f"a number of ranks that divides them or is a multiple of them")
+                         "a number of ranks that divides them or is a multiple of them")
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -74,8 +74,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     `attention.positions` lays them out) and [B, KV, S/K, D] of k and v (KV = H without
     grouped-query attention) by re-sharding to heads and back; K must divide the heads,
     and KV or a multiple of it (module docstring)."""
-    if q.dim() != 4 or k.shape != v.shape or k.shape[::2] != q.shape[::2] \
-            or k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or k.shape[0] != q.shape[0] \
+            or k.shape[2:] != q.shape[2:] or k.shape[1] < 1 or q.shape[1] % k.shape[1]:
         raise ValueError(f"q must be [batch, heads, tokens, head_dim] and k, v one shape with "
                          f"kv heads dividing q's heads; got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")

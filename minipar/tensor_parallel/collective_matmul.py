@@ -127,10 +127,11 @@ class _AllGatherLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         gathered, weight = ctx.saved_tensors
-        # an input that needs no gradient (the first layer's data) skips its reduce-scatter
+        # an input that needs no gradient (the first layer's data) skips its reduce-scatter;
+        # every tp rank holds the same graph, so all of them skip it or none does
         grad_x = matmul_reduce_scatter(grad, weight.t(), ctx.group, ctx.dim) \
             if ctx.needs_input_grad[0] else None
-        grad_w = _flat(grad).t() @ _flat(gathered)
+        grad_w = _flat(grad).t() @ _flat(gathered) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None
 
 
@@ -146,9 +147,10 @@ class _LinearReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
+        # the gathered gradient is needed for dW whether or not x wants its own gradient
         grad_x, gathered = all_gather_matmul(grad, weight.t(), ctx.group, ctx.dim)
-        grad_w = _flat(gathered).t() @ _flat(x)
-        return grad_x, grad_w, None, None
+        grad_w = _flat(gathered).t() @ _flat(x) if ctx.needs_input_grad[1] else None
+        return grad_x if ctx.needs_input_grad[0] else None, grad_w, None, None
 
 
 def _sequence_parallel_only(layer: nn.Module, name: str) -> None:

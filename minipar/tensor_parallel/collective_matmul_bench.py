@@ -8,9 +8,10 @@ and the two overlapped (`collective_matmul.py`). Every step is traced, and
 `exposed_and_hidden` splits its communication into the seconds the main thread's
 compute hid and the seconds it exposed. The versions take turns for `rounds` rounds; a
 row keeps the medians and the overlapped step's speedup per round, whose spread is the
-noise. The link is emulated by sleeping the sender (`slow_network`), which costs no CPU:
-on 2 cores the overlap is bounded by the compute there is to hide under, not by a core
-kept busy sending.
+noise. The link is emulated by sleeping the sender (`slow_network`), which costs no CPU,
+but gloo still copies each message through loopback with a CPU thread: on 2 cores, a
+transfer running beside a rank's matmul takes cycles from it, so a step may gain less
+than the exposed time it hid (on a GPU the shifts have their own stream and copy engines).
 """
 
 from __future__ import annotations

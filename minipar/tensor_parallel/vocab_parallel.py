@@ -119,7 +119,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         mine = (targets >= start) & (targets < start + logits.shape[-1])
         local = torch.where(mine, targets - start, 0)
         # the target's shifted logit from the rank that holds it; the others add 0
-        picked = logits.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
+        # (where, not a product: a slice that is all padding gathers -inf, and -inf * 0 is nan)
+        picked = torch.where(mine, logits.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
         target_logit = collectives.all_reduce(picked, group=group)
         ctx.save_for_backward(exp / total.unsqueeze(-1), mine, local)
         return total.log() - target_logit

@@ -163,7 +163,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m minipar.train") -
             if args.check or args.resume or args.fault:
                 raise ValueError("--dry-run builds the layout and trains nothing: leave out "
                                  "--check, --resume and --fault")
-            print(dry_run(config, ranks, out))
+            # every rank's line goes to a file only where asked: never beside a real run
+            asked = any(a == "--out" or a.startswith("--out=") for a in argv)
+            print(dry_run(config, ranks, out if asked else None))
             return 0
         # a restarted torchrun worker continues the job: never --force it away
         resume, force = (True, False) if restarted_by_torchrun() else (args.resume, args.force)

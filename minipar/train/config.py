@@ -311,7 +311,7 @@ def check(config: TrainConfig, world_size: int | None = None) -> None:
         raise ValueError(f"parallel.tp={p.tp} must divide heads={m.heads}, kv_heads={m.kv_heads}, "
                          f"the SwiGLU width {m.ffn} and vocab={m.vocab_size}; tp in {fits} works")
     if p.cp > 1 and p.cp_kind == "ulysses":  # each tp rank's heads, over cp
-        check_heads(m.heads // p.tp, m.kv_heads // p.tp, p.cp, "parallel.cp_kind='ulysses': ")
+        check_heads(m.heads // p.tp, m.kv_heads // p.tp, p.cp, f"parallel.cp with tp={p.tp}: ")
     stages = p.pp * p.virtual
     if stages > m.layers:
         name, value = ("pp", f"={p.pp}") if p.virtual == 1 else ("pp x virtual", f" = {p.pp} x "

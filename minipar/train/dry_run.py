@@ -150,7 +150,8 @@ def dry_run(config: TrainConfig, ranks: int, out: Path | None = None) -> str:
         out.mkdir(parents=True, exist_ok=True)
         (out / "dry_run.txt").write_text("\n".join(lines + [table]) + "\n")
     shown = rows[:2 + SHOWN]
-    where = f" (all {ranks} in {out / 'dry_run.txt'})" if out is not None else ""
+    where = (f" (all {ranks} in {out / 'dry_run.txt'})" if out is not None
+             else " (--out DIR writes all of them to DIR/dry_run.txt)")
     title = ("each rank's groups" if len(rows) <= 2 + SHOWN
              else f"each rank's groups, the first {SHOWN}{where}")
     return "\n".join(lines + [title + ":"] + shown)

@@ -21,7 +21,8 @@ from .precision import LossScaler
 _SHAPES = ((3, 4), (4,), (4, 3), (4,))
 _REPLICATED = (False, True, False, True)
 # the tied embedding: first in the first stage's list, last in the last stage's (the head),
-# one summed gradient on both ends, replicated over tp as minipar's trainer keeps it
+# one summed gradient on both ends, replicated over tp (a model whose embedding is not split
+# by vocabulary; minipar's trainer splits it, deep dive 04b, and counts each rank's rows)
 _TIED_SHAPE = (5, 4)
 _LAYOUTS = ((2, 2), (2, 1), (1, 2))  # (tp, pp): the 4-rank layout first catches most mistakes
 
