@@ -9,7 +9,7 @@ import pytest
 
 from minipar.train.__main__ import main as train_main
 from minipar.train.config import load_config
-from minipar.train.dry_run import _ranks_text, dry_run, stage_parts
+from minipar.train.dry_run import _ranks_text, dry_run, part_counts, stage_parts
 from minipar.train.loop import build_part
 
 LAYOUT = {"parallel.dp": 1, "parallel.pp": 2, "parallel.tp": 2, "parallel.zero": 1,
@@ -21,10 +21,7 @@ def _config(**more):
 
 
 def _built_on_this_rank(config):
-    part = build_part(config)
-    held = {id(p): p for _, p in part.named_parameters()}.values()
-    updated = [p for g in part.optimizer.param_groups for p in g["params"]]
-    return sum(p.numel() for p in held), sum(p.numel() for p in updated)
+    return part_counts(build_part(config))[:2]
 
 
 @pytest.mark.parametrize("zero", [1, 3])

@@ -47,11 +47,16 @@ def exposed_and_hidden(events: list[Event]) -> tuple[float, float]:
     communication thread does while the main thread computes is hidden; the rest, a
     collective on the main thread or a wait for a late shift, is exposed."""
     talking = [(e.start, e.end) for e in events if e.track != "compute"]
-    blocking = [(e.start, e.end) for e in events if e.track != "compute" and e.thread == 0]
-    compute = subtract([(e.start, e.end) for e in events
-                        if e.track == "compute" and e.thread == 0], blocking)
+    compute = main_compute(events)
     hidden = overlap_length(talking, compute)
     return union_length(talking) - hidden, hidden
+
+
+def main_compute(events: list[Event]) -> list[tuple[float, float]]:
+    """The main thread's compute intervals less the time it communicated or waited."""
+    blocking = [(e.start, e.end) for e in events if e.track != "compute" and e.thread == 0]
+    return subtract([(e.start, e.end) for e in events
+                     if e.track == "compute" and e.thread == 0], blocking)
 
 
 def _mlp(overlapped: bool, hidden: int) -> tuple[torch.nn.Module, torch.nn.Module]:
@@ -136,10 +141,7 @@ def step_timeline(row: dict) -> Timeline:
     for lane, name in enumerate(("plain", "overlapped")):
         mine = row[f"{name}_events"]
         t0 = min(e.start for e in mine)
-        blocking = [(e.start, e.end) for e in mine if e.track != "compute" and e.thread == 0]
-        computing = subtract([(e.start, e.end) for e in mine
-                              if e.track == "compute" and e.thread == 0], blocking)
-        events += [Event(lane, "compute", "", a - t0, b - t0) for a, b in computing]
+        events += [Event(lane, "compute", "", a - t0, b - t0) for a, b in main_compute(mine)]
         events += [Event(lane, e.kind, e.label, e.start - t0, e.end - t0) for e in mine
                    if e.track != "compute"]
     return Timeline(events)

@@ -94,14 +94,19 @@ def stage_parts(config: TrainConfig, ranks: int) -> list[dict]:
     for stage in range(config.parallel.pp):
         rank = mesh.rank_at(**{n: stage if n == "pp" else 0 for n in mesh.names})
         with acting_as(rank, ranks):
-            part = build_part(config)
-            held = {id(p): p for _, p in part.named_parameters()}.values()
-            updated = [p for g in part.optimizer.param_groups for p in g["params"]]
-            rows.append({"stage": stage, "built_as": rank,
-                         "held": sum(p.numel() for p in held),
-                         "updated": sum(p.numel() for p in updated),
-                         "bytes_per_value": next(iter(held)).element_size()})
+            held, updated, size = part_counts(build_part(config))
+            rows.append({"stage": stage, "built_as": rank, "held": held, "updated": updated,
+                         "bytes_per_value": size})
     return rows
+
+
+def part_counts(part) -> tuple[int, int, int]:
+    """(parameters a part holds, parameters its optimizer updates, bytes per value): the
+    same on the meta device as on a real rank."""
+    held = {id(p): p for _, p in part.named_parameters()}.values()  # a tied weight once
+    updated = [p for g in part.optimizer.param_groups for p in g["params"]]
+    return (sum(p.numel() for p in held), sum(p.numel() for p in updated),
+            next(iter(held)).element_size())
 
 
 def rank_rows(config: TrainConfig) -> list[dict]:
