@@ -185,3 +185,28 @@ def test_same_run_names_what_changed_and_ignores_the_cadence():
     assert same_run(tiny, longer) == []
     other = _with(longer, model={"hidden": 128}, optim={"lr": 1e-3})
     assert same_run(tiny, other) == ["model.hidden", "optim.lr"]
+
+
+def test_a_short_run_scales_the_presets_warmup_but_keeps_the_users(tmp_path):
+    from minipar.train.flags import fit_warmup
+
+    short = {"train.steps": 20}
+    config, note = fit_warmup(load_config("tiny", short), "tiny", short)
+    assert config.optim.warmup_steps == 2 and "warming up over 2" in note
+    check(config, 1)  # it trains
+    # a warmup that fits, or one the user chose, is left as it is
+    config, note = fit_warmup(load_config("tiny"), "tiny", {})
+    assert config.optim.warmup_steps == 50 and note is None
+    chosen = {"train.steps": 20, "optim.warmup_steps": 30}
+    config, note = fit_warmup(load_config("tiny", chosen), "tiny", chosen)
+    assert config.optim.warmup_steps == 30 and note is None
+    own = tmp_path / "own.toml"
+    own.write_text("[optim]\nwarmup_steps = 40\n[train]\nsteps = 20\n")
+    config, note = fit_warmup(load_config(str(own)), str(own), {})
+    assert note is None
+    with pytest.raises(ValueError, match="warmup_steps must be between 0 and train.steps=20"):
+        check(config, 1)
+    # a file of the user's that leaves the warmup to the default is scaled like a preset
+    own.write_text("[train]\nsteps = 20\n")
+    config, note = fit_warmup(load_config(str(own)), str(own), {})
+    assert config.optim.warmup_steps == 2 and note

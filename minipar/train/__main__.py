@@ -39,7 +39,7 @@ from .data import check_corpus
 from .dry_run import dry_run
 from .export import export_main, sample_main
 from .faults import FAULT_KINDS, Fault
-from .flags import add_flags, add_launch_flags, overrides_from_args
+from .flags import add_flags, add_launch_flags, fit_warmup, overrides_from_args
 from .loop import refuse_unbuilt, train
 from .sharded_checkpoint import verify_checkpoint
 
@@ -93,7 +93,9 @@ def restarted_by_torchrun() -> bool:
 
 def _config(args):
     overrides = overrides_from_args(args)
-    config = load_config(args.config, overrides)
+    config, note = fit_warmup(load_config(args.config, overrides), args.config, overrides)
+    if note and os.environ.get("RANK", "0") == "0":  # under torchrun, one line, not one per rank
+        print(note)
     par = config.parallel
     others = par.pp * par.tp * par.cp
     # under torchrun the group is not joined yet: its size is in the environment

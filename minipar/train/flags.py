@@ -13,7 +13,9 @@ import argparse
 import ast
 import inspect
 import textwrap
+from dataclasses import replace
 from functools import cache
+from pathlib import Path
 
 from ..cli import nonnegative_int, positive_int
 from ..context_parallel.attention_cores import CP_CORES
@@ -21,7 +23,7 @@ from ..cost import RECOMPUTE
 from ..decoder import BALANCES
 from ..pipeline import SCHEDULES
 from ..runtime import BACKENDS, DEFAULT_TIMEOUT, DEVICES
-from .config import PRECISIONS, SECTIONS
+from .config import PRECISIONS, SECTIONS, TrainConfig, tomllib
 
 
 def _positive_float(text: str) -> float:
@@ -107,6 +109,25 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
     given = {dotted: getattr(args, dotted.replace(".", "__"), None)
              for dotted, _ in FLAGS.values()}
     return {dotted: value for dotted, value in given.items() if value is not None}
+
+
+def fit_warmup(config: TrainConfig, name_or_path: str, overrides: dict
+               ) -> tuple[TrainConfig, str | None]:
+    """`--steps 20` on a preset whose warmup is 50 trains, with the warmup scaled to a
+    tenth of the run and a note saying so. A warmup the user wrote (by --warmup-steps or in
+    their own .toml) is theirs: if it does not fit, `check` refuses it in one line."""
+    steps, warmup = config.train.steps, config.optim.warmup_steps
+    if warmup <= steps or "optim.warmup_steps" in overrides:
+        return config, None
+    path = Path(name_or_path)
+    if path.suffix == ".toml" and path.is_file():  # the user's own file, not a preset
+        table = tomllib.loads(path.read_text(encoding="utf-8")).get("optim", {})
+        if isinstance(table, dict) and "warmup_steps" in table:
+            return config, None
+    fitted = steps // 10  # linear warmup over the first tenth, as long runs often do
+    note = (f"note: {steps} steps is shorter than the config's {warmup} warmup steps; "
+            f"warming up over {fitted} instead (set --warmup-steps to choose)")
+    return replace(config, optim=replace(config.optim, warmup_steps=fitted)), note
 
 
 def add_launch_flags(parser: argparse.ArgumentParser) -> None:
