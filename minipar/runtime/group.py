@@ -23,7 +23,7 @@ import cloudpickle
 import torch.distributed as dist
 
 from .errors import RankDied, RankError, RankTimeout
-from .worker import HOST, STARTUP_TIMEOUT, _worker_main, where_waiting
+from .worker import HOST, STARTUP_TIMEOUT, _worker_main, entered_path, where_waiting
 
 # what gloo says on a rank whose peer process has gone
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
@@ -102,12 +102,33 @@ class RankGroup:
             child_end.close()
 
     def run(self, task: bytes, timeout: float, tolerate_deaths: bool = False) -> list:
+        sent = time.monotonic()
         for conn in self.conns:
             conn.send_bytes(task)
-        return self._collect(timeout, tolerate_deaths=tolerate_deaths)
+        return self._collect(timeout, tolerate_deaths=tolerate_deaths, sent=sent)
+
+    def _entered(self, r: int, sent: float) -> float | None:
+        """When rank r entered this task's function, or None if it has not yet."""
+        try:
+            with open(entered_path(self.io_dir, r)) as f:
+                at = float(f.read() or "nan")
+        except (OSError, ValueError):
+            return None
+        return at if at >= sent else None  # an older time is the last task's
+
+    def _budget_end(self, pending: set[int], timeout: float, sent: float) -> float:
+        """The timeout counts from when each rank entered the function, not from when the
+        task was sent: on a busy machine unpickling it and the barrier before it may take
+        seconds. A rank that never enters gets STARTUP_TIMEOUT more before it is called stuck."""
+        entered = [self._entered(r, sent) for r in pending]
+        if None not in entered:
+            return max(entered) + timeout
+        if time.monotonic() < sent + timeout + STARTUP_TIMEOUT:
+            return time.monotonic() + 0.5  # not in the function yet: look again soon
+        return sent + timeout  # stuck before the function: time out now
 
     def _collect(self, timeout: float, starting: bool = False,
-                 tolerate_deaths: bool = False) -> list:
+                 tolerate_deaths: bool = False, sent: float | None = None) -> list:
         """Wait for every rank's reply; the first error or death ends the group (with
         `tolerate_deaths` a death leaves a RankDied reply and the others go on)."""
         replies: list = [None] * self.size
@@ -115,6 +136,9 @@ class RankGroup:
         deadline = time.monotonic() + timeout
         while pending:
             remaining = deadline - time.monotonic()
+            if remaining <= 0 and sent is not None:
+                deadline = self._budget_end(pending, timeout, sent)
+                remaining = deadline - time.monotonic()
             if remaining <= 0:
                 waiting = self._where_waiting(pending)
                 self.stop()

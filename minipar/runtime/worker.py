@@ -14,6 +14,7 @@ import re
 import signal
 import sys
 import threading
+import time
 import traceback
 from contextlib import nullcontext
 from typing import Any
@@ -31,6 +32,14 @@ STARTUP_TIMEOUT = 60.0
 HOST = "127.0.0.1"
 IN_RANK_ENV = "MINIPAR_IN_RANK"  # set in every process minipar starts
 _TASK_FRAME = "_run_task"  # the worker frame that calls the user's function
+_entered_file = ""  # this rank's <rank>.entered: when it last entered the user's function
+
+
+def entered_path(io_dir: str, rank_: int) -> str:
+    """The file where a rank writes the time (time.monotonic, one clock for every process
+    on the machine) at which it entered the task's function: the launcher's timeout counts
+    from there, so a busy machine's slow start is not mistaken for a deadlock."""
+    return os.path.join(io_dir, f"{rank_}.entered")
 
 
 def in_rank() -> bool:
@@ -102,6 +111,8 @@ def _run_task(task: bytes) -> tuple:
     dist.barrier()  # a common t=0 for every rank's events
     trap = placement_trap(strict=mode == "1") if mode else nullcontext()  # the caller's choice
     with trace.capture(rank()) as captured, trap:
+        with open(_entered_file, "w") as f:
+            f.write(repr(time.monotonic()))
         result = fn(*args, **kwargs)
     return result, captured.events
 
@@ -121,7 +132,9 @@ def _end_groups_of_the_last_task() -> None:
 
 def _worker_main(rank_: int, size: int, backend: str, device: str, port: int, io_dir: str,
                  lifeline: Any, threads: int, conn: Any) -> None:
+    global _entered_file
     _die_with_parent(lifeline)
+    _entered_file = entered_path(io_dir, rank_)
     try:
         _redirect_output(os.path.join(io_dir, f"{rank_}.out"),
                          os.path.join(io_dir, f"{rank_}.err"))
