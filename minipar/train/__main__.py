@@ -40,6 +40,7 @@ from .dry_run import dry_run
 from .export import export_main, sample_main
 from .faults import FAULT_KINDS, Fault
 from .flags import add_flags, add_launch_flags, fit_warmup, overrides_from_args
+from .hf_format import fit_model, model_fields
 from .loop import refuse_unbuilt, train
 from .sharded_checkpoint import verify_checkpoint
 
@@ -96,6 +97,14 @@ def _config(args):
     config, note = fit_warmup(load_config(args.config, overrides), args.config, overrides)
     if note and os.environ.get("RANK", "0") == "0":  # under torchrun, one line, not one per rank
         print(note)
+    if config.train.init_from:  # the model's shape is the checkpoint's
+        fields = model_fields(config.train.init_from)
+        clash = [k for k, v in fields.items() if overrides.get(f"model.{k}", v) != v]
+        if clash:
+            raise ValueError(f"model.{clash[0]}={overrides[f'model.{clash[0]}']!r} was given, but "
+                             f"the checkpoint in --init-from has {fields[clash[0]]!r}; leave "
+                             "it out: the model's shape comes from the checkpoint")
+        config = fit_model(config, fields)
     par = config.parallel
     others = par.pp * par.tp * par.cp
     # under torchrun the group is not joined yet: its size is in the environment

@@ -122,22 +122,20 @@ class LoopConfig:
     """Activation recomputation: none, selective (attention scores) or full (each layer)."""
     seed: int = 0
     """Seed of the model's initial weights."""
+    init_from: str | None = None
+    """A folder holding a Llama checkpoint saved by transformers (config.json and
+    model.safetensors) to start from instead of the seed; hf_format.py maps its names."""
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """Everything a training run is: one section per TOML table."""
 
-    model: DecoderConfig = field(default_factory=DecoderConfig)
-    """The decoder's shape."""
-    data: DataConfig = field(default_factory=DataConfig)
-    """The text and its split."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    """The mesh and its techniques."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """The optimizer and its schedule."""
-    train: LoopConfig = field(default_factory=LoopConfig)
-    """The loop."""
+    model: DecoderConfig = field(default_factory=DecoderConfig)  # the decoder's shape
+    data: DataConfig = field(default_factory=DataConfig)  # the text and its split
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # the mesh, its techniques
+    optim: OptimConfig = field(default_factory=OptimConfig)  # the optimizer and its schedule
+    train: LoopConfig = field(default_factory=LoopConfig)  # the loop
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(TrainConfig)

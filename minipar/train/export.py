@@ -3,6 +3,7 @@ run's latest sharded checkpoint into one plain state_dict (and its config as JSO
 it) that the one-process twin loads with `torch.load` + `load_state_dict`, no minipar
 mesh needed; `minipar train sample RUN_OR_FILE --prompt "def "` writes text with it.
 
+`--format hf` writes a folder transformers loads as a Llama instead (hf_format.py).
 FILE ending in `.safetensors` is written with the safetensors package when it is
 installed (no pickle: a file anyone can load safely); anything else with torch.save.
 """
@@ -20,6 +21,7 @@ from ..generation import generate
 from ..moe.moe_decoder import moe_decoder
 from .config import TrainConfig, from_dict, to_dict
 from .data import ByteTokenizer
+from .hf_format import export_hf
 from .sharded_checkpoint import consolidate
 
 
@@ -81,10 +83,18 @@ def export_main(argv: list[str], prog: str) -> int:
     p = OneLineParser(prog=prog, description="Write a run's latest checkpoint as one "
                       "state_dict the one-process twin loads with plain torch.")
     p.add_argument("run", help="the run folder (--out of minipar train)")
-    p.add_argument("--to", required=True, help="the file to write (.pt, or .safetensors)")
+    p.add_argument("--to", required=True, help="the file to write (.pt, or .safetensors), "
+                   "or with --format hf the folder")
+    p.add_argument("--format", choices=("minipar", "hf"), default="minipar",
+                   help="minipar: one state_dict and its config; hf: a Llama folder that "
+                        "transformers' LlamaForCausalLM.from_pretrained loads")
     args = p.parse_args(argv)
 
     def body() -> int:
+        if args.format == "hf":
+            written = export_hf(args.run, args.to)
+            print(f"wrote {written}/config.json and model.safetensors (a Llama for transformers)")
+            return 0
         written = export(args.run, args.to)
         print(f"wrote {written} and {written.name}.json")
         return 0

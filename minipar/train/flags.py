@@ -60,6 +60,7 @@ FLAGS: dict[str, tuple[str, dict]] = {
     "--lr": ("optim.lr", {"type": _positive_float}),
     "--warmup-steps": ("optim.warmup_steps", {"type": nonnegative_int}),
     "--seed": ("train.seed", {"type": nonnegative_int}),
+    "--init-from": ("train.init_from", {"metavar": "DIR"}),
     "--checkpoint-every": ("train.checkpoint_every", {"type": nonnegative_int}),
     "--data": ("data.path", {"metavar": "PATH"}),
     "--layers": ("model.layers", {"type": positive_int}),

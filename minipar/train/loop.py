@@ -43,12 +43,13 @@ from .curves import save_run_pictures
 from .data import BatchSampler, load_tokens
 from .device_peak import Peak, run_peak
 from .faults import Fault
+from .hf_format import read_hf, refuse_other_shape
 from .memory_report import memory_rows, save_memory
 from .metrics import MetricsLog, mfu, read_metrics
 from .model_part import ModelPart
 from .optim import clip_, global_norm, learning_rate
 from .precision import COMPUTE_DTYPES, PARAM_DTYPES, LossScaler
-from .sharded_checkpoint import load_checkpoint, save_checkpoint
+from .sharded_checkpoint import load_checkpoint, load_whole, save_checkpoint
 
 TRACED_STEP = 3  # the step saved as step.trace.json: past the first steps' warm-up
 
@@ -190,6 +191,10 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
     held_out = BatchSampler(tokens.val, config.model.seq_len, loop.batch_size,
                             config.data.seed + 1, part.dp_rank, part.dp)
     scaler = LossScaler(enabled=loop.precision == "fp16")
+    if loop.init_from:  # a Llama that transformers saved, in place of the seed's weights
+        fields, state = read_hf(loop.init_from)
+        refuse_other_shape(config, fields)
+        load_whole(part, config, state)
     first = load_checkpoint(part, config, out, scaler) if resume else 0
     sampler.load_state_dict({"step": first})  # the batches follow the step: nothing else
     stop = loop.steps if stop_after is None else min(stop_after, loop.steps)

@@ -230,6 +230,24 @@ def load_checkpoint(part: ModelPart, config: TrainConfig, out: str | Path,
 
 
 
+def load_whole(part: ModelPart, config: TrainConfig, state: dict[str, torch.Tensor]) -> None:
+    """Load one process's state_dict (every tensor whole, under the twin's names: e.g. a
+    Hugging Face checkpoint, renamed) into this rank's part, on any mesh: each rank keeps
+    the pieces it holds, as if each tensor were one piece of a checkpoint. Adam starts
+    fresh."""
+    for holding in _held(part, config):
+        name, shape = holding.piece.name, holding.piece.shape
+        if tuple(state[name].shape) != shape:
+            raise ValueError(f"{name} is {list(state[name].shape)} in the weights given, but "
+                             f"{list(shape)} in this model")
+        whole = Piece(name, shape, (0,) * len(shape), shape, 0, state[name].numel())
+        with torch.no_grad():  # the parameter only: Adam's moments stay the zeros they are
+            fill(Holding(holding.piece, {"param": holding.values["param"]}),
+                 [(whole, {"param": state[name].reshape(-1)})])
+    if part.sharded is not None and config.parallel.zero in (1, 2):
+        part.sharded.gather_parameters()  # as after a load: ZeRO-1/2 compute with whole ones
+
+
 def consolidate(out: str | Path) -> tuple[TrainConfig, int, dict[str, torch.Tensor]]:
     """The latest complete checkpoint of the run in `out` as one process's state_dict
     (every tensor whole, the tied head under its own key too), with its config and step:
