@@ -395,4 +395,5 @@ def describe(config: TrainConfig) -> str:
         f"schedule   {t.steps} steps, lr {o.lr:g} after {o.warmup_steps} warmup steps, cosine "
         f"to {o.min_lr:g}",
         f"data       {config.data.path or 'the Python standard library sources'}",
+        f"weights    {f'from {t.init_from}' if t.init_from else f'drawn from seed {t.seed}'}",
     ])
