@@ -9,7 +9,9 @@ from .cli import OneLineParser, output_folder, run_command
 
 
 def _default_lessons() -> Path:
-    return Path(__file__).resolve().parent.parent / "lessons"
+    """This checkout's lessons/, or, in an installed wheel, the copy it carries."""
+    checkout = Path(__file__).resolve().parent.parent / "lessons"
+    return checkout if checkout.is_dir() else Path(__file__).resolve().parent / "course"
 
 
 def _parser() -> OneLineParser:
@@ -29,6 +31,9 @@ def _parser() -> OneLineParser:
                     "write a report, pictures and Chrome traces.")
     tour.add_argument("--out", default="minipar-out", type=output_folder,
                       help="folder for the report, pictures and traces (default: minipar-out)")
+    tour.add_argument("--only", default=None, metavar="NAMES",
+                      help="comma-separated techniques to run, e.g. basics,collectives "
+                           "(default: all)")
     bench = commands.add_parser(
         "bench", help="run a benchmark: table, JSON and plot",
         description="Run one benchmark: print its table, write its JSON and plot.")
@@ -38,20 +43,25 @@ def _parser() -> OneLineParser:
                        help="folder for the JSON and the plot (default: bench-out)")
     lessons = commands.add_parser(
         "lessons", help="learners' copies of the lessons, or the lessons as an offline site",
-        description="--student DIR: write learners' copies of the lesson notebooks (every "
+        description="--copy DIR: write the lessons and deep dives as they ship (solutions, "
+                    "outputs, the files they read), to teach from or run. --student DIR: write "
+                    "learners' copies of the lesson notebooks (every "
                     "solution replaced by a stub naming its exercise, outputs and saved widget "
                     "state cleared; notebooks already in DIR are kept unless --force). "
                     "--html DIR: run every lesson and write it as an HTML page with its "
                     "widgets, plus index.html; every script is in DIR, so the site works "
                     "offline (npm is needed once, to fetch the widget manager).")
     target = lessons.add_mutually_exclusive_group(required=True)
+    target.add_argument("--copy", metavar="DIR",
+                        help="folder for the instructor's copies: solutions and outputs kept")
     target.add_argument("--student", metavar="DIR", help="folder for the learners' copies")
     target.add_argument("--html", metavar="DIR", help="folder for the offline site")
     lessons.add_argument("--no-execute", action="store_true",
                          help="with --html: use the outputs saved in the notebooks instead "
                               "of running them (seconds instead of minutes)")
     lessons.add_argument("--source", default=None, metavar="DIR",
-                         help="lessons folder (default: this checkout's lessons/)")
+                         help="lessons folder (default: this checkout's lessons/, or the "
+                              "copy an installed wheel carries)")
     lessons.add_argument("--force", action="store_true",
                          help="overwrite notebooks already in DIR (your work in them is lost)")
     commands.add_parser(
@@ -89,7 +99,7 @@ def _run(args) -> int:
     if args.command == "tour":
         from .tour import run_tour
 
-        rows = run_tour(args.out)
+        rows = run_tour(args.out, args.only.split(",") if args.only else None)
         return 0 if all(r.matches is not False for r in rows) else 1
     if args.command == "bench":
         from .bench import run_benchmark
@@ -113,14 +123,15 @@ def _run(args) -> int:
         print(f"wrote {len(pages)} lessons and deep dives and index.html to {args.html}; open "
               f"{Path(args.html) / 'index.html'} in a browser")
         return 0
-    from .lessons import write_student_copies
+    from .lessons import write_instructor_copies, write_student_copies
 
-    written, kept = write_student_copies(args.source or _default_lessons(), args.student,
-                                         force=args.force)
+    write = write_instructor_copies if args.copy else write_student_copies
+    dest = args.copy or args.student
+    written, kept = write(args.source or _default_lessons(), dest, force=args.force)
     for path in written:
         print(f"wrote {path}")
     if kept:
-        print(f"kept {len(kept)} notebook(s) already in {args.student} (your work): "
+        print(f"kept {len(kept)} notebook(s) already in {dest} (your work): "
               f"{', '.join(p.name for p in kept)}; pass --force to overwrite them")
     return 0
 

@@ -120,6 +120,33 @@ def folder_to_write(path: Path, option: str) -> None:
         raise ValueError(f"{option} {path} is a file; name a folder (new or existing)")
 
 
+# what the notebooks read beside them: nbval's output sanitizer, the cited figures' sources
+BESIDE = ("sanitize.cfg", "cited_figures.md")
+
+
+def write_instructor_copies(source_dir: str | Path, dest_dir: str | Path, force: bool = False
+                            ) -> tuple[list[Path], list[Path]]:
+    """Copy every lesson and deep dive as it ships (solutions and saved outputs kept) and the
+    files they read into `dest_dir`, e.g. from an installed wheel to teach from. Notebooks
+    already there are kept unless `force`. Returns the paths written and the paths kept."""
+    source_dir, dest_dir = Path(source_dir), Path(dest_dir)
+    notebooks = lesson_notebooks(source_dir) + deep_dive_notebooks(source_dir)
+    folder_to_write(dest_dir, "--copy")
+    if dest_dir.resolve() == source_dir.resolve():
+        raise ValueError("--copy must name another folder than the lessons folder")
+    written, kept = [], []
+    for path in notebooks + [source_dir / name for name in BESIDE]:
+        target = dest_dir / path.relative_to(source_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists() and not force and target.suffix == ".ipynb":
+            kept.append(target)
+            continue
+        if path.is_file():
+            target.write_bytes(path.read_bytes())
+            written.append(target)
+    return written, kept
+
+
 def write_student_copies(source_dir: str | Path, dest_dir: str | Path, force: bool = False
                          ) -> tuple[list[Path], list[Path]]:
     """Write a learner's copy of every lesson notebook in `source_dir` into `dest_dir`,

@@ -32,15 +32,22 @@ TECHNIQUES = {"basics": basics, "collectives": collectives, "data parallelism": 
               "a trained model": trained}
 
 
-def run_tour(out_dir: str | Path = "minipar-out") -> list[Row]:
-    """Run every technique's tour rows, print the report, and write report.json/.txt,
+def run_tour(out_dir: str | Path = "minipar-out", only: list[str] | None = None) -> list[Row]:
+    """Run every technique's tour rows (or those of the techniques in `only`, by module
+    name: "basics", "collectives", ...), print the report, and write report.json/.txt,
     pictures and traces into `out_dir`."""
+    short = {module.__name__.split(".")[1]: name for name, module in TECHNIQUES.items()}
+    unknown = sorted(set(only or ()) - set(short))
+    if unknown:
+        raise ValueError(f"--only {unknown[0]} is not a technique; choose from "
+                         f"{', '.join(short)}")
+    chosen = {name: TECHNIQUES[name] for key, name in short.items() if not only or key in only}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = Context(out_dir)
     rows: list[Row] = []
     try:
-        for name, technique in TECHNIQUES.items():
+        for name, technique in chosen.items():
             print(f"  .. {name}", flush=True)
             rows.extend(technique.tour(ctx))
     finally:

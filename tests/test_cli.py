@@ -203,6 +203,8 @@ BAD_INPUT = [
      "is not a notebook"),
     (["lessons", "--html", "{root}/site", "--no-execute", "--source", "{root}/json"],
      "not a notebook (no list of cells)"),
+    (["lessons", "--copy", "{root}/one.py"], "one.py is a file; name a folder"),
+    (["tour", "--only", "basics,nope"], "--only nope is not a technique; choose from basics"),
 ]
 
 
@@ -219,6 +221,22 @@ def test_bad_input_is_one_line_and_exit_status_2(bad_inputs, capsys, args, says)
     err = capsys.readouterr().err
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and says in lines[0], err
+
+
+def test_lessons_copy_writes_the_course_and_keeps_an_instructors_edits(tmp_path, capsys):
+    from minipar.__main__ import main
+
+    assert main(["lessons", "--copy", str(tmp_path)]) == 0
+    lessons = sorted(p.name for p in (tmp_path).glob("[0-9][0-9]_*.ipynb"))
+    assert len(lessons) == 12 and (tmp_path / "sanitize.cfg").is_file()
+    assert (tmp_path / "deep_dives" / "11b_race_against_torch.ipynb").is_file()
+    first = tmp_path / "00_why_parallel.ipynb"
+    assert "### BEGIN SOLUTION" in (tmp_path / "01_collectives.ipynb").read_text()  # whole
+    first.write_text("{}")  # the instructor's own edits
+    assert main(["lessons", "--copy", str(tmp_path)]) == 0
+    assert first.read_text() == "{}" and "pass --force to overwrite" in capsys.readouterr().out
+    assert main(["lessons", "--copy", str(tmp_path), "--force"]) == 0
+    assert first.read_text() != "{}"
 
 
 def test_a_world_size_torchrun_disagrees_with_is_one_line_per_worker(tmp_path):
