@@ -1,7 +1,9 @@
-"""The `minipar` command: tour, bench, lessons, train, gpu-check, doctor."""
+"""The `minipar` command: tour, bench, lessons, grade, train, gpu-check, doctor."""
 
 from __future__ import annotations
 
+import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -64,6 +66,23 @@ def _parser() -> OneLineParser:
                               "copy an installed wheel carries)")
     lessons.add_argument("--force", action="store_true",
                          help="overwrite notebooks already in DIR (your work in them is lost)")
+    grade = commands.add_parser(
+        "grade", help="grade a class: run every learner's notebook of a lesson, write "
+                      "gradebook.csv",
+        description="Execute each submitted notebook of one lesson (NAME.ipynb or "
+                    "NAME/.../NN_*.ipynb) alone, with a time limit, and record each exercise "
+                    "check: pass, or the hint it gave. Writes gradebook.csv and prints a "
+                    "summary; a notebook that hangs, crashes or is broken is one line.")
+    grade.add_argument("submissions", help="folder of submitted notebooks")
+    grade.add_argument("--lesson", required=True, type=_two_digits, metavar="NN",
+                       help="the lesson's number, e.g. 01")
+    grade.add_argument("--limit", type=float, default=600, metavar="SECONDS",
+                       help="time limit per notebook (default 600)")
+    grade.add_argument("--out", default=None, metavar="DIR",
+                       help="folder for gradebook.csv (default: the submissions folder)")
+    grade.add_argument("--source", default=None, metavar="DIR",
+                       help="lessons folder whose checks are graded (default: this "
+                            "checkout's lessons/, or the copy an installed wheel carries)")
     commands.add_parser(
         "train", add_help=False,
         help="train a decoder on real text, every technique composed (minipar train --help); "
@@ -79,6 +98,12 @@ def _parser() -> OneLineParser:
         description="Print, on one screen, the torch build (CPU or CUDA), the backends, GPUs "
                     "and cores, what backend='auto' picks, and the extras the lessons need.")
     return parser
+
+
+def _two_digits(text: str) -> str:
+    if not re.fullmatch(r"\d{1,2}", text):
+        raise argparse.ArgumentTypeError(f"expected a lesson number such as 01; got {text!r}")
+    return text.zfill(2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +130,14 @@ def _run(args) -> int:
         from .bench import run_benchmark
 
         run_benchmark(args.name, args.out)
+        return 0
+    if args.command == "grade":
+        from .gradebook import grade_class, summary
+
+        checks, grades = grade_class(args.submissions, args.lesson,
+                                     args.source or _default_lessons(), args.limit, args.out)
+        print(summary(checks, grades))
+        print(f"wrote {Path(args.out or args.submissions) / 'gradebook.csv'}")
         return 0
     if args.command == "doctor":
         from .doctor import print_report

@@ -1,0 +1,103 @@
+"""`minipar grade` on a folder of generated submissions of lesson 01: a right answer, a wrong
+one (the hint names rank and step), a learner's untouched copy, and every way a notebook
+can break (a hang, a dead kernel, an empty file, a syntax error, a notebook that deletes
+its files, a function never defined, nothing submitted) each one line, the batch going on."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from minipar.__main__ import main
+from minipar.gradebook import lesson_checks
+from minipar.lessons import student_notebook
+
+LESSON = Path(__file__).resolve().parents[1] / "lessons" / "01_collectives.ipynb"
+
+
+def _cells(nb: dict, *needles: str) -> list[dict]:
+    return [c for c in nb["cells"] if c["cell_type"] == "code"
+            and any(n in "".join(c["source"]) for n in needles)]
+
+
+def _code(source: str) -> dict:
+    return {"cell_type": "code", "metadata": {}, "source": source, "outputs": [],
+            "execution_count": None}
+
+
+def _submission(nb: dict, before_checks: list[str] = (), drop: str = "",
+                replace: tuple[str, str] = ("", "")) -> dict:
+    """Lesson 01's imports, its two solutions and their checks, as a learner hands them in:
+    `before_checks` cells go before the checks, `drop` removes a solution, `replace` edits."""
+    imports = _cells(nb, "from minipar.collectives.exercises import")[:1]
+    solutions = _cells(nb, "def ring_all_reduce(", "def tree_broadcast(")
+    solutions = [c for c in solutions if not drop or f"def {drop}(" not in "".join(c["source"])]
+    checks = _cells(nb, "print(check_")
+    cells = copy.deepcopy(imports + solutions) + [_code(s) for s in before_checks] + \
+        copy.deepcopy(checks)
+    for c in cells:
+        c["source"] = "".join(c["source"]).replace(*replace) if replace[0] else c["source"]
+        c["outputs"], c["execution_count"] = [], None
+    return {**nb, "cells": cells}
+
+
+@pytest.mark.slow
+def test_a_class_of_mixed_submissions_is_graded_one_line_each(tmp_path, capsys):
+    nb = json.loads(LESSON.read_text())
+    assert lesson_checks(nb) == ["ring_all_reduce", "tree_broadcast"]
+    subs = tmp_path / "submitted"
+    (subs / "ada" / "lesson01").mkdir(parents=True)  # nbgrader's submitted/NAME/ASSIGNMENT/
+    write = {
+        "ada/lesson01/01_collectives": _submission(nb),
+        "bo": _submission(nb, replace=("for step in range(k - 1):\n        send_i, recv_i = "
+                                       "(me + 1 - step)", "for step in range(0):\n        "
+                                       "send_i, recv_i = (me + 1 - step)")),
+        "cy": student_notebook(_submission(nb)),
+        "dee": _submission(nb, before_checks=["while True:\n    pass"]),
+        "eli": _submission(nb, before_checks=["import os\nos._exit(1)"]),
+        "gus": _submission(nb, replace=("def ring_all_reduce(tensor: torch.Tensor) -> "
+                                        "torch.Tensor:", "def ring_all_reduce(tensor) -> :")),
+        "hal": _submission(nb, before_checks=[
+            "from pathlib import Path\nfor p in Path('.').iterdir():\n    p.unlink()"]),
+        "ivy": _submission(nb, drop="tree_broadcast"),
+    }
+    for name, content in write.items():
+        (subs / f"{name}.ipynb").write_text(json.dumps(content))
+    (subs / "fay.ipynb").write_text("")  # an empty file
+    (subs / "jon").mkdir()  # a folder with nothing of lesson 01 in it
+    assert main(["grade", str(subs), "--lesson", "1", "--limit", "20",
+                 "--out", str(tmp_path / "book")]) == 0
+    rows = {r["learner"]: r for r in csv.DictReader(open(tmp_path / "book" / "gradebook.csv"))}
+    assert sorted(rows) == ["ada", "bo", "cy", "dee", "eli", "fay", "gus", "hal", "ivy", "jon"]
+    assert rows["ada"]["score"] == "2/2" and rows["hal"]["score"] == "2/2"
+    assert rows["bo"]["score"] == "1/2" and rows["bo"]["tree_broadcast"] == "pass"
+    assert "rank" in rows["bo"]["ring_all_reduce"] and "step" in rows["bo"]["ring_all_reduce"]
+    assert "not written yet" in rows["cy"]["ring_all_reduce"] and rows["cy"]["score"] == "0/2"
+    assert "20 s limit" in rows["dee"]["note"] and rows["dee"]["score"] == "0/2"
+    assert "kernel died" in rows["eli"]["note"] and rows["eli"]["ring_all_reduce"] == "not run"
+    assert rows["fay"]["note"] == "the file is empty" and rows["fay"]["score"] == "0/2"
+    assert "SyntaxError" in rows["gus"]["note"] and "NameError" in rows["gus"]["ring_all_reduce"]
+    assert rows["ivy"]["ring_all_reduce"] == "pass"
+    assert "NameError: name 'tree_broadcast' is not defined" in rows["ivy"]["tree_broadcast"]
+    assert rows["jon"]["ring_all_reduce"] == "not submitted" and "no 01_*.ipynb" in rows["jon"][
+        "note"]
+    for row in rows.values():  # one line each, whatever happened
+        assert all("\n" not in value for value in row.values()), row
+    table = capsys.readouterr().out
+    assert "learner" in table and "ada      2/2" in table
+
+
+def test_grade_refuses_bad_input_in_one_line(tmp_path, capsys):
+    assert main(["grade", str(tmp_path / "missing"), "--lesson", "01"]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+    assert main(["grade", str(tmp_path), "--lesson", "42"]) == 2
+    assert "no lesson 42_*.ipynb" in capsys.readouterr().err
+    assert main(["grade", str(tmp_path), "--lesson", "01"]) == 2
+    assert "holds no submissions" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["grade", str(tmp_path), "--lesson", "one"])
+    assert "expected a lesson number such as 01" in capsys.readouterr().err
