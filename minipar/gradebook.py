@@ -31,7 +31,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .lessons import lesson_notebooks, read_lesson
+from .lessons import BEGIN, lesson_notebooks, read_lesson
 
 CHECK_CALL = re.compile(r"\bcheck_(\w+)\(")  # a check cell: print(check_ring_all_reduce(...))
 
@@ -44,6 +44,29 @@ def lesson_checks(nb: dict) -> list[str]:
             names += [n for n in CHECK_CALL.findall("".join(cell.get("source", "")))
                       if n not in names]
     return names
+
+
+def nbgrader_marked(nb: dict) -> dict:
+    """The notebook with the cell metadata nbgrader's `generate_assignment` reads: each
+    solution cell (### BEGIN SOLUTION, nbgrader's own markers) an "autograded answer",
+    each check cell a locked "autograder test" worth one point. minipar's own tools ignore it."""
+    out = json.loads(json.dumps(nb))
+    for i, cell in enumerate(out.get("cells", [])):
+        source = "".join(cell.get("source", ""))
+        if cell.get("cell_type") != "code":
+            continue
+        if BEGIN in source:
+            name = re.search(r"def (\w+)\(", source)
+            meta = {"grade": False, "solution": True, "locked": False,
+                    "grade_id": name.group(1) if name else f"cell{i}"}
+        elif CHECK_CALL.search(source):
+            meta = {"grade": True, "solution": False, "locked": True, "points": 1,
+                    "grade_id": f"check_{CHECK_CALL.search(source).group(1)}"}
+        else:
+            continue
+        cell.setdefault("metadata", {})["nbgrader"] = {**meta, "schema_version": 3,
+                                                       "task": False}
+    return out
 
 
 @dataclass

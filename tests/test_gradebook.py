@@ -101,3 +101,42 @@ def test_grade_refuses_bad_input_in_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["grade", str(tmp_path), "--lesson", "one"])
     assert "expected a lesson number such as 01" in capsys.readouterr().err
+
+
+LESSONS = sorted(LESSON.parent.glob("[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("path", LESSONS, ids=lambda p: p.stem[:2])
+def test_every_lesson_carries_the_metadata_nbgrader_reads(path):
+    """Each solution cell an autograded answer, each check cell a locked test worth a point
+    (`nbgrader_marked` leaves a marked lesson as it is)."""
+    from minipar.gradebook import nbgrader_marked
+
+    nb = json.loads(path.read_text())
+    assert nbgrader_marked(nb) == nb, f"{path.name}: run gradebook.nbgrader_marked over it"
+    marked = [c["metadata"]["nbgrader"] for c in nb["cells"] if "nbgrader" in c["metadata"]]
+    assert sum(m["solution"] for m in marked) == len(lesson_checks(nb)) == \
+        sum(m["grade"] for m in marked) >= 2
+
+
+def test_nbgrader_generate_assignment_accepts_a_lesson(tmp_path):
+    pytest.importorskip("nbgrader")
+    import os
+    import subprocess
+    import sys
+
+    source = tmp_path / "source" / "lesson01"
+    source.mkdir(parents=True)
+    (source / LESSON.name).write_text(LESSON.read_text())
+    bin_dir = os.path.dirname(sys.executable)  # nbgrader runs `alembic` from the same venv
+    done = subprocess.run([sys.executable, "-m", "nbgrader", "generate_assignment", "lesson01",
+                           f"--CourseDirectory.root={tmp_path}", "--force"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    released = json.loads((tmp_path / "release" / "lesson01" / LESSON.name).read_text())
+    code = ["".join(c["source"]) for c in released["cells"] if c["cell_type"] == "code"]
+    assert not any("### BEGIN SOLUTION" in c for c in code)
+    stubbed = [c for c in code if "def ring_all_reduce(" in c or "def tree_broadcast(" in c]
+    assert len(stubbed) == 2 and all("raise NotImplementedError" in c for c in stubbed)
+    assert any("print(check_ring_all_reduce(ring_all_reduce))" in c for c in code)
