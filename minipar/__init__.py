@@ -1,6 +1,6 @@
 """minipar: parallel training, built small and run for real.
 
-Start with `minipar.launch(fn, world_size)`; see README.md for the lessons.
+Start with `minipar.launch(fn, world_size)`; see README.md for the lessons and docs/ for the rest.
 """
 
 # cli first: importing it installs the handler that makes Ctrl-C during the rest of

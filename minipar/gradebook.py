@@ -111,18 +111,20 @@ def read_results(executed: dict, checks: list[str]) -> tuple[dict[str, str], str
 # Runs in a process of its own: a notebook that hangs or kills its kernel ends that process,
 # never the grader. Partial results are written as cells finish, whatever stops the run.
 _RUNNER = """
-import json, sys, nbformat
+import json, sys, time, nbformat
 from nbclient import NotebookClient
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 path, out, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
 nb = nbformat.read(path, as_version=4)
-client = NotebookClient(nb, timeout=limit, allow_errors=True, kernel_name="python3",
+deadline = time.monotonic() + limit  # the whole notebook's limit: each cell gets what is left
+client = NotebookClient(nb, timeout_func=lambda cell: max(1, deadline - time.monotonic()),
+                        allow_errors=True, kernel_name="python3",
                         resources={"metadata": {"path": sys.argv[4]}})
 stop = ""
 try:
     client.execute()
 except CellTimeoutError:
-    stop = f"a cell ran past the {limit:g} s limit (an endless loop?)"
+    stop = f"the notebook ran past its {limit:g} s limit (an endless loop?)"
 except DeadKernelError:
     stop = "the kernel died (os._exit, a crash or out of memory)"
 except Exception as err:

@@ -87,11 +87,11 @@ def test_a_sleeping_straggler_does_the_same_work(cluster2):
         synchronized_steps(straggle="nap")
 
 
-def test_the_tour_report_in_the_readme_fits_a_terminal():
-    """The README shows a real tour's report; every line of it fits WIDTH columns."""
+def test_the_tour_report_in_the_docs_fits_a_terminal():
+    """docs/install.md shows a real tour's report; every line of it fits WIDTH columns."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "install.md").read_text()
     report = readme.split("The tour prints a report like this one", 1)[1].split("```")[1]
     assert "matches one process?" in report and len(report.splitlines()) > 40
     assert max(len(line) for line in report.splitlines()) <= WIDTH

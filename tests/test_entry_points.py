@@ -1,5 +1,6 @@
-"""Every `python -m minipar...` command the README names runs and says what it did; every
-command has a full help text; `python -m` of a library module answers in one line."""
+"""Every `python -m minipar...` command the README and docs/running_ranks.md name runs and
+says what it did; every command has a full help text; `python -m` of a library module
+answers in one line."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import pytest
 from minipar.cli import is_command
 
 ROOT = Path(__file__).resolve().parent.parent
-README_COMMANDS = sorted(set(re.findall(r"-m\s+(minipar(?:\.\w+)*)",
-                                        (ROOT / "README.md").read_text())))
+README_COMMANDS = sorted(set(re.findall(
+    r"-m\s+(minipar(?:\.\w+)*)", (ROOT / "README.md").read_text()
+    + (ROOT / "docs" / "running_ranks.md").read_text())))
 TECHNIQUES = sorted(f"minipar.{p.parent.name}" for p in (ROOT / "minipar").glob("*/__main__.py"))
 SMALL = {  # options that keep each run short; every command also gets --ranks 2
     "minipar.collectives": ["--numel", "4096"],
@@ -34,7 +36,7 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 
 def test_the_readme_names_every_technique_and_only_commands():
-    assert set(TECHNIQUES) <= set(README_COMMANDS), "README lacks a `python -m` for: " \
+    assert set(TECHNIQUES) <= set(README_COMMANDS), "docs/running_ranks.md lacks a `-m` for: " \
         f"{sorted(set(TECHNIQUES) - set(README_COMMANDS))}"
     assert all(is_command(module) for module in README_COMMANDS)
     assert not is_command("minipar.data_parallel.parameter_server")

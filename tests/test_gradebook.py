@@ -77,7 +77,7 @@ def test_a_class_of_mixed_submissions_is_graded_one_line_each(tmp_path, capsys):
     assert rows["bo"]["score"] == "1/2" and rows["bo"]["tree_broadcast"] == "pass"
     assert "rank" in rows["bo"]["ring_all_reduce"] and "step" in rows["bo"]["ring_all_reduce"]
     assert "not written yet" in rows["cy"]["ring_all_reduce"] and rows["cy"]["score"] == "0/2"
-    assert "20 s limit" in rows["dee"]["note"] and rows["dee"]["score"] == "0/2"
+    assert "its 20 s limit" in rows["dee"]["note"] and rows["dee"]["score"] == "0/2"
     assert "kernel died" in rows["eli"]["note"] and rows["eli"]["ring_all_reduce"] == "not run"
     assert rows["fay"]["note"] == "the file is empty" and rows["fay"]["score"] == "0/2"
     assert "SyntaxError" in rows["gus"]["note"] and "NameError" in rows["gus"]["ring_all_reduce"]

@@ -106,7 +106,7 @@ class MetricsLog:
 
     Without TensorBoard nothing is said, at the start or per step: metrics.jsonl and
     loss.png already hold every number, and a hint repeated on every run of a learner
-    who chose not to install an optional viewer is noise (the README names the extra).
+    who chose not to install an optional viewer is noise (docs/trainer.md names the extra).
     `writer` makes the event writer (tests pass a fake one). A resumed run passes
     `keep_until`, the step its checkpoint had done: the lines up to it stay, any later ones
     (logged after that checkpoint by the run that stopped) go, and the run appends."""
