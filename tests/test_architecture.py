@@ -217,7 +217,7 @@ def test_every_package_is_installed():
     assert folders | {"minipar", "minipar.widgets"} <= listed, sorted(folders - listed)
 
 
-CROSS_CUTTING_TESTS = {"architecture", "demos", "entry_points", "exercises"}
+CROSS_CUTTING_TESTS = {"architecture", "demos", "docs", "entry_points", "exercises"}
 
 
 def test_tests_mirror_the_packages():

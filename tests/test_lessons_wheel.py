@@ -32,7 +32,7 @@ def _tree(dest: Path) -> Path:
     return dest
 
 
-def _fresh_venv(where: Path) -> Path:
+def fresh_venv(where: Path) -> Path:
     """A new virtual environment that sees this one's packages (torch, jupyter, nbval) but
     not minipar: torch is not installed again (a bare `torch` pulls a multi-GB CUDA build)."""
     venv.create(where, with_pip=False)
@@ -62,7 +62,7 @@ def test_an_installed_wheel_carries_and_teaches_the_lessons(tmp_path):
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
           "-w", tmp_path / "dist", src], cwd=tmp_path)
     wheel = next((tmp_path / "dist").glob("minipar-*.whl"))
-    python = _fresh_venv(tmp_path / "venv")
+    python = fresh_venv(tmp_path / "venv")
     _run([sys.executable, "-m", "pip", "--python", python, "install", "--no-deps", "--no-index",
           "-q", wheel], cwd=tmp_path)
     where = _run([python, "-c", "import minipar; print(minipar.__file__)"], cwd=tmp_path)
