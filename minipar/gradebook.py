@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .lessons import BEGIN, lesson_notebooks, read_lesson
+from .report import format_table
 
 CHECK_CALL = re.compile(r"\bcheck_(\w+)\(")  # a check cell: print(check_ring_all_reduce(...))
 
@@ -55,13 +56,14 @@ def nbgrader_marked(nb: dict) -> dict:
         source = "".join(cell.get("source", ""))
         if cell.get("cell_type") != "code":
             continue
+        check = CHECK_CALL.search(source)
         if BEGIN in source:
             name = re.search(r"def (\w+)\(", source)
             meta = {"grade": False, "solution": True, "locked": False,
                     "grade_id": name.group(1) if name else f"cell{i}"}
-        elif CHECK_CALL.search(source):
+        elif check:
             meta = {"grade": True, "solution": False, "locked": True, "points": 1,
-                    "grade_id": f"check_{CHECK_CALL.search(source).group(1)}"}
+                    "grade_id": f"check_{check.group(1)}"}
         else:
             continue
         cell.setdefault("metadata", {})["nbgrader"] = {**meta, "schema_version": 3,
@@ -219,13 +221,9 @@ def grade_class(submissions: str | Path, lesson: str, lessons_dir: str | Path,
 
 def summary(checks: list[str], grades: list[Grade]) -> str:
     """A table: each learner's score and what went wrong first."""
-    rows = [("learner", "score", "first problem")]
-    for g in grades:
-        wrong = next((f"{n}: {r}" for n, r in g.results.items() if r != "pass"), "")
-        rows.append((g.learner, f"{g.score(checks)}/{len(checks)}",
-                     _one_line(g.note or wrong, 90)))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-             for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    rows = [{"learner": g.learner, "score": f"{g.score(checks)}/{len(checks)}",
+             "problem": _one_line(g.note or next(
+                 (f"{n}: {r}" for n, r in g.results.items() if r != "pass"), ""), 90)}
+            for g in grades]
+    return format_table(rows, [("learner", "learner"), ("score", "score"),
+                               ("problem", "first problem")])

@@ -39,10 +39,6 @@ from ..decoder import DecoderConfig
 from .config import TrainConfig
 from .sharded_checkpoint import consolidate
 
-# Fields of DecoderConfig a Llama checkpoint fixes (the rest are training's choices).
-MODEL_FIELDS = ("vocab_size", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "tied",
-                "rope_base", "norm_eps")
-
 
 def llama_names(layers: int) -> dict[str, str]:
     """minipar's name -> Llama's, for every tensor of a decoder of `layers` blocks."""
@@ -167,18 +163,24 @@ def read_hf(folder: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return fields, {ours: theirs[t] for ours, t in names.items()}
 
 
-def fit_model(config: TrainConfig, fields: dict) -> TrainConfig:
-    """`config` with the model's shape taken from a checkpoint's `fields` (training's own
-    choices, seq_len and the mixture-of-experts fields, stay)."""
+def _refuse_experts(config: TrainConfig) -> None:
     if config.model.experts:
         raise ValueError(f"model.experts={config.model.experts}: train.init_from loads a Llama, "
                          "which has no experts; set model.experts = 0")
+
+
+def fit_model(config: TrainConfig, fields: dict) -> TrainConfig:
+    """`config` with the model's shape taken from a checkpoint's `fields` (training's own
+    choices, seq_len and the mixture-of-experts fields, stay)."""
+    _refuse_experts(config)
     return replace(config, model=replace(config.model, **fields))
 
 
 def refuse_other_shape(config: TrainConfig, fields: dict) -> None:
-    """One line naming the first model field where `config` differs from the checkpoint."""
-    for name in MODEL_FIELDS:
+    """One line naming the first model field where `config` differs from the checkpoint
+    (the fields `model_fields` read from it), or that it cannot load at all."""
+    _refuse_experts(config)
+    for name in fields:
         # ffn_hidden 0 means Llama's own width: compare the width it resolves to
         ours = config.model.ffn if name == "ffn_hidden" else getattr(config.model, name)
         if ours != fields[name]:
