@@ -5,6 +5,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import cloudpickle
 import pytest
 
 import minipar
@@ -20,15 +21,30 @@ os.environ.setdefault("MINIPAR_CACHE", tempfile.mkdtemp(prefix="minipar-test-cac
 REPEATS_NBVAL = "test_every_check_accepts_the_notebooks_own_solution"
 
 
+def pytest_collection_finish(session):
+    """Send the test modules' functions to the ranks by value, as a notebook's are. By
+    reference, every fresh rank imported the test module (and all it imports) before it
+    could run the function: 1-3 s of CPU per rank, paid again by each new set of ranks."""
+    modules = {item.module for item in session.items if getattr(item, "module", None)}
+    for module in modules:
+        cloudpickle.register_pickle_by_value(module)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Lessons run whole notebooks: they belong to the slow set (`-m "not slow"` skips them).
-    A lesson run under nbval runs its own exercises' solutions and checks: in the same
-    session, the test that runs them outside the notebook would only repeat it."""
+    """Notebooks run whole: they belong to the slow set (`-m "not slow"` skips them), and
+    the twelve core lessons also carry `lesson`, so the README's test command
+    (`-m "not slow or lesson"`) runs them beside the fast tests while the deep dives wait
+    for the slow tier. A lesson run under nbval runs its own exercises' solutions and
+    checks: in the same session, the test that runs them outside the notebook would only
+    repeat it."""
     notebooks = {Path(str(item.fspath)).stem for item in items
                  if str(item.fspath).endswith(".ipynb")}
     for item in items:
-        if str(item.fspath).endswith(".ipynb"):
+        path = Path(str(item.fspath))
+        if path.suffix == ".ipynb":
             item.add_marker(pytest.mark.slow)
+            if path.parent.name == "lessons":  # lessons/NN_*.ipynb, not lessons/deep_dives/
+                item.add_marker(pytest.mark.lesson)
     repeated = [item for item in items if getattr(item, "originalname", "") == REPEATS_NBVAL
                 and item.callspec.id in notebooks]
     if repeated:

@@ -85,6 +85,7 @@ def _all_configs():
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.slow
 def test_equals_single_process_every_step(world_size):
     results = minipar.launch(_all_configs, world_size, backend="gloo", timeout=90)
     for name in results[0]:

@@ -77,6 +77,7 @@ def test_every_command_has_a_full_help_text(module, monkeypatch, capsys):
     ("minipar.data_parallel.ddp", "python -m minipar.data_parallel"),  # imported by its package
     ("minipar.trace", "python -m minipar --help"),
 ])
+@pytest.mark.slow
 def test_a_library_module_says_it_is_not_a_command(module, command):
     done = _run([module], 60)
     assert done.returncode == 2

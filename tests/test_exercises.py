@@ -235,6 +235,7 @@ def chain_broadcast(tensor, src):
         dist.send(tensor, (me + 1) % k)
 
 
+@pytest.mark.slow
 def test_ring_check_turns_a_deadlock_into_advice():
     with pytest.raises(ExerciseError, match="deadlock.*called from "
                                                       "ring_with_blocking_sends"):

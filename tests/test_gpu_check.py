@@ -14,6 +14,8 @@ import torch
 
 from minipar import gpu_check
 
+pytestmark = pytest.mark.slow  # runs the whole GPU check on CPU ranks
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGE_COMMANDS = [line for block in re.findall(r"```bash\n(.*?)```",
                                               (ROOT / "docs" / "gpus.md").read_text(), re.S)

@@ -69,6 +69,7 @@ def test_mesh_groups_check_names_the_mistake(fn, words):
         check_mesh_groups(fn, meshes=({"dp": 2, "tp": 2},))
 
 
+@pytest.mark.slow
 def test_mesh_groups_check_turns_skipped_groups_into_advice():
     with pytest.raises(ExerciseError, match="every rank must call dist.new_group for every group"):
         check_mesh_groups(connect_only_mine, meshes=({"dp": 2, "tp": 2},), timeout=8)

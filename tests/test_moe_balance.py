@@ -17,6 +17,8 @@ from minipar.moe.balance import BiasedDropless, LoadBalance
 from minipar.moe.routing import route
 from minipar.train.loop import train
 
+pytestmark = pytest.mark.slow  # trainer jobs with experts over dp and ep
+
 
 def test_the_bias_steers_which_experts_are_chosen_not_their_weights():
     torch.manual_seed(0)

@@ -164,6 +164,7 @@ class SlowToUnpickle:
         return (time.sleep, (3,))
 
 
+@pytest.mark.slow
 def test_the_timeout_counts_from_entering_the_function_not_from_sending_it(cluster2):
     def receive_from_nobody(_):
         dist.recv(torch.zeros(1), src=(minipar.rank() + 1) % 2)
@@ -182,6 +183,7 @@ def test_unpicklable_return_value_is_explained(cluster2):
         cluster2.run(lambda: threading.Lock())
 
 
+@pytest.mark.slow
 def test_no_rank_outlives_its_caller(tmp_path):
     script = tmp_path / "owner.py"
     script.write_text(textwrap.dedent("""
@@ -201,6 +203,7 @@ def test_no_rank_outlives_its_caller(tmp_path):
     assert wait_gone(pids, seconds=10) == []
 
 
+@pytest.mark.slow
 def test_a_rank_its_launcher_lost_track_of_leaves_too(tmp_path):
     """Ctrl-C can cut a rank's start short: the rank runs, but its launcher never learned
     its pid, so cannot kill it. It must still leave when its group stops, or the launcher

@@ -12,7 +12,8 @@ from minipar.slow_networks.checkpoint_restart import load_checkpoint
 from minipar.slow_networks.exercises import check_resume
 
 # the exercise checks' ranks run under the placement trap (issue 43, conftest.py)
-pytestmark = pytest.mark.usefixtures("placement_trap_on")
+# slow: each check trains, kills and resumes a run
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("placement_trap_on")]
 
 
 def right(directory, model, optimizer):

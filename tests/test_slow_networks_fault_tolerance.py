@@ -13,6 +13,8 @@ import minipar
 from minipar.slow_networks.checkpoint_restart import latest_step, train_resumable
 from minipar.slow_networks.elastic import batches, model, mse
 
+pytestmark = pytest.mark.slow  # kills and restarts ranks, some under torchrun
+
 STEPS = 8
 
 

@@ -20,7 +20,8 @@ from minipar.train.model_part import trainer_mesh
 from minipar.train.sharded_checkpoint import checkpoint_dir, verify_checkpoint
 
 # every rank of these tests runs under the placement trap (issue 43, conftest.py)
-pytestmark = pytest.mark.usefixtures("placement_trap_on")
+# slow: trainer jobs that stop and resume on other meshes
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("placement_trap_on")]
 
 
 @pytest.fixture(scope="module")

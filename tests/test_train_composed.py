@@ -27,7 +27,8 @@ from minipar.train.model_part import trainer_mesh
 from minipar.train.optim import global_norm
 
 # every rank of these tests runs under the placement trap (issue 43, conftest.py)
-pytestmark = pytest.mark.usefixtures("placement_trap_on")
+# slow: every test starts a trainer job on 4 to 8 fresh ranks
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("placement_trap_on")]
 
 # (parallel degrees and techniques, train.recompute)
 FOUR_RANKS = [

@@ -20,6 +20,8 @@ from minipar.train.faults import Fault
 from minipar.train.loop import train
 from minipar.train.sharded_checkpoint import checkpoint_dir, consolidate
 
+pytestmark = pytest.mark.slow  # kills and restarts trainer ranks, some under torchrun
+
 
 def _every_two(config, steps=6):
     return replace(config, train=replace(config.train, steps=steps, checkpoint_every=2,

@@ -12,6 +12,8 @@ from minipar.train.loop import train
 from minipar.train.torch_native import refuse_native
 from minipar.train.torch_race import ROWS, measure, race_config, report, run_steps
 
+pytestmark = pytest.mark.slow  # races torch's own composition, trainer jobs on both sides
+
 STEPS = 10
 
 

@@ -12,8 +12,10 @@ How ranks are started, and why:
   and macOS): children are forks of a fresh single-threaded server, never of the
   notebook kernel, and skip re-importing torch (about 3x faster than "spawn", which
   stays available as `start_method="spawn"`).
-- Rendezvous uses a TCPStore that the caller hosts on loopback with a port the OS
-  picks, so parallel runs never collide on a fixed port.
+- Rendezvous goes through a file in the group's own temporary folder (a FileStore):
+  parallel runs never collide, and there is no port and no name lookup. (A TCPStore on
+  loopback looked up 127.0.0.1's name for every peer; where the DNS server dropped the
+  query, one start in five waited the resolver's 5 s.)
 - Each rank writes stdout/stderr to its own file; the caller replays them after the
   run, in rank order, each line prefixed ``[rank r]``, so notebooks and nbval see the
   same text every run.

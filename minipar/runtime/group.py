@@ -4,7 +4,6 @@ and end them all at the first error, death or timeout."""
 from __future__ import annotations
 
 import atexit
-import datetime
 import multiprocessing as mp
 import os
 import shutil
@@ -20,10 +19,9 @@ from multiprocessing.connection import wait as wait_for
 from typing import Any
 
 import cloudpickle
-import torch.distributed as dist
 
 from .errors import RankDied, RankError, RankTimeout
-from .worker import HOST, STARTUP_TIMEOUT, _worker_main, entered_path, where_waiting
+from .worker import STARTUP_TIMEOUT, _worker_main, entered_path, where_waiting
 
 # what gloo says on a rank whose peer process has gone
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
@@ -59,11 +57,6 @@ class RankGroup:
                  device: str = "cpu") -> None:
         self.size, self.backend, self.device = size, backend, device
         self.io_dir = tempfile.mkdtemp(prefix="minipar-")
-        # the launcher hosts the rendezvous store (is_master=True) on a port the OS picks (0), and
-        # does not wait for workers: they connect only once started, below
-        self.store = dist.TCPStore(HOST, 0, None, True,
-                                   datetime.timedelta(seconds=STARTUP_TIMEOUT),
-                                   wait_for_workers=False)
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             # imported once in the forkserver; every rank forked from it starts with torch loaded
@@ -92,7 +85,7 @@ class RankGroup:
         for r in range(self.size):
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_worker_main, name=f"minipar-rank-{r}",
-                               args=(r, self.size, self.backend, self.device, self.store.port,
+                               args=(r, self.size, self.backend, self.device,
                                      self.io_dir, self._lifeline, threads, child_end))
             self.conns.append(parent_end)
             self.procs.append(proc)  # before start: stop() ends it even if start is cut short

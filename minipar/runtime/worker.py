@@ -29,7 +29,6 @@ from .device import _bind_device, rank
 from .placement import placement_trap
 
 STARTUP_TIMEOUT = 60.0
-HOST = "127.0.0.1"
 IN_RANK_ENV = "MINIPAR_IN_RANK"  # set in every process minipar starts
 _TASK_FRAME = "_run_task"  # the worker frame that calls the user's function
 _entered_file = ""  # this rank's <rank>.entered: when it last entered the user's function
@@ -130,7 +129,7 @@ def _end_groups_of_the_last_task() -> None:
         dist.destroy_process_group(group)
 
 
-def _worker_main(rank_: int, size: int, backend: str, device: str, port: int, io_dir: str,
+def _worker_main(rank_: int, size: int, backend: str, device: str, io_dir: str,
                  lifeline: Any, threads: int, conn: Any) -> None:
     global _entered_file
     _die_with_parent(lifeline)
@@ -159,8 +158,10 @@ def _worker_main(rank_: int, size: int, backend: str, device: str, port: int, io
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo0" if sys.platform == "darwin" else "lo")
     try:
         _bind_device(backend, rank_, device)
-        # a client (is_master=False) of the store the launcher hosts: rendezvous without env vars
-        store = dist.TCPStore(HOST, port, None, False, datetime.timedelta(seconds=STARTUP_TIMEOUT))
+        # the ranks meet through a file in the group's own folder: no port to collide on, and
+        # no name lookup. A TCPStore on loopback looks up 127.0.0.1's name for each peer it
+        # logs; where the DNS server drops that query, a start waited the resolver's 5 s
+        store = dist.FileStore(os.path.join(io_dir, "rendezvous"), size)
         # timeout: long, so that the launcher's own timeout (which reports where each rank
         # waits) fires first, not gloo's terse one
         dist.init_process_group(backend, store=store, rank=rank_, world_size=size,

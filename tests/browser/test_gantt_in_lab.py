@@ -5,8 +5,9 @@ impossible choice, and log no console errors."""
 from __future__ import annotations
 
 import jupyter_lab
+import pytest
 
-pytestmark = jupyter_lab.needs_browser
+pytestmark = [pytest.mark.slow, jupyter_lab.needs_browser]  # slow: drives a real browser
 # the session's JupyterLab and browser, a fresh page per test, the screenshot folder
 browser, lab, page, screenshots = (jupyter_lab.browser, jupyter_lab.lab, jupyter_lab.page,
                                    jupyter_lab.screenshots)

@@ -17,7 +17,7 @@ import pytest
 
 from minipar.lesson_site import build_site, site_assets
 
-pytestmark = jupyter_lab.needs_browser
+pytestmark = [pytest.mark.slow, jupyter_lab.needs_browser]  # slow: drives a real browser
 browser, screenshots = jupyter_lab.browser, jupyter_lab.screenshots
 LESSONS = Path(__file__).resolve().parents[2] / "lessons"
 

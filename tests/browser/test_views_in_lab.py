@@ -6,8 +6,9 @@ screenshot goes to the screenshot folder (the README shows them)."""
 from __future__ import annotations
 
 import jupyter_lab
+import pytest
 
-pytestmark = jupyter_lab.needs_browser
+pytestmark = [pytest.mark.slow, jupyter_lab.needs_browser]  # slow: drives a real browser
 browser, lab, page, screenshots = (jupyter_lab.browser, jupyter_lab.lab, jupyter_lab.page,
                                    jupyter_lab.screenshots)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import jupyter_lab
 import pytest
 
-pytestmark = jupyter_lab.needs_browser
+pytestmark = [pytest.mark.slow, jupyter_lab.needs_browser]  # slow: drives a real browser
 browser, screenshots = jupyter_lab.browser, jupyter_lab.screenshots
 LESSON = Path(__file__).resolve().parents[2] / "lessons" / "04_tensor_parallel.ipynb"
 
