@@ -37,11 +37,11 @@ def pytest_collection_modifyitems(config, items):
     for the slow tier. A lesson run under nbval runs its own exercises' solutions and
     checks: in the same session, the test that runs them outside the notebook would only
     repeat it."""
-    notebooks = {Path(str(item.fspath)).stem for item in items
-                 if str(item.fspath).endswith(".ipynb")}
+    notebooks = set()
     for item in items:
         path = Path(str(item.fspath))
         if path.suffix == ".ipynb":
+            notebooks.add(path.stem)
             item.add_marker(pytest.mark.slow)
             if path.parent.name == "lessons":  # lessons/NN_*.ipynb, not lessons/deep_dives/
                 item.add_marker(pytest.mark.lesson)
