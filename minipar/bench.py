@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
+from .runtime import machine_line
+
 BENCHMARKS = {"launch": "minipar.runtime.bench",
               "collectives": "minipar.collectives.bench",
               "data-parallel": "minipar.data_parallel.bench",
@@ -40,6 +42,7 @@ def run_benchmark(name: str, out_dir: str | Path = "bench-out") -> list[dict]:
                          f"got {name!r}")
     module = importlib.import_module(BENCHMARKS[name])
     rows = module.measure()
+    print(machine_line())  # which machine the figures are from
     print(module.report(rows, Path(out_dir)))
     print(f"(JSON and plot in {out_dir}/; medians on this machine, expect 10-30% run-to-run "
           "noise)")

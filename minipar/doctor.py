@@ -1,6 +1,7 @@
 """`minipar doctor`: what this machine gives minipar, on one screen: Python and torch
 (and whether torch is a CPU or a CUDA build), the backends, GPUs and cores, what
-backend="auto" will pick, a fitted machine if one is saved, and the extras the lessons
+backend="auto" will pick, what one core multiplies in fp32, bf16 and fp16 and what that
+means for `--precision`, a fitted machine if one is saved, and the extras the lessons
 and browser tests need."""
 
 from __future__ import annotations
@@ -42,6 +43,35 @@ def _gpu_check(gpus: int) -> str:
         (f"; {'; '.join(skipped)}" if skipped else "")
 
 
+# the matmuls doctor times: the small preset's projections at a few sequences (a dtype
+# the cores lack is slow to time; the rate hardly depends on the rows)
+DOCTOR_ROWS = 4
+
+
+def _matmul_rates() -> list[tuple[str, str]]:
+    """One core's fp32, bf16 and fp16 rates on the small preset's projections (as a rank
+    computes, on one thread; cached with the trainer's peaks), and what they mean."""
+    from .runtime import cpu_kind
+    from .train.config import load_config
+    from .train.device_peak import precision_verdict
+    from .train.matmul_peak import model_peak
+
+    model, threads = load_config("small").model, torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        rates = {name: model_peak(dtype, model, DOCTOR_ROWS) for name, dtype in
+                 (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))}
+    finally:
+        torch.set_num_threads(threads)
+    fp32 = rates["fp32"]
+    line = f"fp32 {fp32 / 1e9:.3g} GFLOP/s, " + ", ".join(
+        f"{name} {rate / 1e9:.3g} ({rate / fp32:.2g}x)" for name, rate in rates.items()
+        if name != "fp32") + f" on one core ({cpu_kind()}): the small preset's projections " \
+        f"at {DOCTOR_ROWS * model.seq_len} tokens"
+    return [("matmuls", line)] + [(name, precision_verdict(name, rates[name] / fp32))
+                                  for name in ("bf16", "fp16")]
+
+
 def report() -> list[tuple[str, str]]:
     """(what, value) lines describing this machine for minipar."""
     gpus = gpu_count()
@@ -61,6 +91,7 @@ def report() -> list[tuple[str, str]]:
         ("backend='auto'", f"{auto} for 2 ranks"
          + ("" if auto == "nccl" else " (nccl needs one GPU per rank)")),
         ("GPU check", _gpu_check(gpus)),
+        *_matmul_rates(),
         ("fitted machine", str(saved) if saved.exists() else
          "none yet (`minipar bench collectives` fits and saves one)"),
         ("lessons", f"jupyterlab {_installed('jupyterlab')}, ipywidgets "

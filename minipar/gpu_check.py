@@ -91,7 +91,7 @@ def _one_rank(preset: str, device: str) -> list[str]:
         states = sum(mem["measured"][k] for k in ("parameters", "gradients", "optimizer"))
         allocator = mem.get("allocator_peak")
         lines.append(f"{precision}: {tokens:,.0f} tokens/s, MFU {mfu:.1%} at most")
-        lines.append(f"  {run.peak}")
+        lines.append(f"  {run.peak.describe()}")
         lines.append(f"  memory MiB: tracker {sum(mem['measured'].values()) / MIB:.1f}, "
                      f"planner {sum(mem['predicted'].values()) / MIB:.1f}, allocator peak "
                      + ("none on a CPU" if allocator is None else f"{allocator / MIB:.1f}"))

@@ -61,6 +61,12 @@ def test_version_and_doctor():
     assert done.returncode == 0, done.stderr
     for what in ("torch", "backends", "CPU cores", "backend='auto'"):
         assert what in done.stdout
+    # one core's rates in fp32, bf16 and fp16, and what each low precision means here
+    rates = next(ln for ln in done.stdout.splitlines() if ln.startswith("matmuls "))
+    assert "fp32 " in rates and "bf16 " in rates and "fp16 " in rates, rates
+    for name in ("bf16", "fp16"):
+        verdict = next(ln for ln in done.stdout.splitlines() if ln.startswith(name + " "))
+        assert f"{name} matmuls run" in verdict and "on this CPU" in verdict, verdict
     assert ("CPU-only build" in done.stdout) == (not __import__("torch").version.cuda)
 
 

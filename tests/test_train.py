@@ -167,7 +167,7 @@ def test_a_run_leaves_its_config_and_one_metrics_line_per_step(corpus, tmp_path)
     for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu"):
         assert all(math.isfinite(r[key]) for r in lines), key
     assert "val_loss" in lines[-1] and "val_loss" not in lines[0]  # 0: only at the end
-    assert 0 < lines[-1]["mfu"] < 1.5
+    assert all(0 < r["mfu"] <= 1 for r in lines)  # the peak is the model's own matmuls
     assert "[model]" in (tmp_path / "config.toml").read_text()
     assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
     trace = json.loads((tmp_path / "step.trace.json").read_text())

@@ -1,10 +1,28 @@
-"""What MFU divides by (issue 43): on a CPU a matmul timed on one core times the cores; on
-a known GPU the data sheet's dense figure for the run's dtype, the timed matmul beside it;
-on an unknown GPU the timed matmul, said so."""
+"""What MFU divides by (issues 43 and 46): on a CPU the model's own matmuls timed on one
+core, times the cores, their FLOPs exactly the model's count, never beaten by a run (MFU
+at most 1 in float32 and bf16, unclamped); on a known GPU the data sheet's dense figure
+for the run's dtype, the timed matmul beside it; on an unknown GPU the timed matmul, said
+so. A low precision this CPU multiplies slower than float32 is one line of warning."""
 
+import json
+
+import pytest
 import torch
 
-from minipar.train.device_peak import DATASHEET, TFLOPS, Peak, datasheet_peak, run_peak
+from minipar.decoder import DecoderConfig
+from minipar.runtime import cpu_kind
+from minipar.train import matmul_peak
+from minipar.train.config import load_config
+from minipar.train.device_peak import (
+    DATASHEET,
+    TFLOPS,
+    Peak,
+    datasheet_peak,
+    precision_verdict,
+    run_peak,
+)
+from minipar.train.loop import progress_line, train
+from minipar.train.matmul_peak import model_peak, step_kernels, step_matmuls
 from minipar.train.metrics import cores_in_use
 
 
@@ -24,12 +42,85 @@ def test_each_card_finds_its_own_row_not_a_shorter_name_inside_it():
         assert not any(g in f for g in fragments[:i]), (f, fragments[:i])
 
 
-def test_on_a_cpu_mfu_divides_by_the_timed_matmul_times_the_cores():
-    peak = run_peak(torch.float32)
-    assert peak.datasheet is None and peak.unit == "core"
+def test_on_a_cpu_mfu_divides_by_the_models_matmuls_timed_times_the_cores():
+    model = DecoderConfig(layers=2, hidden=32, heads=4, kv_heads=2, seq_len=16)
+    peak = run_peak(torch.float32, model, 4)
+    assert peak.datasheet is None and peak.unit == "core" and peak.fp32 is None
     assert peak.per_device == peak.measured > 0 and peak.devices == cores_in_use(1) == 1
+    assert peak.measured == model_peak(torch.float32, model, 4)  # cached: the same figure
     line = peak.describe()
-    assert line.startswith("peak ") and "a float32 matmul timed here on CPU" in line
+    assert line.startswith("peak ") and "the model's float32 matmuls timed here" in line
+    assert cpu_kind() in line
+    assert run_peak(torch.bfloat16, model, 4).fp32 == peak.measured  # the ratio's other side
+
+
+@pytest.mark.parametrize("model", [
+    DecoderConfig(),
+    DecoderConfig(layers=3, hidden=96, heads=6, kv_heads=3, seq_len=24, tied=False),
+    DecoderConfig(layers=2, hidden=64, heads=4, kv_heads=4, seq_len=32, experts=4, top_k=2),
+    DecoderConfig(vocab_size=32000, layers=32, hidden=4096, heads=32, kv_heads=8,
+                  ffn_hidden=11008, seq_len=4096),
+], ids=["default", "untied", "experts", "llama-8b-shaped"])
+def test_the_peak_times_exactly_the_6n_flops_mfu_counts(model):
+    """Each projection three ways (forward, input and weight gradients): their FLOPs are
+    flops_per_token x tokens less attention's 12 L T h, so the run and the peak count
+    the projections alike."""
+    rows = 3
+    per_call = {name: 2 * m * k * n * calls for name, m, k, n, calls in step_matmuls(model, rows)}
+    attention = 12 * model.layers * model.seq_len * model.hidden
+    six_n = (model.flops_per_token() - attention) * rows * model.seq_len
+    assert 3 * sum(per_call.values()) == six_n
+    if model.hidden <= 128:  # the timed kernels themselves (tensors too big to make here)
+        kernels = step_kernels(model, rows, torch.float32)
+        assert sum(f * calls for _, f, calls, _ in kernels) == six_n
+        assert len(kernels) == 3 * len(per_call)
+
+
+def test_a_peak_is_timed_once_per_shapes_and_dtype(monkeypatch, tmp_path):
+    monkeypatch.setenv("MINIPAR_CACHE", str(tmp_path))
+    timed = []
+    real = matmul_peak.kernels_rate
+    monkeypatch.setattr(matmul_peak, "kernels_rate", lambda k: timed.append(len(k)) or real(k))
+    model = DecoderConfig(layers=1, hidden=32, heads=4, kv_heads=2, seq_len=8)
+    first = model_peak(torch.float32, model, 2)
+    assert model_peak(torch.float32, model, 2) == first and len(timed) == 1
+    model_peak(torch.float32, model, 3)  # other rows: other shapes
+    model_peak(torch.float64, model, 2)
+    assert len(timed) == 3
+    keys = json.loads((tmp_path / "peak_flops.json").read_text())
+    assert all(cpu_kind() in key and "threads=" in key for key in keys)
+
+
+def test_a_low_precision_slower_than_fp32_is_one_line_of_warning():
+    slow = Peak(torch.bfloat16, 1e9, None, 1, "CPU", "core", fp32=75e9)
+    [line] = slow.warning().splitlines()
+    assert line.startswith("warning: bf16 matmuls run 75x slower than fp32 on this CPU")
+    assert "no AMX or AVX512-BF16)" in line
+    assert "--precision fp32 trains faster here" in line
+    assert Peak(torch.bfloat16, 150e9, None, 1, "CPU", "core", fp32=75e9).warning() is None
+    assert Peak(torch.float32, 75e9, None, 1, "CPU", "core").warning() is None
+    assert precision_verdict("bf16", 7.0).startswith("bf16 matmuls run 7.0x faster")
+    assert "saves memory here, not time" in precision_verdict("bf16", 0.95)
+
+
+def test_an_mfu_above_one_is_said_and_never_clamped():
+    record = {"step": 3, "loss": 2.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 9e3,
+              "mfu": 4.65}
+    line = progress_line(record, 10)
+    assert "MFU 465.0%" in line and "above 100%: the peak was timed too low" in line
+    assert "above 100%" not in progress_line({**record, "mfu": 0.55}, 10)
+
+
+@pytest.mark.slow  # two short runs of the small preset on 2 ranks, and their peaks timed
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_run_never_beats_its_peak(cluster2, precision):
+    """The small preset's MFU stays at most 1, on whichever CPU kind this is."""
+    config = load_config("small", {"train.steps": 4, "train.eval_every": 0,
+                                   "train.eval_batches": 1, "train.batch_size": 8,
+                                   "optim.warmup_steps": 1, "parallel.dp": 2,
+                                   "train.precision": precision})
+    records = cluster2.run(train, config)[0].records
+    assert all(0 < r["mfu"] <= 1 for r in records), [r["mfu"] for r in records]
 
 
 def test_the_head_line_says_which_peak_a_gpu_run_divides_by():
@@ -40,3 +131,15 @@ def test_the_head_line_says_which_peak_a_gpu_run_divides_by():
         "data sheet, bfloat16; a bfloat16 matmul timed here reaches 742, 75% of it")
     unknown = Peak(torch.bfloat16, 50e12, None, 1, "Some Future GPU", "GPU")
     assert unknown.describe().endswith("no data sheet known for this card")
+
+
+def test_bench_trains_header_names_the_machine_and_the_peaks():
+    from minipar.runtime import machine_line
+    from minipar.train.bench import peaks_line
+
+    rows = [{"precision": "fp32", "threads": 1, "peak_per_core": 90e9},
+            {"precision": "bf16", "threads": 1, "peak_per_core": 180e9},
+            {"precision": "fp32", "threads": 2, "peak_per_core": 50e9}]  # every core: not one
+    line = peaks_line(rows)
+    assert "fp32 90 GFLOP/s, bf16 180 GFLOP/s" in line and "run 2.0x faster than fp32" in line
+    assert machine_line().startswith("machine: ") and f"({cpu_kind()})" in machine_line()

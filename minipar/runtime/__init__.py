@@ -31,6 +31,7 @@ The files, in the order a run passes through them: `device` (backend, device, ra
 """
 
 from .cluster import DEFAULT_TIMEOUT, START_METHODS, Cluster, launch
+from .cpu_kind import cpu_kind, cpu_model
 from .device import (
     BACKENDS,
     DEVICES,
@@ -41,6 +42,7 @@ from .device import (
     device_name,
     gpu_count,
     host_empty_like,
+    machine_line,
     memory_peak,
     on_copy_stream,
     rank,
@@ -55,6 +57,7 @@ from .torchrun import ranks_per_node, under_torchrun
 
 __all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "DEVICES", "START_METHODS", "Cluster", "RankDied",
            "RankError", "RankTimeout", "Results", "allocator_history", "compute_ready",
-           "cpu_cores", "device", "device_name", "gpu_count", "host_empty_like", "launch",
+           "cpu_cores", "cpu_kind", "cpu_model", "device", "device_name", "gpu_count",
+           "host_empty_like", "launch", "machine_line",
            "memory_peak", "on_copy_stream", "rank", "ranks_per_node", "reset_memory_peak",
            "resolve_backend", "resolve_device", "synchronize", "under_torchrun", "world_size"]

@@ -4,13 +4,13 @@ touches torch.cuda; everything else asks these functions."""
 from __future__ import annotations
 
 import os
-import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
+from .cpu_kind import cpu_kind, cpu_model
 from .placement import host_allocations
 
 BACKENDS = ("auto", "gloo", "nccl")
@@ -28,6 +28,15 @@ def cpu_cores() -> int:
 def gpu_count() -> int:
     """Number of visible CUDA GPUs (0 on a CPU-only machine)."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def machine_line() -> str:
+    """Which machine produced a benchmark's figures: the CPU's model and kind, its cores,
+    the GPUs torch sees and torch's version (every benchmark's first line)."""
+    gpus = gpu_count()
+    names = f", {gpus} x {torch.cuda.get_device_name(0)}" if gpus else ", no GPU"
+    return f"machine: {cpu_model()} ({cpu_kind()}), {cpu_cores()} cores{names}; " \
+           f"torch {torch.__version__}"
 
 
 def resolve_backend(backend: str, ranks_per_machine: int) -> str:
@@ -143,10 +152,10 @@ def on_copy_stream(ready: object | None = None) -> Iterator[None]:
 
 def device_name() -> str:
     """What this rank computes on, as its maker names it: the GPU's name ("NVIDIA H100
-    80GB HBM3"), or the CPU's architecture on a CPU."""
+    80GB HBM3"), or the CPU's model on a CPU ("CPU (AMD EPYC 9R14)")."""
     if _device.type == "cuda":
         return torch.cuda.get_device_name(_device)
-    return f"CPU ({platform.processor() or platform.machine()})"
+    return f"CPU ({cpu_model()})"
 
 
 def reset_memory_peak() -> None:

@@ -10,7 +10,8 @@ nobody is misled about what one process can do. Four and eight ranks on this mac
 2 cores time-share them: their rows show what composing costs in messages and waiting,
 not a speed-up. The variants take turns for `rounds` rounds; a row keeps the median round and
 the per-round ratios, whose spread is the noise. MFU divides by the peak measured for
-the dtype on one thread (metrics.py), times the cores in use.
+the dtype on one thread on the model's own projections (matmul_peak.py), times the cores
+in use; the header gives the fp32 and bf16 peaks and the CPU's kind.
 
 The planner (`mesh.planner.estimate`) predicts each fp32 composition's step from
 constants measured here: the compute rate of the one-process fp32 row (in the planner's
@@ -37,6 +38,7 @@ from ..mesh.planner import OPTIMIZER_BYTES_PER_PARAM, Layout, estimate
 from ..report import format_table, progress, ratio_cell, save_results
 from ..runtime import Cluster
 from .config import TrainConfig, load_config
+from .device_peak import precision_verdict
 from .loop import train
 
 ONE_THREAD, EVERY_CORE = 1, os.cpu_count() or 1
@@ -73,13 +75,15 @@ def _ranks(parallel: dict) -> int:
 
 
 def _timed_run(config: TrainConfig, threads: int) -> dict:
-    """Median tokens/s and MFU of a short run on this rank, on `threads` threads, and this
-    rank's memory (bytes, all kinds together) measured and predicted."""
+    """Median tokens/s and MFU of a short run on this rank, on `threads` threads, the peak
+    per core its MFU divides by, and this rank's memory (bytes, all kinds together)
+    measured and predicted."""
     torch.set_num_threads(threads)
     run = train(config)
     records = run.records[WARMUP:]
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
             "mfu": statistics.median(r["mfu"] for r in records),
+            "peak_per_core": run.peak.per_device,
             "memory": sum(run.memory["measured"].values()),
             "memory_predicted": sum(run.memory["predicted"].values())}
 
@@ -172,6 +176,7 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small") -> list[dic
                      "threads": threads, "tokens_per_s": statistics.median(speeds),
                      "tokens_per_s_range": [min(speeds), max(speeds)],
                      "mfu": statistics.median(r["mfu"] for r in runs[name]),
+                     "peak_per_core": runs[name][0]["peak_per_core"],
                      "step_s": tokens_per_step / statistics.median(speeds),
                      "predicted_step_s": predicted,
                      "memory": runs[name][-1]["memory"],
@@ -190,6 +195,16 @@ def correlations(rows: list[dict]) -> dict[int, float]:
         if len(same) >= 3:
             out[k] = spearman([r["predicted_step_s"] for r in same], [r["step_s"] for r in same])
     return out
+
+
+def peaks_line(rows: list[dict]) -> str:
+    """The peaks per core MFU divides by, by precision, and what bf16's means here."""
+    peak = {r["precision"]: r["peak_per_core"] for r in rows if r["threads"] == ONE_THREAD}
+    line = "MFU divides by these peaks per core (the model's projections, one thread): " + \
+        ", ".join(f"{p} {v / 1e9:.3g} GFLOP/s" for p, v in peak.items())
+    if "fp32" in peak and "bf16" in peak:
+        line += f"; {precision_verdict('bf16', peak['bf16'] / peak['fp32'])}"
+    return line
 
 
 def report(rows: list[dict], out_dir: Path) -> str:
@@ -217,6 +232,7 @@ def report(rows: list[dict], out_dir: Path) -> str:
     rho = [f"{k} ranks: Spearman rank correlation, predicted vs measured step = {v:+.2f}"
            for k, v in correlations(rows).items()]
     return "\n".join([
+        peaks_line(rows),
         "the variants take turns; each rank (and the baseline) on one thread unless said; "
         "ratios per round, median (min-max); predicted: the planner's step on this "
         "machine's fitted constants (its error in brackets; no model of cp); memory: the "

@@ -137,6 +137,11 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)  # the optimizer and its schedule
     train: LoopConfig = field(default_factory=LoopConfig)  # the loop
 
+    @property
+    def rows_per_pass(self) -> int:  # sequences one rank's pass takes: a dp rank's micro-batch
+        p, t = self.parallel, self.train
+        return t.batch_size // max(1, p.dp * p.microbatches * t.accumulation)
+
 
 SECTIONS: dict[str, type] = typing.get_type_hints(TrainConfig)
 # Fields that change how often a run reports or how long it goes, not what it computes.
@@ -245,15 +250,12 @@ def to_toml(config: TrainConfig) -> str:
     return "\n".join(lines)
 
 
-def _flat(config: TrainConfig) -> dict[str, object]:
-    return {f"{s}.{k}": v for s, table in to_dict(config).items() for k, v in table.items()}
-
-
 def same_run(a: TrainConfig, b: TrainConfig, ignore: Iterable[str] = CADENCE) -> list[str]:
     """The dotted names of the fields where a and b make different runs (empty: the same
     run). Steps and the eval/log cadence are ignored, so a run may be extended; note that
     more steps also stretch the cosine decay."""
-    flat_a, flat_b = _flat(a), _flat(b)
+    flat_a, flat_b = ({f"{s}.{k}": v for s, table in to_dict(c).items() for k, v in table.items()}
+                      for c in (a, b))
     return [name for name in flat_a if name not in ignore and flat_a[name] != flat_b[name]]
 
 
@@ -368,9 +370,7 @@ def check(config: TrainConfig, world_size: int | None = None) -> None:
 def describe(config: TrainConfig) -> str:
     """A few lines a learner reads at the start of a run: model, mesh, numerics, batch."""
     m, p, o, t = config.model, config.parallel, config.optim, config.train
-    ranks = p.dp * p.pp * p.tp * p.cp
-    per_micro = t.batch_size // max(1, p.dp * p.microbatches * t.accumulation)
-    mesh = f"dp {p.dp} x pp {p.pp} x tp {p.tp} x cp {p.cp} = {ranks} rank(s)"
+    mesh = f"dp {p.dp} x pp {p.pp} x tp {p.tp} x cp {p.cp} = {p.dp * p.pp * p.tp * p.cp} rank(s)"
     mesh += (f", ZeRO-{p.zero}" if p.zero else "" if p.dp == 1 else ", DDP buckets")
     if p.dp_replicate > 1:
         mesh += (f" in groups of {p.dp // p.dp_replicate}, replicated {p.dp_replicate} "
@@ -390,7 +390,7 @@ def describe(config: TrainConfig) -> str:
         f"mesh       {mesh}",
         f"numerics   {t.precision}, recompute {t.recompute}",
         f"batch      {t.batch_size} sequences x {m.seq_len} tokens = "
-        f"{t.batch_size * m.seq_len:,} tokens per step ({per_micro} sequences per "
+        f"{t.batch_size * m.seq_len:,} tokens per step ({config.rows_per_pass} sequences per "
         f"micro-batch per dp rank, {t.accumulation} accumulation step(s))",
         f"schedule   {t.steps} steps, lr {o.lr:g} after {o.warmup_steps} warmup steps, cosine "
         f"to {o.min_lr:g}",

@@ -1,7 +1,9 @@
 """The peak MFU divides by, on whatever the run computes on.
 
-On a CPU no data sheet gives a core's peak for these shapes and threads: the peak is a
-matmul timed here on one core (`metrics.measured_peak`), times the cores in use.
+On a CPU no data sheet gives a core's peak for these shapes and threads: the peak is the
+model's own matmuls timed here on one core (`matmul_peak.model_peak`), times the cores in
+use. A bf16 or fp16 run on a CPU also times the same matmuls in float32: a CPU without
+fast low-precision kernels multiplies them many times slower, and the run says so first.
 
 On a GPU the convention every report follows (PaLM's appendix B, Megatron, torchtitan) is
 the maker's dense peak for the dtype the matmuls run in: MFU then compares across papers
@@ -20,8 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..runtime import device, device_name, rank, world_size
-from .metrics import cores_in_use, measured_peak
+from ..decoder import DecoderConfig
+from ..runtime import cpu_kind, device, device_name, rank, world_size
+from .matmul_peak import model_peak, square_peak
+from .metrics import cores_in_use
 
 TFLOPS = 1e12
 
@@ -68,6 +72,7 @@ class Peak:
     devices: int
     name: str  # the device, as its maker names it
     unit: str  # what one device is: "core" or "GPU"
+    fp32: float | None = None  # a low-precision CPU run: the same matmuls in float32
 
     @property
     def per_device(self) -> float:
@@ -87,8 +92,20 @@ class Peak:
             return (head + f"{self.name}'s data sheet, {kind}; a {kind} matmul timed here "
                     f"reaches {self.measured / TFLOPS:.4g}, "
                     f"{self.measured / self.datasheet:.0%} of it")
-        why = "; no data sheet known for this card" if self.unit == "GPU" else ""
-        return head + f"a {kind} matmul timed here on {self.name}{why}"
+        if self.unit == "GPU":
+            return head + f"a {kind} matmul timed here on {self.name}; no data sheet known " \
+                          "for this card"
+        return head + f"the model's {kind} matmuls timed here, each at its best, on " \
+                      f"{self.name}, {cpu_kind()}"
+
+    def warning(self) -> str | None:
+        """One line before a CPU run whose low-precision matmuls are slower than float32's
+        on the same shapes (a CPU without AMX or AVX512-BF16 has no fast bf16 kernel)."""
+        if self.fp32 is None or self.measured >= self.fp32:
+            return None
+        kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
+        return f"warning: {precision_verdict(kind, self.measured / self.fp32)}; " \
+               "--precision fp32 trains faster here"
 
 
 def devices_in_use(ranks: int) -> int:
@@ -104,13 +121,34 @@ def devices_in_use(ranks: int) -> int:
     return len(set(everyone))
 
 
-def run_peak(dtype: torch.dtype) -> Peak:
-    """The run's peak (every rank calls it together): the matmul timed by rank 0 alone
-    (ranks timing at once would slow each other) and sent to the others, the data sheet's
-    figure for a known GPU, and the devices in use."""
-    box = [measured_peak(dtype) if rank() == 0 else None]
+# the units that multiply each low precision fast on a CPU
+FAST_UNITS = {"bf16": "AMX or AVX512-BF16", "fp16": "AMX-FP16 or AVX512-FP16"}
+
+
+def precision_verdict(kind: str, ratio: float) -> str:
+    """What `kind`'s ("bf16", "fp16") matmul rate `ratio` x float32's means on this CPU."""
+    if ratio >= 1.2:
+        return f"{kind} matmuls run {ratio:.1f}x faster than fp32 on this CPU ({cpu_kind()})"
+    if ratio >= 0.8:
+        return f"{kind} matmuls run at about fp32's rate ({ratio:.2f}x) on this CPU " \
+               f"({cpu_kind()}): {kind} saves memory here, not time"
+    return f"{kind} matmuls run {1 / ratio:.0f}x slower than fp32 on this CPU " \
+           f"({cpu_kind()}: no {FAST_UNITS[kind]})"
+
+
+def run_peak(dtype: torch.dtype, model: DecoderConfig, rows: int) -> Peak:
+    """The run's peak (every rank calls it together), timed by rank 0 alone (ranks timing
+    at once would slow each other) and sent to the others: on a CPU the model's matmuls
+    at `rows` sequences per pass (and in float32 too for a low-precision run); on a GPU
+    one large matmul, beside the data sheet's figure for a known card."""
+    gpu = device().type == "cuda"
+    box: list = [None]
+    if rank() == 0:
+        low = dtype in (torch.bfloat16, torch.float16) and not gpu
+        box = [(square_peak(dtype) if gpu else model_peak(dtype, model, rows),
+                model_peak(torch.float32, model, rows) if low else None)]
     if world_size() > 1:
         dist.broadcast_object_list(box, src=0)
-    name, gpu = device_name(), device().type == "cuda"
-    return Peak(dtype, box[0], datasheet_peak(name, dtype) if gpu else None,
-                devices_in_use(world_size()), name, "GPU" if gpu else "core")
+    (measured, fp32), name = box[0], device_name()
+    return Peak(dtype, measured, datasheet_peak(name, dtype) if gpu else None,
+                devices_in_use(world_size()), name, "GPU" if gpu else "core", fp32)

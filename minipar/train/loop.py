@@ -61,7 +61,7 @@ class Run:
     records: list[dict] = field(default_factory=list)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)  # keep_weights=True
     memory: dict = field(default_factory=dict)  # this rank's bytes by kind (memory_report.py)
-    peak: str = ""  # what MFU divided by, and where it came from (device_peak.py)
+    peak: Peak | None = None  # what MFU divided by, and where it came from (device_peak.py)
 
     @property
     def losses(self) -> list[float]:
@@ -198,11 +198,11 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
     first = load_checkpoint(part, config, out, scaler) if resume else 0
     sampler.load_state_dict({"step": first})  # the batches follow the step: nothing else
     stop = loop.steps if stop_after is None else min(stop_after, loop.steps)
-    # MFU against the peak of the dtype the matmuls run in (bf16 on a CPU: AMX if it has it)
-    peak = run_peak(COMPUTE_DTYPES[loop.precision])
+    # MFU against the peak of the dtype the matmuls run in, on this model's own shapes
+    peak = run_peak(COMPUTE_DTYPES[loop.precision], config.model, config.rows_per_pass)
     meter = _Meter(config, peak)
     log = _open_log(config, out, resume, first, peak)
-    run, events = Run(peak=peak.describe()), []
+    run, events = Run(peak=peak), []
     for step in range(first, stop):
         lr = learning_rate(step, config.optim, loop.steps)
         with _watched(step, config, out, fault, events):
@@ -244,6 +244,8 @@ def _open_log(config: TrainConfig, out: str | Path | None, resume: bool, first: 
     (Path(out) / "config.toml").write_text(to_toml(config))
     print(describe(config), flush=True)
     print(peak.describe(), flush=True)
+    if peak.warning():  # a low precision this CPU multiplies slower than float32
+        print(peak.warning(), flush=True)
     if resume:
         print(f"resuming after step {first} of {config.train.steps}" if first else
               "resume: no complete checkpoint yet, starting at step 0", flush=True)
@@ -317,6 +319,9 @@ def progress_line(record: dict, steps: int) -> str:
     line = (f"step {record['step']:>5}/{steps}  loss {record['loss']:.4f}  "
             f"lr {record['lr']:.2e}  |g| {record['grad_norm'] or math.nan:.3f}  "
             f"{record['tokens_per_s']:,.0f} tok/s  MFU {record['mfu']:.1%}")
+    if record["mfu"] > 1:  # never clamped: a rate above the peak means the peak is wrong
+        line += "  (above 100%: the peak was timed too low; delete peak_flops.json in the " \
+                "cache folder to time it again)"
     if record.get("skipped"):
         line += f"  overflow: step skipped, loss scale now {record['loss_scale']:g}"
     if "val_loss" in record:

@@ -6,71 +6,20 @@ MFU = (model FLOPs per token x tokens per second) / peak FLOP/s of the cores in 
 (PaLM, Chowdhery et al. 2022, appendix B). Model FLOPs per token are
 `DecoderConfig.flops_per_token`: 6 N (forward and backward of every matmul weight) plus
 the attention scores' 12 L T h; recomputation's extra forward is not counted (that is
-"hardware FLOPs"). On a CPU the peak is never a data sheet's: it is a large matmul timed
-here, on one thread (each rank computes on one), in the run's dtype, and cached like the
-fitted machine; on a GPU, device_peak.py takes the maker's figure where it knows the card.
-Above 100% means the formula or the peak is wrong.
+"hardware FLOPs"). On a CPU the peak is never a data sheet's: it is the model's own
+matmuls timed here, on one thread (each rank computes on one), in the run's dtype, each at
+its best, and cached (matmul_peak.py); on a GPU, device_peak.py takes the maker's figure
+where it knows the card. Above 100% means the formula or the peak is wrong: the run's
+progress line says so, and never clamps it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import torch
-
-from ..runtime import device, device_name, synchronize
-from .data import cache_dir
-
-# a matmul this large keeps a core's vector units busy (AMX for bf16); a GPU needs a far
-# larger one to fill its streaming multiprocessors and hide each launch
-PEAK_SIZES = {"cpu": 1024, "cuda": 8192}
-
-
-def _peak_file() -> Path:
-    return cache_dir() / "peak_flops.json"
-
-
-def measured_peak(dtype: torch.dtype, size: int | None = None, repeats: int = 10) -> float:
-    """FLOP/s of this rank's device (one CPU thread, or its GPU) multiplying two size x size
-    matrices of `dtype`: the fastest of `repeats` timed products after a warm-up one (a
-    peak is the best the device does; the fastest is also the one least disturbed by
-    whatever else the machine runs). Cached per dtype, thread count, machine, device,
-    torch version and size. `size` defaults to the device type's in PEAK_SIZES."""
-    size = size or PEAK_SIZES.get(device().type, PEAK_SIZES["cpu"])
-    # device_name: the CPU's, or the GPU's (two cards in one box are two keys)
-    key = f"{dtype}|threads={torch.get_num_threads()}|{platform.machine()}|" \
-          f"{device_name()}|torch {torch.__version__}|{size}"
-    path = _peak_file()
-    saved = json.loads(path.read_text()) if path.exists() else {}
-    if key in saved:
-        return saved[key]
-    a = torch.randn(size, size, device=device()).to(dtype)
-    b = torch.randn(size, size, device=device()).to(dtype)
-    synchronize()
-    start = time.perf_counter()
-    a @ b  # warm-up: the first call pays for allocation and kernel choice
-    synchronize()  # a GPU queues the product: wait for it before reading the clock
-    first = time.perf_counter() - start
-    times = []
-    # about a second at most: a dtype the cores lack (fp16 on most CPUs) is slow to time
-    for _ in range(max(1, min(repeats, int(1.0 / max(first, 1e-9))))):
-        start = time.perf_counter()
-        a @ b
-        synchronize()
-        times.append(time.perf_counter() - start)
-    peak = 2 * size**3 / min(times)  # a multiply and an add per term
-    saved[key] = peak
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".tmp-{os.getpid()}")
-    partial.write_text(json.dumps(saved, indent=1))
-    partial.replace(path)  # atomic: two ranks measuring at once never leave half a file
-    return peak
 
 
 def cores_in_use(ranks: int) -> int:

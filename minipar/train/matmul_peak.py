@@ -1,0 +1,161 @@
+"""The peak a CPU run's MFU divides by: the rate one core reaches on the very matmuls a
+training step multiplies.
+
+A CPU has no data sheet figure for a given shape, thread count and dtype, and one large
+square matmul is the wrong stand-in: it takes one kernel path while the model's tall,
+thin projections may take another. bf16 on a CPU without AMX or AVX512-BF16 is the
+sharp case: its 1024 x 1024 product ran 4.6x slower than the model's own smaller ones,
+so a run "reached" 465% of that peak. Here the peak is timed on the model's shapes:
+
+- every projection of a block (q, k, v, o and the feed-forward's) and the head, at the
+  rows one pass multiplies (a micro-batch's sequences x seq_len tokens), each three
+  ways, as autograd runs it: forward `x @ W^T`, the input's gradient `g @ W`, the
+  weight's `g^T @ x`;
+- attention's fused kernel, forward and backward, in the dtype autocast gives it in the
+  run, credited with the FLOPs MFU's formula counts for it (12 T h per token and layer,
+  the causal half included as PaLM counts it).
+
+Each kernel is timed at its best of several repetitions, in the thread's CPU time (so a
+busy machine does not lower it), and the peak is their FLOPs
+over their best times, weighted as one step calls them: the rate a step would reach if
+it did nothing but its matmuls, each at its fastest. Its FLOPs are exactly
+`flops_per_token() x tokens` (a test holds them equal), so a run's MFU is the share of
+its step that this rate would have needed, never above 1 unless a kernel ran faster in
+the step than at its best here: then the measurement failed, and the run says so.
+
+tp's narrower slices and cp's shorter sequences are not the peak's shapes: what they
+lose against the whole model's matmuls shows as a lower MFU, as it should. Cached per
+dtype, shapes, device (the CPU's model) and CPU kind, threads and torch version in the cache folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..decoder import DecoderConfig
+from ..runtime import cpu_kind, device, device_name, synchronize
+from .data import cache_dir
+
+# (name, FLOPs per call, calls per step, the call)
+Kernel = tuple[str, float, int, Callable[[], object]]
+
+# a large square is the peak where no model is given (a GPU, `minipar doctor`): this
+# size keeps a core's vector units busy; a GPU needs a far larger one to fill its SMs
+SQUARE_SIZES = {"cpu": 1024, "cuda": 8192}
+
+
+def step_matmuls(model: DecoderConfig, rows: int) -> list[tuple[str, int, int, int]]:
+    """(name, m, k, n, calls per step) of each forward projection one pass over `rows`
+    sequences multiplies, x (m x k) @ W^T (k x n): a block's, called `layers` times, and
+    the head's. Experts: the router, and each token's top_k experts' up and down, as
+    m = tokens x top_k rows (their FLOPs; how the rows fall to experts is the run's)."""
+    m, h = rows * model.seq_len, model.hidden
+    kv = model.kv_heads * model.head_dim
+    block = [("q", m, h, h), ("k", m, h, kv), ("v", m, h, kv), ("o", m, h, h)]
+    if model.experts:
+        routed = m * model.top_k
+        block += [("router", m, h, model.experts), ("expert up", routed, h, model.ffn),
+                  ("expert down", routed, model.ffn, h)]
+    else:
+        block += [("gate", m, h, model.ffn), ("up", m, h, model.ffn),
+                  ("down", m, model.ffn, h)]
+    return [(name, mm, k, n, model.layers) for name, mm, k, n in block] + \
+        [("head", m, h, model.vocab_size, 1)]
+
+
+def _randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape, device=device()).to(dtype)
+
+
+def step_kernels(model: DecoderConfig, rows: int, dtype: torch.dtype) -> list[Kernel]:
+    """The matmuls of one training step's 6N term, on tensors of `dtype`."""
+    kernels: list[Kernel] = []
+    for name, m, k, n, calls in step_matmuls(model, rows):
+        x, w, g = _randn(m, k, dtype=dtype), _randn(n, k, dtype=dtype), _randn(m, n, dtype=dtype)
+        flops = 2 * m * k * n  # a multiply and an add per term
+        kernels += [(f"{name} forward", flops, calls, lambda x=x, w=w: F.linear(x, w)),
+                    (f"{name} input grad", flops, calls, lambda g=g, w=w: g @ w),
+                    (f"{name} weight grad", flops, calls, lambda g=g, x=x: g.t() @ x)]
+    return kernels
+
+
+def square_kernels(size: int, dtype: torch.dtype) -> list[Kernel]:
+    """One size x size x size product: the peak where there is no model to time."""
+    a, b = _randn(size, size, dtype=dtype), _randn(size, size, dtype=dtype)
+    return [(f"{size}^3", 2 * size**3, 1, lambda: a @ b)]
+
+
+def _clock() -> Callable[[], float]:
+    """What a kernel's time is read from. On a CPU, the thread's own CPU time: the core's
+    rate while it computes, not slowed when another process takes the core for a while
+    (a peak timed on a busy machine would be too low, and MFU above 1 later). On a GPU
+    the wall clock, after the queued work is done (`synchronize`)."""
+    if device().type == "cpu":
+        return time.thread_time
+    return lambda: (synchronize(), time.perf_counter())[1]
+
+
+def best_seconds(call: Callable[[], object], repeats: int = 10, budget_s: float = 0.5
+                 ) -> float:
+    """The fastest of `repeats` timed calls after an untimed warm-up one (allocation,
+    one-time set-up, the kernel's choice), or of as many as fit in `budget_s`, at least
+    3: a dtype the cores lack is slow to time. The fastest is the peak."""
+    clock = _clock()
+    call()
+    times: list[float] = []
+    while len(times) < repeats and (len(times) < 3 or sum(times) < budget_s):
+        start = clock()
+        call()
+        times.append(clock() - start)
+    return min(times)
+
+
+def kernels_rate(kernels: list[Kernel]) -> float:
+    """FLOP/s of `kernels` as a step calls them, each at its best: total FLOPs over the
+    total of best times."""
+    flops = seconds = 0.0
+    for _, per_call, calls, call in kernels:
+        flops += per_call * calls
+        seconds += best_seconds(call) * calls
+    return flops / seconds
+
+
+def _peak_file() -> Path:
+    return cache_dir() / "peak_flops.json"
+
+
+def cached_rate(what: str, dtype: torch.dtype, make: Callable[[], list[Kernel]]) -> float:
+    """`kernels_rate(make())`, measured once per `what`, dtype and machine (the device,
+    the CPU's model and kind, threads, torch version) and kept in peak_flops.json."""
+    key = f"{what}|{dtype}|threads={torch.get_num_threads()}|{device_name()}|" \
+          f"{cpu_kind()}|torch {torch.__version__}"
+    path = _peak_file()
+    saved = json.loads(path.read_text()) if path.exists() else {}
+    if key not in saved:
+        saved[key] = kernels_rate(make())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".tmp-{os.getpid()}")
+        partial.write_text(json.dumps(saved, indent=1))
+        partial.replace(path)  # atomic: two ranks measuring at once never leave half a file
+    return saved[key]
+
+
+def model_peak(dtype: torch.dtype, model: DecoderConfig, rows: int) -> float:
+    """The peak of a run of `model` with `rows` sequences per pass (module docstring)."""
+    what = (f"model {model.layers}x{model.hidden} heads {model.heads}/{model.kv_heads} "
+            f"ffn {model.ffn} experts {model.experts}/{model.top_k} vocab "
+            f"{model.vocab_size} seq {model.seq_len} rows {rows}")
+    return cached_rate(what, dtype, lambda: step_kernels(model, rows, dtype))
+
+
+def square_peak(dtype: torch.dtype, size: int | None = None) -> float:
+    """FLOP/s of one large square product (SQUARE_SIZES for the device type)."""
+    size = size or SQUARE_SIZES.get(device().type, SQUARE_SIZES["cpu"])
+    return cached_rate(f"square {size}", dtype, lambda: square_kernels(size, dtype))
