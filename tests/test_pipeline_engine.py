@@ -221,7 +221,7 @@ def _activation_peak(name, m):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Tanh())
                                   for _ in range(2 * k)])
-    pipe = Pipeline(split_model(model, k), schedule(name, k, m))
+    pipe = Pipeline(split_model(model, k), schedule(name, k, m), measure_activations=True)
     x = torch.randn(32, 32)
     pipe.train_step(x, x, lambda o, t: ((o - t) ** 2).mean())
     return pipe.activations.peak, pipe.activations.now
@@ -270,7 +270,8 @@ def _stage_point_and_hooks():
             return super().forward(x, microbatch)
 
     x, y = _data()
-    pipe = Pipeline(split_model(_layers(1), 1), schedule("gpipe", 1, 2), make_stage=Counted)
+    pipe = Pipeline(split_model(_layers(1), 1), schedule("gpipe", 1, 2), make_stage=Counted,
+                    measure_activations=True)
     pipe.train_step(x, y, mse)
 
     def broken(out, target):

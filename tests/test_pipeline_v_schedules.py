@@ -97,7 +97,7 @@ def _v_activations(name, m):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Sequential(
         torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8)) for _ in range(2 * k)])
-    pipe = Pipeline(split_model(model, 2 * k), schedule(name, k, m, 2))
+    pipe = Pipeline(split_model(model, 2 * k), schedule(name, k, m, 2), measure_activations=True)
     x = torch.randn(4 * m, 8)
     pipe.train_step(x, x, lambda out, _t: out.sum())
     return pipe.activations.peak, pipe.activations.now

@@ -121,7 +121,7 @@ def _activation_peak(name: str, microbatches: int, width: int, batch: int,
 
     k = world_size()
     pipe = Pipeline(split_model(linear_stack(width, k * layers_per_stage), k),
-                    schedule(name, k, microbatches))
+                    schedule(name, k, microbatches), measure_activations=True)
     x = torch.randn(batch, width, device=device())
     pipe.train_step(x, x, lambda out, t: ((out - t) ** 2).mean())
     return pipe.activations.peak

@@ -140,7 +140,8 @@ class Pipeline:
     def __init__(self, stage_modules: Sequence[nn.Module], plan: Schedule,
                  lr: float | None = None, group: dist.ProcessGroup | None = None,
                  post_receives_ahead: bool = True,
-                 make_stage: Callable[[nn.Module, int], Stage] | None = None) -> None:
+                 make_stage: Callable[[nn.Module, int], Stage] | None = None,
+                 measure_activations: bool = False) -> None:
         if len(stage_modules) != plan.stages:
             raise ValueError(f"the schedule has {plan.stages} stages but {len(stage_modules)} "
                              "stage modules were given; split the model into that many")
@@ -158,9 +159,9 @@ class Pipeline:
                           torch.float32)
         self.activations = SavedActivationMeter({p.untyped_storage().data_ptr()
                                                  for p in self.parameters()})
-        # the meter's hooks run on every tensor autograd saves: a trainer's timed steps turn
-        # it off and its memory step on
-        self.measure_activations = True
+        # opt-in: the meter's hooks run on every tensor autograd saves, a cost each timed
+        # step would pay (the trainer turns it on for its memory step alone)
+        self.measure_activations = measure_activations
         self.post_ahead = post_receives_ahead
         self.extra_work: ExtraWork | None = None
         self.gradient_sync: GradientSync | None = None

@@ -47,7 +47,7 @@ from .hf_format import read_hf, refuse_other_shape
 from .memory_report import memory_rows, save_memory
 from .metrics import MetricsLog, mfu, read_metrics
 from .model_part import ModelPart
-from .optim import clip_, global_norm, learning_rate
+from .optim import clip_, learning_rate, squared_norm
 from .precision import COMPUTE_DTYPES, PARAM_DTYPES, LossScaler
 from .sharded_checkpoint import load_checkpoint, load_whole, save_checkpoint
 
@@ -137,19 +137,21 @@ def train_step(part: ModelPart, scaler: LossScaler, ids: torch.Tensor,
         loss_share += share or 0.0  # None: a rank without the last stage has no loss
     part.reduce_gradients()
     owned = part.owned_gradients()
-    # every rank of the run agrees: one rank's overflow skips the step everywhere
-    overflow = scaler.unscale_and_check(owned, groups=(None,))
+    # this rank's check and unscale; if another rank overflowed, the step is skipped anyway
+    mine = scaler.unscale_and_check(owned, groups=())
+    # one all-reduce agrees on the loss, the norm and any overflow (one rank's skips all)
+    loss, squares, overflow = part.agree(loss_share, squared_norm(part.norm_gradients()), mine)
     if overflow:
         norm = None  # no norm of gradients that overflowed (and JSON has no inf)
         part.skip()
     else:
-        norm = global_norm(part.norm_gradients(), part.norm_groups())
+        norm = math.sqrt(squares)
         clip_(owned, norm, config.optim.grad_clip)
         with record("compute", "optimizer"):
             part.update(lr)
     part.end_balance_step()  # experts: the step's loads, logged (and "bias" steps by them)
     scaler.update(overflow)
-    return part.mean_over_ranks(loss_share), norm, overflow
+    return loss, norm, overflow
 
 
 def build_part(config: TrainConfig) -> ModelPart:

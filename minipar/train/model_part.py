@@ -150,8 +150,6 @@ class ModelPart:
         self.model = MeshModel(layers, g, par.microbatches, par.schedule, par.virtual,
                                data_parallel=data_parallel,
                                make_stage=make_stage(config.train.precision))
-        # on for the memory step only (memory_report.py)
-        self.model.pipe.measure_activations = False
         if par.sequence_parallel:
             sum_block_norms_in_backward(self.model.local, g.tp)
         apply_recompute(self.model.local, config.train.recompute)
@@ -275,6 +273,26 @@ class ModelPart:
         weight = shard_weight(len(ids), batch, self.dp)
         return self.model.evaluate(ids[:, self.positions], targets[:, self.positions],
                                    self._loss_fn(weight))
+
+    def agree(self, loss_share: float | None, squares: torch.Tensor, overflow: bool
+              ) -> tuple[float, float, bool]:
+        """The step's three scalars, in one all-reduce over the run instead of one per
+        scalar and group (each a few milliseconds of messages): the batch's mean loss (as
+        `mean_over_ranks`), the gradients' squares counted once per entry (as
+        `optim.global_norm` over `norm_groups`) and whether any rank overflowed. Every term
+        is a sum over all ranks, each rank's divided by the copies of it the run holds:
+        the loss's dp x cp x tp, the squares' world / (the norm groups' sizes)."""
+        g = self.groups
+        loss_copies = self.dp * world_size(g.cp) * world_size(g.tp)
+        distinct = 1
+        for group in self.norm_groups():
+            distinct *= world_size(group)
+        loss = 0.0 if loss_share is None else loss_share / loss_copies
+        terms = torch.tensor([loss, 0.0, float(overflow)], dtype=torch.float64,
+                             device=device())
+        terms[1] = squares / (world_size() // distinct)
+        loss, total, overflows = collectives.all_reduce(terms).tolist()
+        return loss, total, overflows > 0
 
     def mean_over_ranks(self, share: float | None) -> float:
         """The batch's mean: the last stage's shares summed over the run, each tp rank's
