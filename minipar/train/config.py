@@ -114,8 +114,7 @@ class LoopConfig:
     log_every: int = 20
     """Steps between progress lines."""
     checkpoint_every: int = 0
-    """Steps between sharded checkpoints in the run folder's checkpoints/ (0: only the run's
-    end saves one)."""
+    """Steps between sharded checkpoints in the run's checkpoints/ (0: only its end saves)."""
     precision: str = "fp32"
     """Compute precision: fp32, fp64, bf16, fp16 or fp8 (emulated; the last three, fp32 masters)."""
     recompute: str = "none"
@@ -123,8 +122,9 @@ class LoopConfig:
     seed: int = 0
     """Seed of the model's initial weights."""
     init_from: str | None = None
-    """A folder holding a Llama checkpoint saved by transformers (config.json and
-    model.safetensors) to start from instead of the seed; hf_format.py maps its names."""
+    """A Llama folder transformers saved (config.json, model.safetensors) to start from."""
+    compile: bool = False
+    """torch.compile each decoder block (compile_blocks.py): slower first step, faster after."""
 
 
 @dataclass(frozen=True)

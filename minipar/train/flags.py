@@ -54,6 +54,7 @@ FLAGS: dict[str, tuple[str, dict]] = {
                             {"action": argparse.BooleanOptionalAction}),
     "--precision": ("train.precision", {"choices": PRECISIONS}),
     "--recompute": ("train.recompute", {"choices": RECOMPUTE}),
+    "--compile": ("train.compile", {"action": argparse.BooleanOptionalAction}),
     "--steps": ("train.steps", {"type": positive_int}),
     "--batch-size": ("train.batch_size", {"type": positive_int}),
     "--accumulation": ("train.accumulation", {"type": positive_int}),

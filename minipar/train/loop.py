@@ -38,6 +38,7 @@ from ..moe.moe_decoder import moe_decoder
 from ..pipeline import SCHEDULES
 from ..runtime import allocator_history, rank, reset_memory_peak, world_size
 from ..trace import record
+from .compile_blocks import refuse_uncompilable
 from .config import LoopConfig, TrainConfig, check, describe, to_toml
 from .curves import save_run_pictures
 from .data import BatchSampler, load_tokens
@@ -92,6 +93,7 @@ def refuse_unbuilt(config: TrainConfig) -> None:
                          f"{config.train.recompute!r}: the recomputed forward would run its "
                          "matmuls in float32, not the FP8 that forward used; use recompute "
                          "'none' with fp8")
+    refuse_uncompilable(config)
     if par.zero == 3 and par.ep > 1:
         raise ValueError("parallel.zero=3 with ep > 1 is not built: ZeRO-3 gathers whole "
                          "blocks, whose experts are replicated over fewer ranks (dp) than "

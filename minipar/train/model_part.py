@@ -61,6 +61,7 @@ from ..runtime import device, rank, world_size
 from ..sharded import FlatShard
 from ..tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from ..tensor_parallel.vocab_parallel import VocabParallelEmbedding, VocabParallelHead
+from .compile_blocks import compile_blocks
 from .config import ParallelConfig, TrainConfig
 from .optim import set_learning_rate
 from .precision import LossScaler, make_stage
@@ -153,6 +154,8 @@ class ModelPart:
         if par.sequence_parallel:
             sum_block_norms_in_backward(self.model.local, g.tp)
         apply_recompute(self.model.local, config.train.recompute)
+        if config.train.compile:  # after recomputation, as torchtitan orders them
+            compile_blocks(self.model.local)
         self.sharded = self.model.data_parallel if par.zero else None
         named = list(self.model.named_parameters())
         self.optimizer = (self.sharded.optimizer if self.sharded is not None
