@@ -116,12 +116,14 @@ class ModelPart:
         self.weight_decay, self.precision = config.optim.weight_decay, config.train.precision
         par = config.parallel
         joined = replica_dimensions(par)
-        # one group per dimension, and (when two or more are above 1) their joined group
-        self.groups = trainer_mesh(config).connect(*([joined] if len(joined) > 1 else []))
+        mesh = trainer_mesh(config)
+        self.groups = mesh.connect()  # one group per dimension
         g = self.groups
         # data parallelism's group: the ranks holding the same dense weights (under HSDP,
-        # those of one replica group: ZeRO shards over it)
-        self.replicas = getattr(g, "_".join(joined)) if joined else g.dp
+        # those of one replica group: ZeRO shards over it). Made fresh: DDP's buckets go
+        # over it on their own thread, and gloo mixes up two threads' messages on one group
+        # (with dp = 1 and cp = 2 it was cp's, whose ring attention runs in the same backward)
+        self.replicas = mesh.fresh_group(*joined) if joined else g.dp
         # the data-parallel replicas are replicate x dp x ep ranks: all take different rows
         self.dp_rank = (rank(g.replicate) * world_size(g.dp) + rank(g.dp)) * par.ep + rank(g.ep)
         self.dp = par.dp
