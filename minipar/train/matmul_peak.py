@@ -6,26 +6,22 @@ square matmul is the wrong stand-in: it takes one kernel path while the model's 
 thin projections may take another. bf16 on a CPU without AMX or AVX512-BF16 is the
 sharp case: its 1024 x 1024 product ran 4.6x slower than the model's own smaller ones,
 so a run "reached" 465% of that peak. Here the peak is timed on the model's shapes:
+every projection of a block (q, k, v, o and the feed-forward's) and the head, at the rows
+one pass multiplies (a micro-batch's sequences x seq_len tokens), each three ways, as
+autograd runs it: forward `x @ W^T`, the input's gradient `g @ W`, the weight's `g^T @ x`.
+Their FLOPs are exactly the 6N x tokens of MFU's formula (a test holds them equal).
 
-- every projection of a block (q, k, v, o and the feed-forward's) and the head, at the
-  rows one pass multiplies (a micro-batch's sequences x seq_len tokens), each three
-  ways, as autograd runs it: forward `x @ W^T`, the input's gradient `g @ W`, the
-  weight's `g^T @ x`;
-- attention's fused kernel, forward and backward, in the dtype autocast gives it in the
-  run, credited with the FLOPs MFU's formula counts for it (12 T h per token and layer,
-  the causal half included as PaLM counts it).
-
-Each kernel is timed at its best of several repetitions, in the thread's CPU time (so a
-busy machine does not lower it), and the peak is their FLOPs
-over their best times, weighted as one step calls them: the rate a step would reach if
-it did nothing but its matmuls, each at its fastest. Its FLOPs are exactly
-`flops_per_token() x tokens` (a test holds them equal), so a run's MFU is the share of
-its step that this rate would have needed, never above 1 unless a kernel ran faster in
-the step than at its best here: then the measurement failed, and the run says so.
+Each is timed at its best of several calls, in the thread's CPU time (so a busy machine
+does not lower it), and the peak is their FLOPs over their best times, weighted as one
+step calls them: the rate of a step that did nothing but its projections, each at its
+fastest. Attention's 12 L T h FLOPs are in MFU's numerator, not in the peak: its fused
+kernel is another kind of work, and how far it falls short of the matmuls' rate is part
+of what MFU shows (it could push MFU above 1 only by outrunning the matmuls, which no
+CPU kernel here does). Above 1, the measurement failed, and the run says so.
 
 tp's narrower slices and cp's shorter sequences are not the peak's shapes: what they
 lose against the whole model's matmuls shows as a lower MFU, as it should. Cached per
-dtype, shapes, device (the CPU's model) and CPU kind, threads and torch version in the cache folder.
+dtype, shapes, device (the CPU's model), CPU kind, threads and torch version.
 """
 
 from __future__ import annotations
@@ -46,7 +42,7 @@ from .data import cache_dir
 # (name, FLOPs per call, calls per step, the call)
 Kernel = tuple[str, float, int, Callable[[], object]]
 
-# a large square is the peak where no model is given (a GPU, `minipar doctor`): this
+# on a GPU the peak is one large square product (the data sheet beside it): this
 # size keeps a core's vector units busy; a GPU needs a far larger one to fill its SMs
 SQUARE_SIZES = {"cpu": 1024, "cuda": 8192}
 
