@@ -37,7 +37,7 @@ MISTAKES = [
 
 @pytest.mark.parametrize("args, says", MISTAKES, ids=lambda v: " ".join(v[2:]) if
                          isinstance(v, list) else None)
-@pytest.mark.slow
+@pytest.mark.slow  # a fresh interpreter per mistake (imports torch each time)
 def test_a_mistake_is_one_line_and_exit_status_2(args, says):
     done = _run(args)
     lines = done.stderr.strip().splitlines()
@@ -70,7 +70,7 @@ def test_version_and_doctor():
     assert ("CPU-only build" in done.stdout) == (not __import__("torch").version.cuda)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # starts a command's ranks, interrupts them, waits for them to go
 def test_ctrl_c_is_one_line_and_leaves_no_rank_behind():
     """Ctrl-C in a terminal interrupts the whole foreground group: the command and its
     ranks. The command says "interrupted", exits 130, and its ranks are gone."""
@@ -93,7 +93,7 @@ def test_ctrl_c_is_one_line_and_leaves_no_rank_behind():
 
 
 @pytest.mark.parametrize("after", [0.3, 1.2, 3.0])
-@pytest.mark.slow
+@pytest.mark.slow  # three interrupted starts, up to 3 s in each
 def test_ctrl_c_while_starting_is_one_line_too(after, tmp_path):
     """Before any rank runs (Python importing torch, runpy running the package's
     __main__, the forkserver importing torch too): still one line and 130, from the
@@ -248,7 +248,7 @@ def test_lessons_copy_writes_the_course_and_keeps_an_instructors_edits(tmp_path,
     assert first.read_text() != "{}"
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # starts torchrun and its workers
 def test_a_world_size_torchrun_disagrees_with_is_one_line_per_worker(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",

@@ -114,7 +114,7 @@ def _all_to_all_cases():
 
 @pytest.mark.parametrize("world_size", [pytest.param(k, marks=pytest.mark.slow) if k > 4 else k
                                         for k in WORLD_SIZES])
-@pytest.mark.slow
+@pytest.mark.slow  # fresh ranks per world size, every collective against torch's
 def test_matches_torch_distributed(world_size):
     results = minipar.launch(lambda: _all_cases() + _all_to_all_cases(), world_size,
                              backend="gloo", timeout=120)

@@ -100,7 +100,7 @@ def test_ring_step_check_names_the_mistake(fn, words):
         check_ring_step(fn, world_sizes=(2, 4) if fn is ring_backwards else (2,))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # waits out the check's deadlock timeout
 def test_ring_step_check_turns_a_deadlock_into_advice():
     with pytest.raises(ExerciseError, match="deadlock"):
         check_ring_step(ring_blocking, world_sizes=(2,), timeout=6)

@@ -85,7 +85,7 @@ def _all_configs():
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.slow
+@pytest.mark.slow  # fresh ranks per world size, up to 4
 def test_equals_single_process_every_step(world_size):
     results = minipar.launch(_all_configs, world_size, backend="gloo", timeout=90)
     for name in results[0]:

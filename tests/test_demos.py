@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("placement_trap_on")
     (data_parallel, ()), (pipeline, ()), (tensor_parallel, ()), (moe, ()),
     (sharded, ()), (mesh, ()), (context_parallel, ()), (slow_networks, ()),
 ], ids=lambda v: getattr(v, "__name__", ""))
-@pytest.mark.slow
+@pytest.mark.slow  # every technique's demo, end to end
 def test_every_demo_matches_one_process(cluster2, technique, args):
     rows = combine(cluster2.run(technique.demo, *args))
     assert rows

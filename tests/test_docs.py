@@ -64,7 +64,7 @@ RUN = [(page, line) for page in PAGES for line, _, marker, _ in blocks(page)
        if marker == "<!-- run -->"]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # runs every docs page's commands
 @pytest.mark.parametrize("page", sorted({page for page, _ in RUN}), ids=lambda p: p.name)
 def test_the_blocks_marked_run_run(page, tmp_path):
     """In a folder of their own, with `.venv` this environment, in order (a page's later

@@ -42,7 +42,7 @@ def test_the_readme_names_every_technique_and_only_commands():
     assert not is_command("minipar.data_parallel.parameter_server")
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a fresh interpreter per command, each starting ranks
 @pytest.mark.parametrize("module", README_COMMANDS)
 def test_every_command_the_readme_names_runs_and_says_what_it_did(module):
     done = _run([module, "--ranks", "2", "--timeout", "100", *SMALL.get(module, [])], 150)
@@ -77,7 +77,7 @@ def test_every_command_has_a_full_help_text(module, monkeypatch, capsys):
     ("minipar.data_parallel.ddp", "python -m minipar.data_parallel"),  # imported by its package
     ("minipar.trace", "python -m minipar --help"),
 ])
-@pytest.mark.slow
+@pytest.mark.slow  # a fresh interpreter per module
 def test_a_library_module_says_it_is_not_a_command(module, command):
     done = _run([module], 60)
     assert done.returncode == 2

@@ -235,7 +235,7 @@ def chain_broadcast(tensor, src):
         dist.send(tensor, (me + 1) % k)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # waits out the check's deadlock timeout
 def test_ring_check_turns_a_deadlock_into_advice():
     with pytest.raises(ExerciseError, match="deadlock.*called from "
                                                       "ring_with_blocking_sends"):
@@ -629,7 +629,7 @@ def _solutions_and_checks(notebook: Path) -> list[str]:
     return [s for s in keep if not s.lstrip().startswith("%")]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # runs each lesson's solution cells and checks
 @pytest.mark.parametrize("notebook", sorted(LESSONS.glob("[0-9][0-9]_*.ipynb")),
                          ids=lambda p: p.stem)
 def test_every_check_accepts_the_notebooks_own_solution(notebook, capsys):

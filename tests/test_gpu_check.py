@@ -82,7 +82,7 @@ def test_every_command_on_the_gpu_page_runs_or_refuses_in_one_line(line, tmp_pat
         assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # every part of the GPU check, on CPU ranks
 def test_on_cpu_ranks_every_part_but_nccl_passes(tmp_path):
     """The page's `minipar gpu-check --on-cpu`, as a learner would type it."""
     [line] = [c for c in PAGE_COMMANDS if "--on-cpu" in c]

@@ -51,7 +51,7 @@ def _submission(nb: dict, before_checks: list[str] = (), drop: str = "",
 LIMIT = 45
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # executes ten learners' notebooks, one hangs to its limit
 @pytest.mark.timeout(LIMIT + 10 * 3 * 6 + 300)
 def test_a_class_of_mixed_submissions_is_graded_one_line_each(tmp_path, capsys):
     nb = json.loads(LESSON.read_text())
@@ -126,7 +126,7 @@ def test_every_lesson_carries_the_metadata_nbgrader_reads(path):
         sum(m["grade"] for m in marked) >= 2
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # runs nbgrader in a subprocess
 def test_nbgrader_generate_assignment_accepts_a_lesson(tmp_path):
     """In a venv of its own (nbgrader brings the notebook package, whose lab extension
     breaks Voila's pages in the environment it shares): installed from the registry, or

@@ -46,7 +46,7 @@ def test_bad_folders_are_refused_before_anything_runs(tmp_path):
         build_site(tmp_path, tmp_path / "taken")
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a fresh interpreter per mistake
 def test_the_command_says_what_is_wrong_in_one_line(tmp_path):
     (tmp_path / "file").write_text("x")
     done = subprocess.run([sys.executable, "-m", "minipar", "lessons", "--html",

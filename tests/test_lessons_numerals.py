@@ -114,7 +114,7 @@ def unexplained(path: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("lesson", CORE, ids=lambda p: p.stem)
-@pytest.mark.slow
+@pytest.mark.slow  # reads every lesson's cells and outputs
 def test_every_numeral_a_lesson_states_is_computed_or_cited(lesson):
     found = unexplained(lesson)
     assert not found, (

@@ -56,7 +56,7 @@ def _run(args: list, cwd: Path, timeout: float = 300) -> str:
     return done.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # builds a wheel, installs it in a venv, runs a lesson
 def test_an_installed_wheel_carries_and_teaches_the_lessons(tmp_path):
     src = _tree(tmp_path / "src")
     _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",

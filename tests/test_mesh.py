@@ -70,7 +70,7 @@ EIGHT = [dict(dp=8, pp=1, tp=1), dict(dp=4, pp=2, tp=1), dict(dp=4, pp=1, tp=2),
          dict(dp=1, pp=2, tp=4), dict(dp=2, pp=2, tp=2)]
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # every composition on 8 ranks time-sharing 2 cores
 def test_every_composition_on_8_ranks_trains_like_one_process():
     with minipar.Cluster(8, backend="gloo", timeout=60) as cluster:
         for dims in EIGHT:

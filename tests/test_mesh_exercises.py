@@ -53,7 +53,7 @@ def not_written(dims):
     raise NotImplementedError("exercise connect_mesh: write your code here")
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the check trains on 8 ranks
 def test_mesh_groups_check_accepts_the_right_answer():
     assert "every rank's group right" in check_mesh_groups(connect_right)
 
@@ -69,7 +69,7 @@ def test_mesh_groups_check_names_the_mistake(fn, words):
         check_mesh_groups(fn, meshes=({"dp": 2, "tp": 2},))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the check trains on 8 ranks, once per mistake
 def test_mesh_groups_check_turns_skipped_groups_into_advice():
     with pytest.raises(ExerciseError, match="every rank must call dist.new_group for every group"):
         check_mesh_groups(connect_only_mine, meshes=({"dp": 2, "tp": 2},), timeout=8)

@@ -41,7 +41,7 @@ def dispatch_a_list(rows, counts):
     return dispatch(rows, counts).tolist()
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the check starts its own ranks
 def test_uneven_dispatch_accepts_the_right_answer():
     assert "in source order, on 3, 4 ranks" in check_uneven_dispatch(dispatch_right)
 
@@ -51,7 +51,7 @@ def test_uneven_dispatch_accepts_the_right_answer():
     (dispatch_out_of_order, "rank \\d received the right rows in the wrong order"),
     (dispatch_a_list, "rank 0 returned a list; return the received rows as a tensor"),
 ])
-@pytest.mark.slow
+@pytest.mark.slow  # the check starts its own ranks, once per mistake
 def test_uneven_dispatch_names_the_mistake(fn, words):
     with pytest.raises(ExerciseError, match=words):
         check_uneven_dispatch(fn)

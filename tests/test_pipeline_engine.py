@@ -51,7 +51,7 @@ def _pipeline_run(cases):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.slow
+@pytest.mark.slow  # every schedule on fresh ranks
 def test_every_synchronous_schedule_equals_one_process(world_size):
     cases = [c for c in SYNC if not (c[0] == "interleaved_1f1b" and c[1] % world_size)]
     results = minipar.launch(_pipeline_run, world_size, cases, backend="gloo", timeout=120)
@@ -209,7 +209,7 @@ def _both_engines(name):
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-@pytest.mark.slow
+@pytest.mark.slow  # torch's pipelining on fresh ranks beside ours
 def test_same_gradients_as_torch_distributed_pipelining(name):
     for pairs in minipar.launch(_both_engines, 3, name, backend="gloo", timeout=60):
         for theirs, mine in pairs:

@@ -62,7 +62,7 @@ def test_a_send_keeps_its_sender_busy_and_the_link_only_delays():
 
 
 @pytest.mark.parametrize("skip", [0, 1])
-@pytest.mark.slow
+@pytest.mark.slow  # a SkipPipe run on fresh ranks
 def test_real_run_equals_the_same_paths_on_one_process(skip, tmp_path):
     plans = [plan_paths(STAGES, MICRO, skip, SPEEDS, reorder=skip > 0)] * STEPS
     results = minipar.launch(train_paths, STAGES, _model, _steps(), plans, mse, LR,

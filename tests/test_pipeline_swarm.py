@@ -38,7 +38,7 @@ def _reference():
 # forwards, so a death at its n-th forward might never come)
 @pytest.mark.parametrize("kill, slowdown", [(None, None), ({2: 1}, None), ({3: 2}, None),
                                             ({3: 1}, {3: 10.0})])
-@pytest.mark.slow
+@pytest.mark.slow  # a swarm run, a worker killed or slowed
 def test_swarm_equals_one_process_even_when_a_worker_dies(kill, slowdown):
     results = minipar.launch(swarm, 5, _model, POOLS, _batches(), mse, LR, MICRO,
                              slowdown=slowdown, kill_at_step=kill, backend="gloo", timeout=60,

@@ -164,7 +164,7 @@ class SlowToUnpickle:
         return (time.sleep, (3,))
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # waits out a timeout on purpose
 def test_the_timeout_counts_from_entering_the_function_not_from_sending_it(cluster2):
     def receive_from_nobody(_):
         dist.recv(torch.zeros(1), src=(minipar.rank() + 1) % 2)
@@ -183,7 +183,7 @@ def test_unpicklable_return_value_is_explained(cluster2):
         cluster2.run(lambda: threading.Lock())
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # kills a caller and waits for its ranks to go
 def test_no_rank_outlives_its_caller(tmp_path):
     script = tmp_path / "owner.py"
     script.write_text(textwrap.dedent("""
@@ -203,7 +203,7 @@ def test_no_rank_outlives_its_caller(tmp_path):
     assert wait_gone(pids, seconds=10) == []
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # waits for an orphaned rank to notice and leave
 def test_a_rank_its_launcher_lost_track_of_leaves_too(tmp_path):
     """Ctrl-C can cut a rank's start short: the rank runs, but its launcher never learned
     its pid, so cannot kill it. It must still leave when its group stops, or the launcher
@@ -288,7 +288,7 @@ def test_where_waiting_reads_a_stack_dump():
     assert "no stack" in where_waiting("")
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # starts torchrun per module
 @pytest.mark.parametrize("module", ["minipar.basics", "minipar.collectives",
                                     "minipar.data_parallel", "minipar.pipeline",
                                     "minipar.tensor_parallel", "minipar.moe"])

@@ -76,7 +76,7 @@ def two_nodes(args: list[str], logs, seconds: float = AGENT_SECONDS,
     return output
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two torchrun 'nodes' on this machine
 def test_techniques_match_one_process_across_two_nodes(tmp_path):
     output = two_nodes([str(Path(__file__).with_name("two_nodes_tour.py"))], tmp_path)
     summaries = re.findall(r"(\d+)/(\d+) checked cases match one process", output)
@@ -87,7 +87,7 @@ def test_techniques_match_one_process_across_two_nodes(tmp_path):
     assert "torchrun's 2 nodes x 2" in line and " yes " in line, output
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # two torchrun 'nodes' train
 @pytest.mark.parametrize("parallel", [dict(dp=2, tp=2), dict(dp=2, pp=2)],
                          ids=["dp x tp", "dp x pp"])
 def test_training_across_two_nodes_ends_on_the_one_node_weights(
@@ -104,7 +104,7 @@ def test_training_across_two_nodes_ends_on_the_one_node_weights(
     assert all(torch.equal(weights[name], one_node[name]) for name in one_node)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # torchrun restarts both nodes after a kill
 def test_a_worker_killed_on_one_node_restarts_both_and_the_run_resumes(
         cluster4, corpus, tmp_path):  # noqa: F811
     """Rank 3 (node 1) is SIGKILLed at step 5; both agents restart their workers in a new

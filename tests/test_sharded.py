@@ -76,7 +76,7 @@ def sharded_training(stage, make):
 
 @pytest.mark.parametrize("stage", [1, 2, 3, "3+prefetch"])
 @pytest.mark.parametrize("world_size", [1, 2, pytest.param(3, marks=pytest.mark.slow), 4])
-@pytest.mark.slow
+@pytest.mark.slow  # every ZeRO stage on fresh ranks per world size
 def test_every_stage_trains_like_one_process(stage, world_size, request):
     want_losses, want_params = one_process(tricky_model)
     shared = {2: "cluster2", 4: "cluster4"}

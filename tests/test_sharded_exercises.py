@@ -80,7 +80,7 @@ def fsdp_without_gathering(unit, shard, x):
     return unit(x)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the checks start their own ranks
 def test_right_answers_pass():
     assert check_zero1_step(zero1_right).startswith("zero1_step: one process's")
     assert check_fsdp_forward(fsdp_right).startswith("fsdp_forward: gather, compute, free")
@@ -97,7 +97,7 @@ def test_right_answers_pass():
     (check_zero1_step, FullyShardedDataParallel, "the library's own implementation"),
 ], ids=["no-gather", "sum", "all-reduce", "no-free", "data-only", "bias-first", "no-gather-fsdp",
      "library"])
-@pytest.mark.slow
+@pytest.mark.slow  # the checks start their own ranks, once per mistake
 def test_usual_mistakes_get_a_hint(check, fn, words):
     with pytest.raises(ExerciseError, match=words):
         check(fn)

@@ -85,7 +85,7 @@ def test_the_outer_optimizer_is_nesterov_with_momentum_and_refuses_bad_settings(
         diloco(None, [], 0)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # runs the DiLoCo bench
 def test_the_bench_meters_one_model_sized_message_per_round_against_ddps_per_step(tmp_path):
     from minipar.slow_networks import diloco_bench as bench
 

@@ -52,7 +52,7 @@ def compressed(cluster2):
     return cluster2.run(_compressed_runs)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # optimizes to a tolerance on ranks
 def test_masha_reaches_the_tolerance_with_fewer_bytes_than_extragradient(compressed):
     for runs in compressed:
         baseline = runs["extragradient"][0]

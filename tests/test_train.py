@@ -81,7 +81,7 @@ def test_data_parallel_runs_equal_one_process(cluster2, corpus, one_process, zer
 
 @pytest.mark.parametrize("zero, recompute", [(0, "selective"), (0, "full"), (1, "full"),
                                              (3, "full")])
-@pytest.mark.slow
+@pytest.mark.slow  # trainer runs per ZeRO stage and policy
 def test_recomputation_changes_nothing_but_memory(cluster2, corpus, one_process, zero,
                                                   recompute):
     """Recomputed activations are the same numbers: the curve equals one process's without
@@ -215,7 +215,7 @@ def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(cluster2):
     ("fp16", dict(pp=2, microbatches=2)),  # inside the pipeline's stages (AutocastStage)
     ("bf16", dict(tp=2, sequence_parallel=True)),  # through tp's collectives
 ])
-@pytest.mark.slow
+@pytest.mark.slow  # two trainer runs per precision and layout
 def test_mixed_precision_tracks_float32(cluster2, corpus, precision, parallel):
     """bf16 and fp16 (float32 masters, 16-bit matmuls; fp16's loss scale folded into the
     loss) follow the float32 run's loss curve within a few percent over 8 steps on 2 ranks

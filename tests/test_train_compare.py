@@ -35,7 +35,7 @@ def config_file(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the compare command's trainer runs
 def test_right_compositions_match_one_process_and_leave_json_and_png(config_file, tmp_path,
                                                                      capsys):
     """dp=2 (DDP buckets) and dp=2 with ZeRO-1 follow one process's curve to 1e-10 at
@@ -59,7 +59,7 @@ def test_right_compositions_match_one_process_and_leave_json_and_png(config_file
     assert (tmp_path / "compare.png").read_bytes().startswith(b"\x89PNG")
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the compare command's trainer runs
 def test_bf16s_tolerance_is_measured_from_two_summation_orders(config_file, tmp_path,
                                                                 capsys):
     """In bf16 the bound is a multiple of the gap between one process with accumulation 1
@@ -75,7 +75,7 @@ def test_bf16s_tolerance_is_measured_from_two_summation_orders(config_file, tmp_
 
 
 @pytest.mark.parametrize("wrong", ["optim.lr=0.004", "train.seed=3"])
-@pytest.mark.slow
+@pytest.mark.slow  # the compare command's trainer runs
 def test_a_configuration_that_is_another_run_is_caught(config_file, tmp_path, capsys, wrong):
     """Another learning rate or other initial weights, even on one rank, is not the same
     curve: the row says DIFFERS, with the step of the largest gap, and exit status is 1."""

@@ -290,7 +290,7 @@ def test_the_overlap_bench_splits_each_reduction_into_hidden_and_exposed(tmp_pat
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "composition.md"
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # a trainer command per composition
 @pytest.mark.parametrize("command", re.findall(r"^\.venv/bin/(minipar train .+)$",
                                                DOCS.read_text(), re.MULTILINE))
 def test_every_train_command_in_the_composition_page_runs(command, tmp_path):

@@ -118,7 +118,7 @@ counts_through_overflow = variant("counts_through_overflow", reset_on_overflow=F
 grows_every_step = variant("grows_every_step", grow_every_step=True)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the checks start their own ranks
 def test_right_answers_pass():
     assert check_global_grad_norm(norm_right).startswith("global_grad_norm: one process's")
     assert check_global_grad_norm(norm_right_as_tensor, layouts=((2, 2),))
@@ -156,7 +156,7 @@ def test_right_answers_pass():
     (check_global_grad_norm, not_written, "not written yet"),
     (check_loss_scale, not_written, "not written yet"),
 ], ids=lambda v: getattr(v, "__name__", None))
-@pytest.mark.slow
+@pytest.mark.slow  # the checks start their own ranks, once per mistake
 def test_usual_mistakes_get_a_hint(check, fn, words):
     with pytest.raises(ExerciseError, match=words):
         check(fn)

@@ -61,7 +61,7 @@ def _fp8_names(config):
                   for i in stage.fp8.weights)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # an FP8 trainer run
 def test_the_blocks_linear_layers_run_in_fp8_the_ends_and_the_router_do_not(corpus):  # noqa: F811
     base = tiny(corpus)
     config = replace(base, train=replace(base.train, precision="fp8"))
@@ -77,7 +77,7 @@ def test_the_blocks_linear_layers_run_in_fp8_the_ends_and_the_router_do_not(corp
         refuse_unbuilt(recompute)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # trainer runs for the spread of training
 def test_compare_holds_another_precision_to_the_spread_of_training(corpus):  # noqa: F811
     """fp8 against an fp32 reference cannot match to rounding; it is held to the gap
     between two seeds, and lands inside it on the tiny decoder."""

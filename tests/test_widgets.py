@@ -85,7 +85,7 @@ def test_collective_recording_matches_the_meter_and_renders(cluster4):
         CollectiveAnimator("star", 2)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the widget measures real ranks
 def test_speedup_lab_measures_real_ranks_and_draws():
     from minipar.widgets import SpeedupLab, render_speedup
 
@@ -100,7 +100,7 @@ def test_speedup_lab_measures_real_ranks_and_draws():
     assert render_speedup(rows).axes
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the widget measures real ranks
 def test_schedule_explorer_simulates_reports_and_measures():
     from minipar.widgets import ScheduleExplorer, render_pipeline
 
@@ -221,7 +221,7 @@ def test_memory_explorer_activations_follow_recomputation_and_micro_batch():
     assert explorer.rows()[0]["activations"] == pytest.approx(8 * full)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the widget measures each ZeRO stage on ranks
 def test_memory_explorer_measures_each_stage_beside_the_formula():
     from minipar.widgets import MemoryExplorer
 
@@ -340,7 +340,7 @@ def test_exchange_picture_counts_links_inside_and_across_nodes():
         render_exchange(sent, 2, 2, "flat", 2)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # the widget runs ranks and kills one
 def test_network_lab_runs_real_ranks_and_survives_a_kill():
     from minipar.slow_networks.lab import network_run
     from minipar.widgets import NetworkLab

@@ -28,7 +28,6 @@ def test_a_stated_figure_that_is_not_a_number_gets_one_clear_line():
         held(1.0, "about 1", "x")
 
 
-@pytest.mark.slow
 def test_rounds_to_is_the_prose_rounding_held_and_the_numerals_test_share():
     assert rounds_to(121.74, "121.7") and not rounds_to(121.76, "121.7")
     assert rounds_to(8.44e22, "8.4e22") and rounds_to(190_160, "1.9e5")
