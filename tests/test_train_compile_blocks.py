@@ -12,7 +12,9 @@ import minipar
 from minipar.train.compile_blocks import refuse_uncompilable
 from minipar.train.loop import train
 
-pytestmark = pytest.mark.slow  # each compiled run pays inductor's C++ compile per rank
+# slow: each compiled run pays inductor's C++ compile per rank, 10-40 s here with a warm
+# cache and more on a fresh machine (a cold cache, a busy core): its own time limit
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _config(text: str, compiled: bool, precision: str = "fp64", **parallel):
