@@ -6,19 +6,25 @@ says which machine produced its figures."""
 from __future__ import annotations
 
 import platform
+from functools import cache
 from pathlib import Path
 
 import torch
 
 
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags (Linux's /proc/cpuinfo); empty where there is none."""
+@cache  # a machine's CPU does not change while a process runs
+def _cpuinfo(*names: str) -> str:
+    """The first /proc/cpuinfo field called one of `names` (Linux); "" where there is none."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
-    return set(line.partition(":")[2].split())
+        return ""
+    return next((ln.partition(":")[2].strip() for ln in lines if ln.startswith(names)), "")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (x86's "flags", Arm's "Features"); empty where unknown."""
+    return set(_cpuinfo("flags", "Features").split())
 
 
 def cpu_kind() -> str:
@@ -39,11 +45,5 @@ def cpu_kind() -> str:
 
 def cpu_model() -> str:
     """The CPU's model name ("AMD EPYC 9R14"), or its architecture where unknown."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 

@@ -248,8 +248,8 @@ def _open_log(config: TrainConfig, out: str | Path | None, resume: bool, first: 
     (Path(out) / "config.toml").write_text(to_toml(config))
     print(describe(config), flush=True)
     print(peak.describe(), flush=True)
-    if peak.warning():  # a low precision this CPU multiplies slower than float32
-        print(peak.warning(), flush=True)
+    if warning := peak.warning():  # a low precision this CPU multiplies slower than fp32
+        print(warning, flush=True)
     if resume:
         print(f"resuming after step {first} of {config.train.steps}" if first else
               "resume: no complete checkpoint yet, starting at step 0", flush=True)

@@ -38,6 +38,7 @@ run takes the same arithmetic path.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -289,9 +290,7 @@ class ModelPart:
         the loss's dp x cp x tp, the squares' world / (the norm groups' sizes)."""
         g = self.groups
         loss_copies = self.dp * world_size(g.cp) * world_size(g.tp)
-        distinct = 1
-        for group in self.norm_groups():
-            distinct *= world_size(group)
+        distinct = math.prod(world_size(group) for group in self.norm_groups())
         loss = 0.0 if loss_share is None else loss_share / loss_copies
         terms = torch.tensor([loss, 0.0, float(overflow)], dtype=torch.float64,
                              device=device())
