@@ -247,3 +247,42 @@ def test_data_parallels_thread_has_a_group_of_its_own(cluster2, corpus, parallel
     group was cp's, whose ring attention sends in the same backward (the small preset
     crashed: "Received data size doesn't match expected size")."""
     assert cluster2.run(_shares_a_group, tiny(corpus, **parallel)) == [[], []]
+
+
+def _handshakes_per_step(config) -> list[int]:
+    """This rank's cross-rank handshakes (collectives.validation's all-gathers of
+    metadata, on any thread) in each of three train_steps."""
+    import torch.distributed as dist
+
+    from minipar.train.data import BatchSampler, load_tokens
+    from minipar.train.loop import build_part, train_step
+    from minipar.train.precision import LossScaler
+
+    part, scaler = build_part(config), LossScaler(enabled=False)
+    tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
+    sampler = BatchSampler(tokens.train, config.model.seq_len, config.train.batch_size, 0,
+                           part.dp_rank, part.dp)
+    real, seen = dist.all_gather, [0]
+
+    def counted(*args, **kwargs):  # minipar's collectives are sends and receives: only the
+        seen[0] += 1               # handshake calls torch's all_gather
+        return real(*args, **kwargs)
+
+    counts = []
+    dist.all_gather = counted
+    try:
+        for _ in range(3):
+            before = seen[0]
+            train_step(part, scaler, *sampler.next(), config, 1e-3)
+            counts.append(seen[0] - before)
+    finally:
+        dist.all_gather = real
+    return counts
+
+
+def test_only_the_first_step_checks_its_collectives(cluster2, corpus):
+    """The first step's collectives (ZeRO-3's gathers and reduce-scatters on the
+    communication thread, the step's scalars on the main thread) each check their
+    shapes across the ranks; the later steps make the same calls and skip the check."""
+    for counts in cluster2.run(_handshakes_per_step, tiny(corpus, dp=2, zero=3)):
+        assert counts[0] > 0 and counts[1:] == [0, 0], counts

@@ -24,6 +24,7 @@ SEGMENT_BYTES = 1 << 20  # ring segments: small enough to overlap, large enough 
 
 _meters: list[Meter] = []
 _validation = threading.local()  # per thread: a communication thread sets its own
+_every_thread = {"enabled": True}  # every thread's, unless it set its own
 
 
 # ------------------------------------------------------------------- the meter ---
@@ -71,20 +72,26 @@ def meter(snapshots: bool = False) -> Iterator[Meter]:
 
 
 @contextmanager
-def validation(enabled: bool) -> Iterator[None]:
-    """Switch the cross-rank shape/argument handshake on or off inside the block, for the
-    calling thread (a trainer's communication thread keeps its own setting)."""
-    previous = validating()
-    _validation.enabled = enabled
+def validation(enabled: bool, every_thread: bool = False) -> Iterator[None]:
+    """Switch the cross-rank shape/argument handshake on or off inside the block: for the
+    calling thread, or with `every_thread` for every thread of this process that has not
+    set its own (a trainer's communication threads, which run its collectives for it)."""
+    # a thread's own setting lives in its threading.local; the process's in _every_thread
+    store = _every_thread if every_thread else _validation.__dict__
+    had, previous = "enabled" in store, store.get("enabled")
+    store["enabled"] = enabled
     try:
         yield
     finally:
-        _validation.enabled = previous
+        if had:
+            store["enabled"] = previous
+        else:  # the thread follows the process's setting again
+            del store["enabled"]
 
 
 def validating() -> bool:
     """Whether the cross-rank handshake is on in this thread (see `validation`)."""
-    return getattr(_validation, "enabled", True)
+    return _validation.__dict__.get("enabled", _every_thread["enabled"])
 
 
 # ------------------------------------------------------------------- one step ---

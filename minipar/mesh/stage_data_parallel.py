@@ -13,7 +13,9 @@ except its last one in the optimizer step (`Pipeline.reduce_gradients_with`):
   on one communication thread while backward goes on (`hidden_and_exposed` measures
   how much of it the compute hides);
 - zero 3: each unit (a block) is gathered for its forward and again for its backward,
-  and reduce-scattered in every micro-batch's backward (fsdp.py says why).
+  and reduce-scattered in every micro-batch's backward (fsdp.py says why), all on the
+  communication thread, which gathers the next unit while this one computes (FSDP2's
+  prefetch, as torchtitan runs it).
 
 Parameters whose replicas span different ranks travel in separate wrappers: `groups`
 maps a parameter to the group of its replicas (a mixture's experts are replicated over
@@ -123,9 +125,10 @@ class StageDataParallel:
                              "blocks, whose experts are replicated over fewer ranks than "
                              "their dense weights; use zero 0, 1 or 2 with ep > 1")
         self.zero, self.tied, self.replicate = zero, tied, replicate
-        # DDP's all-reduces or ZeRO-2's reduce-scatters, every stage's, on one thread: the
-        # stages' wrappers share a group, whose collectives must come in one order
-        self.comm = CommThread("minipar-dp-comm") if zero in (0, 2) else None
+        # DDP's all-reduces, ZeRO-2's reduce-scatters or ZeRO-3's gathers and reduce-scatters,
+        # every stage's, on one thread: the stages' wrappers share a group, whose collectives
+        # must come in one order
+        self.comm = CommThread("minipar-dp-comm") if zero in (0, 2, 3) else None
         self.wrappers: dict[int, list[Wrapper]] = {}
         for index, module in stages.items():
             parts: dict[int, tuple[dist.ProcessGroup, list[nn.Parameter]]] = {}
@@ -149,7 +152,8 @@ class StageDataParallel:
             return DataParallel(holder, group=group, comm=self.comm)
         if self.zero == 3:
             return FullyShardedDataParallel(module, optimizer, fsdp_units(module, self.tied),
-                                            group=group, replicate=self.replicate)
+                                            group=group, replicate=self.replicate,
+                                            comm=self.comm)
         rest = [p for p in params if p is not self.tied]
         # backward produces gradients from the last layer to the first: bucket in that order
         buckets = bucket_parameters(rest[::-1], 1 << 20) + \

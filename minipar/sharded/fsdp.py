@@ -96,7 +96,9 @@ class _Unit:
         if comm is None:
             self._reduce(flat)
         else:
-            comm.submit(self._reduce, flat)
+            # the moment backward hands the unit over (it runs when the thread gets to it)
+            with record("queue", f"queue reduce-scatter unit {self.index}", stage=self.index):
+                comm.submit(self._reduce, flat)
 
     def _reduce(self, flat: torch.Tensor) -> None:
         with record("reduce_scatter", f"reduce-scatter unit {self.index}", stage=self.index):
@@ -112,7 +114,9 @@ class FullyShardedDataParallel:
     `param_dtype=torch.bfloat16`: mixed precision as in ZeroDataParallel; no 16-bit shard is
     kept at rest, the float32 master slice is cast when gathered (as FSDP2 does).
     `prefetch=True` runs every collective on a background thread and starts gathering the
-    next unit (forward: the one after, backward: the one before) while this one computes.
+    next unit (forward: the one after, backward: the one before) while this one computes;
+    `comm` is that thread, when wrappers over one group share it (their collectives must
+    keep one order: a pipeline rank's stages) and implies prefetch.
     `group`: the ranks that share the shards (a mesh's data-parallel dimension; default
     every rank); `replicate`: HSDP's other groups holding the same shards (FlatShard).
 
@@ -124,11 +128,12 @@ class FullyShardedDataParallel:
     def __init__(self, module: nn.Module, optimizer: OptimizerFactory,
                  units: Iterable[nn.Module] | None = None,
                  param_dtype: torch.dtype | None = None, prefetch: bool = False,
-                 group=None, replicate=None) -> None:
+                 group=None, replicate=None, comm: CommThread | None = None) -> None:
         if not trainable_parameters(module):
             raise ValueError("module has no parameter with requires_grad=True to train")
         self.param_dtype = _check_param_dtype(param_dtype)
-        self.comm = CommThread("minipar-fsdp-comm") if prefetch else None
+        self.comm = comm if comm is not None else \
+            CommThread("minipar-fsdp-comm") if prefetch else None
         units = default_units(module) if units is None else list(units)
         owners = Counter(id(p) for u in units for p in trainable_parameters(u))
         assigned: set[int] = set()
@@ -217,6 +222,10 @@ class FullyShardedDataParallel:
                 unit.send_gradients()
             unit.shard.hand_gradient_to_optimizer()
             unit.free()
+            # a gather prefetched for a unit that then did not compute (recomputation's forward
+            # inside backward prefetches the unit after it) holds the weights the update is
+            # about to change: the next forward gathers afresh
+            unit.pending = None
 
     def update(self) -> None:
         """The second half of `step`: update this rank's slices."""

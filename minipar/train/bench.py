@@ -9,9 +9,14 @@ cores" compares like with like; a one-process row on every core is shown too, so
 nobody is misled about what one process can do. Four and eight ranks on this machine's
 2 cores time-share them: their rows show what composing costs in messages and waiting,
 not a speed-up. The variants take turns for `rounds` rounds; a row keeps the median round and
-the per-round ratios, whose spread is the noise. MFU divides by the peak measured for
-the dtype on one thread on the model's own projections (matmul_peak.py), times the cores
-in use; the header gives the fp32 and bf16 peaks and the CPU's kind.
+the per-round ratios, whose spread is the noise. One more row runs no composition at all:
+two one-process runs of half the batch each, at once, on the two cores, with no
+message between them (`CEILING`). That is what dp=2 would reach if its reductions were
+free, so the row says how much of the gap to 2x is the reductions' and how much is the
+two processes slowing each other down through the caches and memory they share. MFU
+divides by the peak measured for the dtype on one thread on the model's own projections
+(matmul_peak.py), times the cores in use; the header gives the fp32 and bf16 peaks and
+the CPU's kind.
 
 The planner (`mesh.planner.estimate`) predicts each fp32 composition's step from
 constants measured here: the compute rate of the one-process fp32 row (in the planner's
@@ -26,6 +31,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -66,6 +72,8 @@ VARIANTS = {
     "dp=2 pp=2 tp=2 m=4, fp32": (dict(dp=2, pp=2, tp=2, microbatches=4), "fp32", ONE_THREAD),
 }
 BASELINE = "1 process, fp32"
+# dp=2 with free reductions: two one-process runs of half the batch each, at once
+CEILING = "2 processes, half batch each, no messages"
 WARMUP = 2  # steps left out of the median: the first ones pay for allocation
 
 
@@ -86,6 +94,18 @@ def _timed_run(config: TrainConfig, threads: int) -> dict:
             "peak_per_core": run.peak.per_device,
             "memory": sum(run.memory["measured"].values()),
             "memory_predicted": sum(run.memory["predicted"].values())}
+
+
+def _side_by_side(clusters: list[Cluster], config: TrainConfig) -> dict:
+    """Each one-rank cluster runs `config` on one thread, all at once, with no messages
+    between them: their tokens/s added, their MFU's mean, the fullest one's memory."""
+    with ThreadPoolExecutor(len(clusters)) as pool:  # one thread per cluster: they run at once
+        runs = list(pool.map(lambda c: c.run(_timed_run, config, ONE_THREAD)[0], clusters))
+    return {"tokens_per_s": sum(r["tokens_per_s"] for r in runs),
+            "mfu": statistics.mean(r["mfu"] for r in runs),
+            "peak_per_core": runs[0]["peak_per_core"],
+            "memory": max(r["memory"] for r in runs),
+            "memory_predicted": max(r["memory_predicted"] for r in runs)}
 
 
 def planner_model(c: DecoderConfig) -> cost.TransformerConfig:
@@ -130,26 +150,53 @@ def predicted_step(config: TrainConfig, flops: float, bandwidth: float, alpha: f
                     bytes_per_value=4).step
 
 
-def _config(preset: str, parallel: dict, precision: str, steps: int) -> TrainConfig:
-    return load_config(preset, {
-        **{f"parallel.{k}": v for k, v in parallel.items()}, "train.precision": precision,
-        "train.steps": steps, "optim.warmup_steps": 1, "train.eval_every": 0,
-        "train.eval_batches": 1})
+def _config(preset: str, parallel: dict, precision: str, steps: int,
+            batch_size: int | None = None) -> TrainConfig:
+    """The bench's run of `preset` (`batch_size` replaces the preset's: CEILING's half)."""
+    overrides = {**{f"parallel.{k}": v for k, v in parallel.items()},
+                 "train.precision": precision, "train.steps": steps,
+                 "optim.warmup_steps": 1, "train.eval_every": 0, "train.eval_batches": 1}
+    if batch_size is not None:
+        overrides["train.batch_size"] = batch_size
+    return load_config(preset, overrides)
 
 
-def measure(steps: int = 12, rounds: int = 3, preset: str = "small") -> list[dict]:
+def _spec(name: str) -> tuple[dict, str, int]:
+    """A row's (parallel degrees, precision, threads per rank); CEILING's are dp=2's."""
+    return (dict(dp=2), "fp32", ONE_THREAD) if name == CEILING else VARIANTS[name]
+
+
+# the rows in the order they run and print: the ceiling beside the data-parallel rows
+ROWS = [*list(VARIANTS)[:4], CEILING, *list(VARIANTS)[4:]]
+
+
+def measure(steps: int = 12, rounds: int = 3, preset: str = "small",
+            variants: tuple[str, ...] = tuple(ROWS)) -> list[dict]:
     """Each variant's median tokens/s and MFU, the variants in turns for `rounds` rounds,
-    and the planner's prediction for each fp32 composition."""
-    runs: dict[str, list[dict]] = {name: [] for name in VARIANTS}
-    sizes = sorted({_ranks(v[0]) for v in VARIANTS.values()} | {2})
+    and the planner's prediction for each fp32 composition. The baseline always runs:
+    every ratio is to it."""
+    unknown = [v for v in variants if v not in ROWS]
+    if unknown:
+        raise ValueError(f"variants must be among {ROWS}; got {unknown}")
+    names = [BASELINE, *[v for v in variants if v != BASELINE]]
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    sizes = sorted({_ranks(_spec(name)[0]) for name in names} | {1, 2})
     clusters = {k: Cluster(k, backend="gloo", timeout=120) for k in sizes}
+    # CEILING's second process: a one-rank cluster beside clusters[1]
+    alone = [clusters[1], Cluster(1, backend="gloo", timeout=120)] if CEILING in names else []
     try:
         progress("fitting alpha and beta (ping-pong) and the optimizer's memory rate")
         fitted = fit_machine(clusters[2], save=False)
         bandwidth = clusters[1].run(_adam_bytes_per_s, _config(preset, {}, "fp32", 1))[0]
+        half = _config(preset, {}, "fp32", steps).train.batch_size // 2
         for round_index in range(rounds):
-            for name, (parallel, precision, threads) in VARIANTS.items():
+            for name in names:
                 progress(f"{name}, round {round_index + 1}/{rounds}")
+                if name == CEILING:
+                    runs[name].append(_side_by_side(alone, _config(preset, {}, "fp32", steps,
+                                                                   batch_size=half)))
+                    continue
+                parallel, precision, threads = VARIANTS[name]
                 config = _config(preset, parallel, precision, steps)
                 result = clusters[_ranks(parallel)].run(_timed_run, config, threads)
                 # the slowest rank sets the pace; the fullest rank sets the memory
@@ -158,7 +205,7 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small") -> list[dic
                                    "memory_predicted": max(r["memory_predicted"]
                                                            for r in result)})
     finally:
-        for cluster in clusters.values():
+        for cluster in [*clusters.values(), *alone[1:]]:
             cluster.close()
     base = runs[BASELINE]
     tokens = _config(preset, {}, "fp32", 1)
@@ -167,11 +214,13 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small") -> list[dic
     flops = (sum(cost.transformer_flops(planner_model(tokens.model)).values())
              * statistics.median(r["tokens_per_s"] for r in base))
     rows = []
-    for name, (parallel, precision, threads) in VARIANTS.items():
+    for name in [n for n in ROWS if n in runs]:
+        parallel, precision, threads = _spec(name)
         speeds = [r["tokens_per_s"] for r in runs[name]]
         config = _config(preset, parallel, precision, steps)
         predicted = (predicted_step(config, flops, bandwidth, fitted.alpha, fitted.beta)
-                     if precision == "fp32" and threads == ONE_THREAD else None)
+                     if precision == "fp32" and threads == ONE_THREAD and name != CEILING
+                     else None)
         rows.append({"variant": name, "ranks": _ranks(parallel), "precision": precision,
                      "threads": threads, "tokens_per_s": statistics.median(speeds),
                      "tokens_per_s_range": [min(speeds), max(speeds)],

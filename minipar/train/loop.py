@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .. import trace
+from .. import collectives, trace
 from ..moe.moe_decoder import moe_decoder
 from ..pipeline import SCHEDULES
 from ..runtime import allocator_history, rank, reset_memory_peak, world_size
@@ -129,6 +129,17 @@ def train_step(part: ModelPart, scaler: LossScaler, ids: torch.Tensor,
     """One optimizer step on this rank's rows (steps 2-5 of the module docstring): the
     batch's mean loss, the global gradient norm (None after an fp16 overflow), and
     whether the step was skipped for one."""
+    # the part's first step checks that every collective's ranks agree on shapes and
+    # arguments (one handshake per call: collectives.validation); each later step makes the
+    # same calls, where the handshakes would only cost time, as torch's own never pay them
+    with collectives.validation(not part.stepped, every_thread=True):
+        outcome = _step(part, scaler, ids, targets, config, lr)
+    part.stepped = True
+    return outcome
+
+
+def _step(part: ModelPart, scaler: LossScaler, ids: torch.Tensor, targets: torch.Tensor,
+          config: TrainConfig, lr: float) -> tuple[float, float | None, bool]:
     accumulation, batch = config.train.accumulation, config.train.batch_size
     chunks = list(zip(torch.tensor_split(ids, accumulation),
                       torch.tensor_split(targets, accumulation), strict=True))

@@ -115,6 +115,7 @@ class ModelPart:
 
     def __init__(self, twin: Decoder, config: TrainConfig) -> None:
         self.weight_decay, self.precision = config.optim.weight_decay, config.train.precision
+        self.stepped = False  # whether a train_step ran: its collectives were checked (loop.py)
         par = config.parallel
         joined = replica_dimensions(par)
         mesh = trainer_mesh(config)
