@@ -22,6 +22,10 @@ import pytest
 CHROMIUM = os.environ.get("MINIPAR_CHROMIUM") or shutil.which("chromium") \
     or shutil.which("chromium-browser")
 HOW = "no browser: apt-get install -y chromium and pip install playwright (or set MINIPAR_CHROMIUM)"
+# how long a test waits for the page to change (ms): a hang guard, not a speed check. A
+# change that goes through the kernel (a control moved, the widget recomputed and redrawn)
+# took over 15 s on two cores beside a busy loop and eight ranks' tests
+WAIT_MS = 90_000
 
 
 def _have_browser() -> bool:

@@ -39,7 +39,7 @@ def _gantt_state(page, index: int) -> dict:
 def test_schedule_explorer_and_timeline_viewer(page, lab, screenshots):
     name = jupyter_lab.write_notebook(lab[2], "gantt.ipynb", NOTEBOOK)
     jupyter_lab.run_all(page, lab, name)
-    page.wait_for_selector(".mp-gantt svg rect[data-e]", timeout=30_000)
+    page.wait_for_selector(".mp-gantt svg rect[data-e]", timeout=jupyter_lab.WAIT_MS)
     if page.get_by_text("Would you like to get notified").count():  # JupyterLab's news toast
         page.get_by_role("button", name="No", exact=True).first.click()
     assert page.locator(".mp-gantt").count() == 2
@@ -55,7 +55,7 @@ def test_schedule_explorer_and_timeline_viewer(page, lab, screenshots):
     # a control changes the drawing (the kernel recomputes, the browser redraws)
     page.locator(".jupyter-widgets select").first.select_option("gpipe")
     page.wait_for_function(f"Number(document.querySelector('.mp-gantt').dataset.draws) > "
-                           f"{before['draws']}", timeout=15_000)
+                           f"{before['draws']}", timeout=jupyter_lab.WAIT_MS)
     assert _gantt_state(page, 0)["signature"] != before["signature"]  # GPipe: all F first
 
     # an impossible choice greys the picture and says why: interleaved, 2 virtual stages,
@@ -65,14 +65,14 @@ def test_schedule_explorer_and_timeline_viewer(page, lab, screenshots):
     sliders.nth(2).press("ArrowRight")  # virtual 1 -> 2
     sliders.nth(1).press("ArrowLeft")  # micro-batches 8 -> 7
     page.wait_for_function("document.querySelector('.mp-gantt').classList.contains('greyed')",
-                           timeout=15_000)
+                           timeout=jupyter_lab.WAIT_MS)
     assert "multiple of" in _gantt_state(page, 0)["reason"]
     assert page.evaluate("getComputedStyle(document.querySelector('.mp-gantt svg')).opacity")\
         == "0.3"
     outputs.first.screenshot(path=str(screenshots / "schedule_explorer_impossible.png"))
     sliders.nth(1).press("ArrowRight")  # back to 8: valid again
     page.wait_for_function("!document.querySelector('.mp-gantt').classList.contains('greyed')",
-                           timeout=15_000)
+                           timeout=jupyter_lab.WAIT_MS)
 
     # Play runs in the browser: the cursor moves and fewer actions are drawn mid-way
     viewer = page.locator(".mp-gantt").nth(1)
@@ -80,11 +80,11 @@ def test_schedule_explorer_and_timeline_viewer(page, lab, screenshots):
     full = _gantt_state(page, 1)
     viewer.locator("button.play").click()
     page.wait_for_function("Number(document.querySelectorAll('.mp-gantt')[1].dataset.cursor) < 1",
-                           timeout=5_000)
+                           timeout=jupyter_lab.WAIT_MS)
     mid = _gantt_state(page, 1)
     assert mid["cursor"] < 1 and mid["shown"] <= full["shown"]
     page.wait_for_function("Number(document.querySelectorAll('.mp-gantt')[1].dataset.cursor)"
-                           " === 1", timeout=10_000)
+                           " === 1", timeout=jupyter_lab.WAIT_MS)
     assert _gantt_state(page, 1)["draws"] > full["draws"] + 3  # several frames were drawn
 
     # hover shows an action's details

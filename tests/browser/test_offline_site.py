@@ -80,14 +80,14 @@ def test_every_lesson_page_renders_its_widgets_offline(offline, site, screenshot
         expected = offline.locator(VIEWS).count()
         offline.wait_for_function(
             f"document.querySelectorAll('.widget-subarea > *').length >= {expected}",
-            timeout=20_000)
+            timeout=jupyter_lab.WAIT_MS)
         offline.wait_for_function(  # the browser-drawn views have drawn
             "[...document.querySelectorAll('.mp-view')].every("
             "v => v.querySelector('svg') || v.dataset.frames === '0')",  # 0: empty until run
-            timeout=20_000)
+            timeout=jupyter_lab.WAIT_MS)
         assert offline.get_by_text("Error displaying widget").count() == 0, name
         if name in with_formulas:  # MathJax, served from the site, typeset them
-            offline.wait_for_selector("mjx-container svg", timeout=20_000)
+            offline.wait_for_selector("mjx-container svg", timeout=jupyter_lab.WAIT_MS)
         assert offline.refused == offline.errors == offline.missing == [], (
             name, offline.refused, offline.errors, offline.missing)
 
@@ -96,22 +96,23 @@ def test_schedule_and_collective_widgets_play_without_a_kernel(offline, site, sc
     base, _ = site
     offline.goto(base + "03_pipeline.html")
     gantt = offline.locator(".mp-gantt").first
-    gantt.wait_for(timeout=20_000)
+    gantt.wait_for(timeout=jupyter_lab.WAIT_MS)
     gantt.scroll_into_view_if_needed()
     gantt.locator("button.play").click()
     offline.wait_for_function("Number(document.querySelector('.mp-gantt').dataset.cursor) < 1",
-                              timeout=5_000)
+                              timeout=jupyter_lab.WAIT_MS)
     offline.wait_for_function("Number(document.querySelector('.mp-gantt').dataset.cursor) === 1",
-                              timeout=10_000)
+                              timeout=jupyter_lab.WAIT_MS)
     gantt.screenshot(path=str(screenshots / "offline_schedule_explorer.png"))
 
     offline.goto(base + "01_collectives.html")
     collective = offline.locator(".mp-collective").first
-    collective.wait_for(timeout=20_000)
+    collective.wait_for(timeout=jupyter_lab.WAIT_MS)
     collective.scroll_into_view_if_needed()
     collective.locator("button.play").click()
     offline.wait_for_function(
-        "Number(document.querySelector('.mp-collective').dataset.frame) >= 2", timeout=10_000)
+        "Number(document.querySelector('.mp-collective').dataset.frame) >= 2",
+        timeout=jupyter_lab.WAIT_MS)
     collective.screenshot(path=str(screenshots / "offline_collective_animator.png"))
     assert offline.refused == offline.errors == offline.missing == [], (
         offline.refused, offline.errors, offline.missing)

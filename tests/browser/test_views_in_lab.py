@@ -31,14 +31,14 @@ def _state(page, index: int) -> dict:
 
 def _wait_draws(page, index: int, more_than: int) -> None:
     page.wait_for_function(f"Number(document.querySelectorAll('.mp-view')[{index}]"
-                           f".dataset.draws) > {more_than}", timeout=20_000)
+                           f".dataset.draws) > {more_than}", timeout=jupyter_lab.WAIT_MS)
 
 
 def test_every_widget_draws_plays_and_answers_its_controls(page, lab, screenshots):
     name = jupyter_lab.write_notebook(lab[2], "views.ipynb", NOTEBOOK)
     jupyter_lab.run_all(page, lab, name, timeout_s=180)
     page.wait_for_function(f"document.querySelectorAll('.mp-view svg').length >= {len(WIDGETS)}",
-                           timeout=30_000)
+                           timeout=jupyter_lab.WAIT_MS)
     assert page.get_by_text("Error displaying widget").count() == 0
     views = page.locator(".mp-view")
     assert views.count() == len(WIDGETS)
@@ -57,7 +57,7 @@ def test_every_widget_draws_plays_and_answers_its_controls(page, lab, screenshot
     assert _state(page, 0)["frames"] == 7  # ring on 4 ranks: start + 6 steps
     collective.locator("button.play").click()
     page.wait_for_function("Number(document.querySelectorAll('.mp-view')[0].dataset.frame) >= 2",
-                           timeout=10_000)
+                           timeout=jupyter_lab.WAIT_MS)
     collective.locator("button.play").click()  # pause
     frame = _state(page, 0)["frame"]
     assert collective.locator(".step").inner_text().startswith(f"step {frame} of 6")
@@ -78,18 +78,18 @@ def test_every_widget_draws_plays_and_answers_its_controls(page, lab, screenshot
     height = _state(page, 1)["height"]
     ring.locator("button.play").click()
     page.wait_for_function("Number(document.querySelectorAll('.mp-view')[1].dataset.frame) >= 2",
-                           timeout=10_000)
+                           timeout=jupyter_lab.WAIT_MS)
     assert abs(_state(page, 1)["height"] - height) < 2  # frames share one height
     checkboxes = outputs.nth(1).locator("input[type=checkbox]")
     checkboxes.nth(0).uncheck()  # no causal mask ...
     checkboxes.nth(1).check()  # ... but balanced: not possible
     page.wait_for_function("document.querySelectorAll('.mp-view')[1].classList.contains('greyed')",
-                           timeout=15_000)
+                           timeout=jupyter_lab.WAIT_MS)
     assert "causal" in _state(page, 1)["reason"]
     outputs.nth(1).screenshot(path=str(screenshots / "ring_animator_impossible.png"))
     checkboxes.nth(0).check()
     page.wait_for_function("!document.querySelectorAll('.mp-view')[1].classList.contains("
-                           "'greyed')", timeout=15_000)
+                           "'greyed')", timeout=jupyter_lab.WAIT_MS)
 
     # the split viewer: a new split redraws every step
     split = _state(page, 3)
