@@ -249,19 +249,25 @@ def test_data_parallels_thread_has_a_group_of_its_own(cluster2, corpus, parallel
     assert cluster2.run(_shares_a_group, tiny(corpus, **parallel)) == [[], []]
 
 
+def sampler_for(config, part):
+    """The run's batches for this rank of `part` (the seed 0 sampler over the corpus)."""
+    from minipar.train.data import BatchSampler, load_tokens
+
+    tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
+    return BatchSampler(tokens.train, config.model.seq_len, config.train.batch_size, 0,
+                        part.dp_rank, part.dp)
+
+
 def _handshakes_per_step(config) -> list[int]:
     """This rank's cross-rank handshakes (collectives.validation's all-gathers of
     metadata, on any thread) in each of three train_steps."""
     import torch.distributed as dist
 
-    from minipar.train.data import BatchSampler, load_tokens
     from minipar.train.loop import build_part, train_step
     from minipar.train.precision import LossScaler
 
     part, scaler = build_part(config), LossScaler(enabled=False)
-    tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
-    sampler = BatchSampler(tokens.train, config.model.seq_len, config.train.batch_size, 0,
-                           part.dp_rank, part.dp)
+    sampler = sampler_for(config, part)
     real, seen = dist.all_gather, [0]
 
     def counted(*args, **kwargs):  # minipar's collectives are sends and receives: only the

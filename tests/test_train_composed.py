@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
+from test_train import corpus, sampler_for, tiny  # noqa: F401  (corpus is a fixture)
 
 import minipar
 from minipar import trace
@@ -102,14 +102,6 @@ def test_a_composition_staged_through_host_memory_trains_as_one_process(cluster4
     _assert_same_run([run for run, _ in results], one_process, config)
 
 
-def _sampler(config, part):
-    from minipar.train.data import BatchSampler, load_tokens
-
-    tokens = load_tokens(config.data.path, config.data.val_fraction, config.data.seed)
-    return BatchSampler(tokens.train, config.model.seq_len, config.train.batch_size, 0,
-                        part.dp_rank, part.dp)
-
-
 def _reductions_in_backward(config) -> tuple[int, int]:
     """On this rank, in one traced optimizer-step chunk: the data-parallel reductions that
     were launched inside a pipeline backward (B or W), and all of them. A reduction on
@@ -118,7 +110,7 @@ def _reductions_in_backward(config) -> tuple[int, int]:
 
     part = build_part(config)
     with trace.capture() as captured:
-        part.forward_backward(*_sampler(config, part).next(), config.train.batch_size,
+        part.forward_backward(*sampler_for(config, part).next(), config.train.batch_size,
                                  LossScaler(False), last=True)
         part.reduce_gradients()
     events = captured.events
@@ -173,7 +165,7 @@ def _norms(config) -> tuple[float, float]:
     from minipar.train.precision import LossScaler
 
     part = build_part(config)
-    part.forward_backward(*_sampler(config, part).next(), config.train.batch_size,
+    part.forward_backward(*sampler_for(config, part).next(), config.train.batch_size,
                              LossScaler(False), last=True)
     part.reduce_gradients()
     grads, groups = part.norm_gradients(), part.norm_groups()
@@ -255,7 +247,7 @@ def _saved_activation_peak(config) -> int:
 
     part = build_part(config)
     part.model.pipe.measure_activations = True  # the trainer's timed steps leave it off
-    sampler = _sampler(config, part)
+    sampler = sampler_for(config, part)
     for _ in range(2):
         part.forward_backward(*sampler.next(), config.train.batch_size,
                                  LossScaler(False), last=True)

@@ -170,27 +170,21 @@ def _spec(name: str) -> tuple[dict, str, int]:
 ROWS = [*list(VARIANTS)[:4], CEILING, *list(VARIANTS)[4:]]
 
 
-def measure(steps: int = 12, rounds: int = 3, preset: str = "small",
-            variants: tuple[str, ...] = tuple(ROWS)) -> list[dict]:
+def measure(steps: int = 12, rounds: int = 3, preset: str = "small") -> list[dict]:
     """Each variant's median tokens/s and MFU, the variants in turns for `rounds` rounds,
-    and the planner's prediction for each fp32 composition. The baseline always runs:
-    every ratio is to it."""
-    unknown = [v for v in variants if v not in ROWS]
-    if unknown:
-        raise ValueError(f"variants must be among {ROWS}; got {unknown}")
-    names = [BASELINE, *[v for v in variants if v != BASELINE]]
-    runs: dict[str, list[dict]] = {name: [] for name in names}
-    sizes = sorted({_ranks(_spec(name)[0]) for name in names} | {1, 2})
+    and the planner's prediction for each fp32 composition."""
+    runs: dict[str, list[dict]] = {name: [] for name in ROWS}
+    sizes = sorted({_ranks(_spec(name)[0]) for name in ROWS})
     clusters = {k: Cluster(k, backend="gloo", timeout=120) for k in sizes}
     # CEILING's second process: a one-rank cluster beside clusters[1]
-    alone = [clusters[1], Cluster(1, backend="gloo", timeout=120)] if CEILING in names else []
+    alone = [clusters[1], Cluster(1, backend="gloo", timeout=120)]
     try:
         progress("fitting alpha and beta (ping-pong) and the optimizer's memory rate")
         fitted = fit_machine(clusters[2], save=False)
         bandwidth = clusters[1].run(_adam_bytes_per_s, _config(preset, {}, "fp32", 1))[0]
         half = _config(preset, {}, "fp32", steps).train.batch_size // 2
         for round_index in range(rounds):
-            for name in names:
+            for name in ROWS:
                 progress(f"{name}, round {round_index + 1}/{rounds}")
                 if name == CEILING:
                     runs[name].append(_side_by_side(alone, _config(preset, {}, "fp32", steps,
@@ -205,7 +199,7 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small",
                                    "memory_predicted": max(r["memory_predicted"]
                                                            for r in result)})
     finally:
-        for cluster in [*clusters.values(), *alone[1:]]:
+        for cluster in [*clusters.values(), alone[1]]:
             cluster.close()
     base = runs[BASELINE]
     tokens = _config(preset, {}, "fp32", 1)
@@ -214,7 +208,7 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small",
     flops = (sum(cost.transformer_flops(planner_model(tokens.model)).values())
              * statistics.median(r["tokens_per_s"] for r in base))
     rows = []
-    for name in [n for n in ROWS if n in runs]:
+    for name in ROWS:
         parallel, precision, threads = _spec(name)
         speeds = [r["tokens_per_s"] for r in runs[name]]
         config = _config(preset, parallel, precision, steps)
