@@ -17,7 +17,7 @@ from minipar.tensor_parallel.collective_matmul import (
     all_gather_matmul,
     matmul_reduce_scatter,
 )
-from minipar.tensor_parallel.collective_matmul_bench import exposed_and_hidden
+from minipar.tensor_parallel.collective_matmul_bench import critical_rank, exposed_and_hidden
 
 B, S, H, FFN = 2, 8, 6, 12
 
@@ -120,6 +120,20 @@ def _misuse():
     except ValueError as err:
         errors.append(str(err))
     return errors
+
+
+def test_a_step_is_counted_on_the_rank_that_arrived_last():
+    # rank 0 ran ahead at steps 1 and 3 and waited 0.9 s for its peer: that is skew, not the
+    # link; rank 1 ran ahead at step 2. Each step keeps the rank that exposed less.
+    per_rank = [{"seconds": 1.0, "exposed": [0.9, 0.001, 0.8], "hidden": [0.0, 0.2, 0.1],
+                 "events": "rank 0's"},
+                {"seconds": 1.2, "exposed": [0.002, 0.7, 0.003], "hidden": [0.2, 0.0, 0.3],
+                 "events": "rank 1's"}]
+    run = critical_rank(per_rank)
+    assert run["exposed"] == 0.002  # the median of 0.002, 0.001 and 0.003
+    assert run["hidden"] == 0.2  # the median of 0.2, 0.2 and 0.3, from the same ranks
+    assert run["seconds"] == 1.2  # a step ends when its slower rank ends
+    assert run["events"] == "rank 1's"  # the last step's rank that arrived last
 
 
 def test_misuse_is_refused_in_one_line(cluster2):
