@@ -108,8 +108,8 @@ def critical_rank(per_rank: list[dict]) -> dict:
     exposed and hidden communication are those of the rank that exposed less, the rank
     that arrived last (the other also waited for it), then the median over steps. The
     events, for the figure, are the last step's on the rank that arrived last."""
-    steps = [min(per_step) for per_step in zip(
-        *(list(zip(p["exposed"], p["hidden"], strict=True)) for p in per_rank), strict=True)]
+    pairs = [list(zip(p["exposed"], p["hidden"], strict=True)) for p in per_rank]
+    steps = [min(step) for step in zip(*pairs, strict=True)]  # (exposed, hidden) per rank
     last = min(per_rank, key=lambda p: p["exposed"][-1])
     return {"seconds": max(p["seconds"] for p in per_rank),
             "exposed": statistics.median(exposed for exposed, _ in steps),
