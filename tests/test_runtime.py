@@ -15,6 +15,7 @@ import torch.distributed as dist
 from conftest import child_pids, wait_gone
 
 import minipar
+from minipar import collectives
 from minipar.runtime.worker import where_waiting
 
 
@@ -100,6 +101,33 @@ def test_groups_a_run_made_end_as_the_next_run_starts(cluster2):
     assert after == baseline
     # the next run still makes and uses groups (names and tags stay in step across ranks)
     assert cluster2.run(lambda: _threads_after_making_groups(1) > 0) == [True, True]
+
+
+def _loop_thread_policies() -> dict[str, list[int]]:
+    """Each gloo loop thread's scheduling policy, after start-up and after a mesh's groups."""
+    from minipar.mesh import Mesh
+    from minipar.runtime.gloo_threads import LOOP_THREAD
+
+    def policies():
+        tids = [t for t in os.listdir("/proc/self/task")
+                if open(f"/proc/self/task/{t}/comm").read().strip() == LOOP_THREAD]
+        return [os.sched_getscheduler(int(t)) for t in tids]
+
+    started = policies()
+    groups = Mesh(dp=2).connect()
+    collectives.all_reduce(torch.ones(3), group=groups.dp)  # the new group's loop works
+    return {"started": started, "mesh": policies()}
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
+def test_gloo_loop_threads_cannot_preempt_the_thread_holding_their_lock(cluster2):
+    """gloo's loop thread spins while another thread holds its connection's lock: waking
+    on a busy core it must not preempt that thread (runtime/gloo_threads.py), so every
+    loop thread, the start's and each new group's, runs in SCHED_BATCH."""
+    for seen in cluster2.run(_loop_thread_policies):
+        assert seen["started"] and set(seen["started"]) == {os.SCHED_BATCH}, seen
+        assert len(seen["mesh"]) > len(seen["started"]), seen  # the mesh's groups have theirs
+        assert set(seen["mesh"]) == {os.SCHED_BATCH}, seen
 
 
 def test_start_method_spawn_works():

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..report import format_table
-from ..runtime import rank, world_size
+from ..runtime import calm_gloo_threads, rank, world_size
 
 
 class Mesh:
@@ -115,6 +115,7 @@ class Mesh:
                 group = dist.new_group(ranks)  # every rank creates every group
                 if me in ranks:
                     mine["_".join(names)] = group
+        calm_gloo_threads()  # each new group's loop thread (runtime/gloo_threads.py)
         return MeshGroups(self, me, mine)
 
     def fresh_group(self, *names: str) -> dist.ProcessGroup:
@@ -126,6 +127,7 @@ class Mesh:
             group = dist.new_group(ranks)  # collective: every rank creates every group
             if me in ranks:
                 mine = group
+        calm_gloo_threads()
         return mine
 
 

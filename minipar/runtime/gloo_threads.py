@@ -1,0 +1,49 @@
+"""gloo's socket threads must not preempt the thread whose lock they wait for.
+
+gloo, torch's CPU backend, gives each process group a thread (named `gloo_tcp_loop`)
+that waits in epoll for the group's sockets and reads what arrives. To touch a
+connection it takes that connection's lock with a try-lock; when another thread holds
+it (the rank's own thread, posting a send or a receive), it gives up and goes back to
+epoll, which reports the same event at once: it spins until the lock is free
+(`Pair::handleEvents` in gloo's tcp/pair.cc says so).
+
+On Linux a thread that wakes up may preempt the one running on its core. With ranks
+on busy cores (as in training, or one rank bound per core), the loop thread wakes as
+a message lands, preempts the very thread that holds the lock, and spins until the
+scheduler's next tick (4 ms at 250 Hz) lets the holder finish. A two-rank ring
+all-reduce of three numbers took 3.7 ms instead of 0.15 ms; a training step pays it on
+every exposed reduction.
+
+The fix is a scheduling class, not a change to gloo: SCHED_BATCH. The kernel never lets
+a waking SCHED_BATCH thread preempt the running one (its turn comes when that thread
+sleeps, say in the wait for this very message, or at the next tick), and at nice 0 it
+keeps its full share of the core. Every rank calls `calm_gloo_threads` after it makes
+process groups (each group starts a loop thread of its own).
+"""
+
+from __future__ import annotations
+
+import os
+
+LOOP_THREAD = "gloo_tcp_loop"  # the name gloo gives its epoll thread (tcp/loop.cc)
+
+
+def calm_gloo_threads() -> int:
+    """Move this process's gloo loop threads to SCHED_BATCH (see the module docstring);
+    returns how many it moved. Does nothing where the platform has no SCHED_BATCH or
+    no /proc (macOS) and skips threads that end while it looks."""
+    if not hasattr(os, "SCHED_BATCH") or not os.path.isdir("/proc/self/task"):
+        return 0
+    moved = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != LOOP_THREAD:
+                    continue
+            if os.sched_getscheduler(int(tid)) != os.SCHED_BATCH:
+                # per thread: Linux takes a thread id where the call names a process
+                os.sched_setscheduler(int(tid), os.SCHED_BATCH, os.sched_param(0))
+                moved += 1
+        except OSError:  # the thread ended (a destroyed group's), or a sandbox refuses
+            continue
+    return moved
