@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import collectives
-from ..runtime import rank, world_size
+from ..runtime import calm_gloo_threads, rank, world_size
 from ..tensor_parallel.mappings import gather_from_sequence_parallel_region
 from ..trace import record
 from .layer import MoELayer
@@ -91,6 +91,7 @@ def _blocks(group, size: int):
         block = dist.new_group(members[start:start + size])
         if rank(group) // size == start // size:
             mine = block
+    calm_gloo_threads()  # the new groups' gloo threads (runtime/gloo_threads.py)
     return mine
 
 

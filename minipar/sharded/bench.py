@@ -16,7 +16,7 @@ from ..data_parallel import DataParallel, shard
 from ..models import mlp, mlp_parameters
 from ..plots import stack_memory
 from ..report import format_table, progress, save_results, spread
-from ..runtime import Cluster, device, world_size
+from ..runtime import Cluster, calm_gloo_threads, device, world_size
 from ..runtime.placement import host_allocations
 from .fsdp import FullyShardedDataParallel, default_units
 from .memory_tracker import MemoryTracker, recompute
@@ -47,6 +47,7 @@ def _wrap(variant: str, model: torch.nn.Module, param_dtype: torch.dtype | None 
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world_size(),))
+        calm_gloo_threads()  # its groups' gloo threads as minipar's (runtime/gloo_threads.py)
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)

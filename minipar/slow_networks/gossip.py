@@ -32,7 +32,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from .. import collectives
 from ..data_parallel import shard
-from ..runtime import rank, world_size
+from ..runtime import calm_gloo_threads, rank, world_size
 from ..trace import record
 from .relaxed import RelaxedReport
 
@@ -187,6 +187,7 @@ def grouped(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor
             group = dist.new_group(members)
             if me in members:
                 mine.append(group)
+    calm_gloo_threads()  # the new groups' gloo threads (runtime/gloo_threads.py)
     report = GossipReport()
     for step, (xb, yb) in enumerate(batches):
         start = time.perf_counter()
