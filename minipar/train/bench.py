@@ -56,6 +56,8 @@ VARIANTS = {
     "dp=2, fp32": (dict(dp=2), "fp32", ONE_THREAD),
     "dp=2, bf16": (dict(dp=2), "bf16", ONE_THREAD),
     "dp=2 zero=1, fp32": (dict(dp=2, zero=1), "fp32", ONE_THREAD),
+    "dp=2 zero=2, fp32": (dict(dp=2, zero=2), "fp32", ONE_THREAD),
+    "dp=2 zero=3, fp32": (dict(dp=2, zero=3), "fp32", ONE_THREAD),
     "tp=2, fp32": (dict(tp=2), "fp32", ONE_THREAD),
     "tp=2 sp, fp32": (dict(tp=2, sequence_parallel=True), "fp32", ONE_THREAD),
     "pp=2 1f1b m=4, fp32": (dict(pp=2, microbatches=4), "fp32", ONE_THREAD),
