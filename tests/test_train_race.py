@@ -10,7 +10,8 @@ from minipar.tensor_parallel import twin_slice
 from minipar.train.config import load_config
 from minipar.train.loop import train
 from minipar.train.torch_native import refuse_native
-from minipar.train.torch_race import ROWS, measure, race_config, report, run_steps
+from minipar.train.torch_race import (ROWS, measure, race_config, report, run_steps,
+                                      schedule_floor)
 
 pytestmark = pytest.mark.slow  # races torch's own composition, trainer jobs on both sides
 
@@ -33,6 +34,16 @@ def _both(ours: dict, parallel: dict) -> dict:
             "norms": ([r["grad_norm"] for r in mine.records],
                       [r["grad_norm"] for r in theirs["records"]]),
             "names": (names, set(mine.weights)), "differ": differ}
+
+
+def test_the_schedule_floor_is_1f1bs_critical_path():
+    """p = 2, m = 4: the first stage's first forward, the last stage's four F + B, the
+    first stage's last backward; with a heavier last stage, the last stage sets the pace."""
+    config = race_config(dict(pp=2, microbatches=4), STEPS, preset="tiny")
+    even = [dict(F=1.0, B=2.0), dict(F=1.0, B=2.0)]
+    assert schedule_floor(config, even) == pytest.approx(1 + 4 * 3 + 2)
+    heavy_last = [dict(F=1.0, B=2.0), dict(F=1.5, B=3.0)]
+    assert schedule_floor(config, heavy_last) == pytest.approx(1 + 4 * 4.5 + 2)
 
 
 @pytest.mark.parametrize("row", list(ROWS))
@@ -69,10 +80,13 @@ def test_what_torchs_composition_does_not_cover_is_one_line(overrides, words):
 
 def test_the_race_bench_runs_and_reports(tmp_path):
     """Two rounds of the 2-D row on one Cluster: the second round's DTensor run must not
-    find the first one's mesh (its groups destroyed) in DTensor's sharding cache."""
-    rows = measure(steps=3, rounds=2, preset="tiny", rows=("dp=2 tp=2",))
+    find the first one's mesh (its groups destroyed) in DTensor's sharding cache. The
+    pipeline row carries its schedule's floor."""
+    rows = measure(steps=3, rounds=2, preset="tiny", rows=("dp=2 tp=2", "pp=2 1f1b m=4"))
     table = report(rows, tmp_path)
     assert len(rows[0]["ratios"]) == 2
+    assert "schedule_floor_s" not in rows[0] and rows[1]["schedule_floor_s"] > 0
+    assert "the schedule's floor" in table
     assert rows[0]["minipar_tokens_per_s"] > 0 and rows[0]["torch_tokens_per_s"] > 0
     assert rows[0]["minipar_profile"]["messages"] > 0 and rows[0]["torch_profile"]["ops"] > 0
     assert "dp=2 tp=2" in table and "minipar / torch" in table

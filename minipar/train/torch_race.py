@@ -14,6 +14,13 @@ timed ones, run under torch's profiler, which splits the step's wall time into t
 operators (self time of `aten::` ops on the main thread: the compute, plus copies) and
 the rest (Python, hooks, waiting for messages), and counts the messages gloo carried
 (`gloo:` events: each collective, send or receive).
+
+A pipeline row also says how short its schedule could be: three more traced steps give
+each rank's median stage forward (F) and backward (B) as minipar's engine records them,
+and the schedule replayed with those costs and free messages (`pipeline.simulate`) is the
+step no implementation of that schedule beats on these kernels. Both sides run the same
+kernels, so a step close to that floor leaves either library nothing to win but the
+schedule itself.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from .. import trace
+from ..pipeline import schedule, simulate
 from ..report import format_table, progress, ratio_cell, save_results
 from ..runtime import Cluster
 from .bench import _ranks  # the ranks a layout's degrees need: one product for both benches
@@ -109,6 +118,25 @@ def profile_step(step, repeats: int = 3) -> dict:
     return {k: statistics.median(s[k] for s in seen) for k in PROFILED}
 
 
+def stage_costs(step, repeats: int = 3) -> dict[str, float]:
+    """`repeats` more `step()`s, traced: the median seconds of this rank's stage forwards
+    ("F") and backwards ("B"), as the pipeline engine records them."""
+    with trace.capture() as captured:
+        for _ in range(repeats):
+            step()
+    return {kind: statistics.median(e.duration for e in captured.events if e.kind == kind)
+            for kind in ("F", "B")}
+
+
+def schedule_floor(config: TrainConfig, costs: list[dict[str, float]]) -> float:
+    """Seconds of the config's pipeline schedule replayed with each rank's measured F and
+    B (`stage_costs`, one dict per rank) and messages that cost nothing: the critical
+    path of the schedule's arithmetic."""
+    p = config.parallel
+    plan = schedule(p.schedule, p.pp, p.microbatches)
+    return simulate(plan, {k: [c[k] for c in costs] for k in ("F", "B")}).makespan
+
+
 def run_steps(config: TrainConfig, native: bool, profile: bool = False,
               keep_weights: bool = False) -> dict:
     """On every rank: the config's steps by one side, each step's loss, gradient norm and
@@ -132,7 +160,11 @@ def run_steps(config: TrainConfig, native: bool, profile: bool = False,
     if keep_weights:
         out["weights"] = side.weights()
     if profile:  # more steps, at the last step's rate (whose batches matter not)
-        out["profile"] = profile_step(lambda: side.step(*sampler.next(), config.optim.min_lr))
+        def again() -> tuple[float, float]:
+            return side.step(*sampler.next(), config.optim.min_lr)
+        out["profile"] = profile_step(again)
+        if not native and config.parallel.pp > 1:
+            out["stage_costs"] = stage_costs(again)
     return out
 
 
@@ -142,17 +174,20 @@ def timed(config: TrainConfig, native: bool, profile: bool = True) -> dict:
     torch.set_num_threads(1)
     out = run_steps(config, native, profile=profile)
     speed = statistics.median(r["tokens_per_s"] for r in out["records"][WARMUP:])
-    return {"tokens_per_s": speed, **out.get("profile", {})}
+    return {"tokens_per_s": speed, **out.get("profile", {}),
+            **({"stage_costs": out["stage_costs"]} if "stage_costs" in out else {})}
 
 
 def measure(steps: int = 10, rounds: int = 5, preset: str = "small",
             rows: tuple[str, ...] = tuple(ROWS)) -> list[dict]:
     """Each row's two sides in turns for `rounds` rounds: tokens/s (the slowest rank's) and
-    the last round's profiled step (the slowest rank's)."""
+    the last round's profiled step (the slowest rank's); a pipeline row, the floor of its
+    schedule (`schedule_floor`) from minipar's last round."""
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
         raise ValueError(f"rows must be among {', '.join(ROWS)}; got {unknown}")
     runs = {(row, side): [] for row in rows for side in ("minipar", "torch")}
+    floors: dict[str, float] = {}
     clusters = {k: Cluster(k, backend="gloo", timeout=300)
                 for k in sorted({_ranks(ROWS[r][0]) for r in rows})}
     try:
@@ -165,9 +200,13 @@ def measure(steps: int = 10, rounds: int = 5, preset: str = "small",
                     result = clusters[_ranks(parallel)].run(timed, config, side == "torch",
                                                             round_index == rounds - 1)
                     runs[row, side].append(min(result, key=lambda r: r["tokens_per_s"]))
+                    if "stage_costs" in result[0]:
+                        floors[row] = schedule_floor(config, [r["stage_costs"] for r in result])
     finally:
         for cluster in clusters.values():
             cluster.close()
+    model = race_config({}, steps, preset)
+    tokens_per_step = model.train.batch_size * model.model.seq_len
     out = []
     for row in rows:
         mine, theirs = runs[row, "minipar"], runs[row, "torch"]
@@ -181,7 +220,9 @@ def measure(steps: int = 10, rounds: int = 5, preset: str = "small",
             "rounds": [(a["tokens_per_s"], b["tokens_per_s"])  # (minipar, torch) in turns
                        for a, b in zip(mine, theirs, strict=True)],
             "minipar_profile": {k: mine[-1][k] for k in PROFILED},
-            "torch_profile": {k: theirs[-1][k] for k in PROFILED}})
+            "torch_profile": {k: theirs[-1][k] for k in PROFILED},
+            "tokens_per_step": tokens_per_step,
+            **({"schedule_floor_s": floors[row]} if row in floors else {})})
     return out
 
 
@@ -191,7 +232,17 @@ def why(row: dict) -> str:
     return (f"step {a['wall'] * 1e3:.0f} / {b['wall'] * 1e3:.0f} ms; torch ops "
             f"{a['ops'] * 1e3:.0f} / {b['ops'] * 1e3:.0f}; rest "
             f"{(a['wall'] - a['ops']) * 1e3:.0f} / {(b['wall'] - b['ops']) * 1e3:.0f}; "
-            f"{a['messages']} / {b['messages']} gloo calls")
+            f"{a['messages']} / {b['messages']} gloo calls" + _floor(row))
+
+
+def _floor(row: dict) -> str:
+    """For a pipeline row: its schedule's floor beside each side's timed step."""
+    if "schedule_floor_s" not in row:
+        return ""
+    steps = [row["tokens_per_step"] / row[f"{side}_tokens_per_s"] * 1e3
+             for side in ("minipar", "torch")]
+    return (f"; the schedule's floor {row['schedule_floor_s'] * 1e3:.0f} ms, timed steps "
+            f"{steps[0]:.0f} / {steps[1]:.0f}")
 
 
 def report(rows: list[dict], out_dir: Path) -> str:
