@@ -104,8 +104,10 @@ def test_groups_a_run_made_end_as_the_next_run_starts(cluster2):
 
 
 def _loop_thread_policies() -> dict[str, list[int]]:
-    """Each gloo loop thread's scheduling policy, after start-up and after a mesh's groups."""
+    """Each gloo loop thread's scheduling policy, after start-up and after a mesh's groups;
+    the groups `new_groups` hands this rank."""
     from minipar.mesh import Mesh
+    from minipar.runtime import new_groups
     from minipar.runtime.gloo_threads import LOOP_THREAD
 
     def policies():
@@ -116,7 +118,9 @@ def _loop_thread_policies() -> dict[str, list[int]]:
     started = policies()
     groups = Mesh(dp=2).connect()
     collectives.all_reduce(torch.ones(3), group=groups.dp)  # the new group's loop works
-    return {"started": started, "mesh": policies()}
+    alone, first_only = new_groups([[0], [1]]), new_groups([[0]])
+    return {"started": started, "mesh": policies(), "alone": dist.get_process_group_ranks(alone),
+            "first_only": first_only is not None}
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
@@ -124,10 +128,13 @@ def test_gloo_loop_threads_cannot_preempt_the_thread_holding_their_lock(cluster2
     """gloo's loop thread spins while another thread holds its connection's lock: waking
     on a busy core it must not preempt that thread (runtime/gloo_threads.py), so every
     loop thread, the start's and each new group's, runs in SCHED_BATCH."""
-    for seen in cluster2.run(_loop_thread_policies):
+    everyone = cluster2.run(_loop_thread_policies)
+    for seen in everyone:
         assert seen["started"] and set(seen["started"]) == {os.SCHED_BATCH}, seen
         assert len(seen["mesh"]) > len(seen["started"]), seen  # the mesh's groups have theirs
         assert set(seen["mesh"]) == {os.SCHED_BATCH}, seen
+    assert [(s["alone"], s["first_only"]) for s in everyone] == \
+        [([0], True), ([1], False)]  # each rank's own group, None where it is in none
 
 
 def test_start_method_spawn_works():

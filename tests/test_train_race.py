@@ -10,8 +10,7 @@ from minipar.tensor_parallel import twin_slice
 from minipar.train.config import load_config
 from minipar.train.loop import train
 from minipar.train.torch_native import refuse_native
-from minipar.train.torch_race import (ROWS, measure, race_config, report, run_steps,
-                                      schedule_floor)
+from minipar.train.torch_race import ROWS, measure, race_config, report, run_steps, schedule_floor
 
 pytestmark = pytest.mark.slow  # races torch's own composition, trainer jobs on both sides
 

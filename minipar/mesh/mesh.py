@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..report import format_table
-from ..runtime import calm_gloo_threads, rank, world_size
+from ..runtime import new_groups, rank, world_size
 
 
 class Mesh:
@@ -107,28 +107,16 @@ class Mesh:
         if world_size() != self.size:
             raise ValueError(f"{self} has {self.size} ranks but this run has {world_size()}; "
                              f"launch {self.size} ranks or change the dimensions")
-        me, mine = rank(), {}
-        # torch's new_group is collective: every process calls it for every group, members or
-        # not, in the same order, or the group ids disagree across ranks
-        for names in [(name,) for name in self.names] + [tuple(j) for j in joined]:
-            for ranks in self.groups(*names):
-                group = dist.new_group(ranks)  # every rank creates every group
-                if me in ranks:
-                    mine["_".join(names)] = group
-        calm_gloo_threads()  # each new group's loop thread (runtime/gloo_threads.py)
-        return MeshGroups(self, me, mine)
+        # every rank makes every group (torch's new_group is collective), in the same order
+        mine = {"_".join(names): new_groups(self.groups(*names))
+                for names in [(name,) for name in self.names] + [tuple(j) for j in joined]}
+        return MeshGroups(self, rank(), mine)
 
     def fresh_group(self, *names: str) -> dist.ProcessGroup:
         """This rank's group over dimensions `names`, created anew (every rank calls it, in
         the same order): the same ranks as connect's, but collectives on it never queue
         behind those another thread runs on connect's (gloo matches them by group)."""
-        me, mine = rank(), None
-        for ranks in self.groups(*names):
-            group = dist.new_group(ranks)  # collective: every rank creates every group
-            if me in ranks:
-                mine = group
-        calm_gloo_threads()
-        return mine
+        return new_groups(self.groups(*names))
 
 
 @dataclass

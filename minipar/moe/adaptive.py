@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import collectives
-from ..runtime import calm_gloo_threads, rank, world_size
+from ..runtime import new_groups, rank, world_size
 from ..tensor_parallel.mappings import gather_from_sequence_parallel_region
 from ..trace import record
 from .layer import MoELayer
@@ -86,13 +86,7 @@ def _blocks(group, size: int):
     order); returns this rank's."""
     members = dist.get_process_group_ranks(group) if group is not None else \
         list(range(world_size()))
-    mine = None
-    for start in range(0, len(members), size):
-        block = dist.new_group(members[start:start + size])
-        if rank(group) // size == start // size:
-            mine = block
-    calm_gloo_threads()  # the new groups' gloo threads (runtime/gloo_threads.py)
-    return mine
+    return new_groups([members[start:start + size] for start in range(0, len(members), size)])
 
 
 def _ffn(rows: torch.Tensor, up_w, up_b, down_w, down_b) -> torch.Tensor:

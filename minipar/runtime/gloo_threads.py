@@ -18,12 +18,18 @@ The fix is a scheduling class, not a change to gloo: SCHED_BATCH. The kernel nev
 a waking SCHED_BATCH thread preempt the running one (its turn comes when that thread
 sleeps, say in the wait for this very message, or at the next tick), and at nice 0 it
 keeps its full share of the core. Every rank calls `calm_gloo_threads` after it makes
-process groups (each group starts a loop thread of its own).
+process groups (each group starts a loop thread of its own); `new_groups`, minipar's one
+way to make groups after start-up, does so itself.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
+
+import torch.distributed as dist
+
+from .device import rank
 
 LOOP_THREAD = "gloo_tcp_loop"  # the name gloo gives its epoll thread (tcp/loop.cc)
 
@@ -47,3 +53,18 @@ def calm_gloo_threads() -> int:
         except OSError:  # the thread ended (a destroyed group's), or a sandbox refuses
             continue
     return moved
+
+
+def new_groups(partition: Iterable[list[int]]) -> dist.ProcessGroup | None:
+    """Make one process group for each rank list in `partition` and return this rank's
+    (None where it is in none). Every rank calls it with the same lists in the same
+    order: torch's `new_group` is collective, every process creates every group, members
+    or not, or the group ids disagree across ranks. The new groups' loop threads are
+    calmed (`calm_gloo_threads`)."""
+    me, mine = rank(), None
+    for ranks in partition:
+        group = dist.new_group(list(ranks))
+        if me in ranks:
+            mine = group
+    calm_gloo_threads()
+    return mine

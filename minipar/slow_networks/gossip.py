@@ -32,7 +32,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from .. import collectives
 from ..data_parallel import shard
-from ..runtime import calm_gloo_threads, rank, world_size
+from ..runtime import new_groups, rank, world_size
 from ..trace import record
 from .relaxed import RelaxedReport
 
@@ -179,15 +179,9 @@ def grouped(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor
     if isinstance(swap_every, bool) or not isinstance(swap_every, int) or swap_every < 1:
         raise ValueError(f"swap_every must be an int >= 1 (steps between group swaps); "
                          f"got {swap_every!r}")
-    me, size = rank(), world_size()
+    size = world_size()
     phases = butterfly_groups(size, group_size) if group_size < size else [[list(range(size))]]
-    mine = []
-    for partition in phases:  # every rank creates every group, in the same order
-        for members in partition:
-            group = dist.new_group(members)
-            if me in members:
-                mine.append(group)
-    calm_gloo_threads()  # the new groups' gloo threads (runtime/gloo_threads.py)
+    mine = [new_groups(partition) for partition in phases]  # every rank is in one per phase
     report = GossipReport()
     for step, (xb, yb) in enumerate(batches):
         start = time.perf_counter()
