@@ -1,0 +1,60 @@
+"""`minipar bench train` (train/bench.py) without running it: its table from built rows
+(the ratio cells, the planner's error, the rank correlation), the planner's step for a
+composition, and the ceiling's spec. The bench itself runs 24 rows on up to 8 ranks, too
+long for any tier; its figures are in docs/trainer.md."""
+
+import json
+
+import pytest
+
+from minipar.train.bench import (
+    BASELINE,
+    CEILING,
+    ROWS,
+    VARIANTS,
+    _config,
+    _spec,
+    correlations,
+    predicted_step,
+    report,
+)
+
+
+def _row(variant: str, ranks: int, step: float, predicted: float | None,
+         ratios: list[float]) -> dict:
+    return {"variant": variant, "ranks": ranks, "precision": "fp32", "threads": 1,
+            "tokens_per_s": 4096 / step, "tokens_per_s_range": [4000 / step, 4200 / step],
+            "mfu": 0.5, "peak_per_core": 90e9, "step_s": step, "predicted_step_s": predicted,
+            "memory": 3 * 2**20, "memory_predicted": 4 * 2**20, "vs_one_process": ratios}
+
+
+def test_the_table_reads_the_rows_ratios_predictions_and_ranking(tmp_path):
+    rows = [_row(BASELINE, 1, 0.40, None, [1.0, 1.0, 1.0]),
+            _row("dp=2, fp32", 2, 0.25, 0.20, [1.5, 1.6, 1.7]),
+            _row("tp=2, fp32", 2, 0.35, 0.30, [1.1, 1.2, 1.3]),
+            _row("pp=2 1f1b m=4, fp32", 2, 0.30, 0.36, [1.2, 1.3, 1.4])]
+    # measured order dp < pp < tp; predicted order dp < tp < pp: rho = 1 - 6 * 2 / 24
+    assert correlations(rows) == {2: pytest.approx(0.5)}
+    table = report(rows, tmp_path)
+    assert "1.60x (1.50-1.70)" in table  # dp=2's per-round ratios: median (min-max)
+    assert "200 ms (-20%)" in table  # the planner's step and its error against 250 ms
+    assert "3.0 / 4.0" in table  # the fullest rank's memory, measured / predicted, MiB
+    assert "2 ranks: Spearman rank correlation, predicted vs measured step = +0.50" in table
+    assert table.splitlines()[0].startswith("MFU divides by these peaks per core")
+    saved = json.loads((tmp_path / "bench_train.json").read_text())
+    assert "dp=2, fp32" in json.dumps(saved)
+
+
+def test_the_planner_predicts_compositions_but_not_context_parallelism():
+    flops, bandwidth, alpha, beta = 50e9, 5e9, 2e-4, 3e-10
+    dp = predicted_step(_config("small", dict(dp=2), "fp32", 3), flops, bandwidth, alpha, beta)
+    one = predicted_step(_config("small", {}, "fp32", 3), flops, bandwidth, alpha, beta)
+    assert 0 < dp < one  # half the batch's compute per rank, plus the reduction
+    assert predicted_step(_config("small", dict(cp=2), "fp32", 3), flops, bandwidth, alpha,
+                          beta) is None
+
+
+def test_the_ceiling_runs_dp2s_shape_without_messages_and_every_row_has_a_spec():
+    assert _spec(CEILING) == _spec("dp=2, fp32")
+    assert ROWS[ROWS.index(CEILING) - 1] == "dp=2, fp32"  # printed beside dp=2
+    assert set(ROWS) == {*VARIANTS, CEILING}
