@@ -41,6 +41,10 @@ def test_the_table_reads_the_rows_ratios_predictions_and_ranking(tmp_path):
     assert "3.0 / 4.0" in table  # the fullest rank's memory, measured / predicted, MiB
     assert "2 ranks: Spearman rank correlation, predicted vs measured step = +0.50" in table
     assert table.splitlines()[0].startswith("MFU divides by these peaks per core")
+    assert "against the ceiling" not in table  # no ceiling row: no such line
+    ceiling = _row(CEILING, 2, 0.22, None, [1.6, 1.6, 2.0])
+    assert "dp=2 against the ceiling (two processes, no messages), per round: 0.94x " \
+        "(0.85-1.00)" in report([*rows, ceiling], tmp_path)
     saved = json.loads((tmp_path / "bench_train.json").read_text())
     assert "dp=2, fp32" in json.dumps(saved)
 

@@ -13,7 +13,8 @@ the per-round ratios, whose spread is the noise. One more row runs no compositio
 two one-process runs of half the batch each, at once, on the two cores, with no
 message between them (`CEILING`). That is what dp=2 would reach if its reductions were
 free, so the row says how much of the gap to 2x is the reductions' and how much is the
-two processes slowing each other down through the caches and memory they share. MFU
+two processes slowing each other down through the caches and memory they share; a line
+under the table gives dp=2 over the ceiling, round by round. MFU
 divides by the peak measured for the dtype on one thread on the model's own projections
 (matmul_peak.py), times the cores in use; the header gives the fp32 and bf16 peaks and
 the CPU's kind.
@@ -242,6 +243,18 @@ def correlations(rows: list[dict]) -> dict[int, float]:
     return out
 
 
+def against_ceiling(rows: list[dict]) -> str | None:
+    """dp=2's tokens/s over the ceiling's (`CEILING`), round by round: how much of what two
+    processes can do side by side dp=2 reaches, its reductions included."""
+    by_name = {r["variant"]: r for r in rows}
+    if "dp=2, fp32" not in by_name or CEILING not in by_name:
+        return None
+    ratios = [a / b for a, b in zip(by_name["dp=2, fp32"]["vs_one_process"],
+                                    by_name[CEILING]["vs_one_process"], strict=True)]
+    return (f"dp=2 against the ceiling (two processes, no messages), per round: "
+            f"{ratio_cell(ratios)}")
+
+
 def peaks_line(rows: list[dict]) -> str:
     """The peaks per core MFU divides by, by precision, and what bf16's means here."""
     peak = {r["precision"]: r["peak_per_core"] for r in rows if r["threads"] == ONE_THREAD}
@@ -287,4 +300,4 @@ def report(rows: list[dict], out_dir: Path) -> str:
                              ("ratio", "vs 1 process, fp32"), ("step", "step"),
                              ("predicted", "predicted step"),
                              ("memory", "fullest rank MiB (measured / predicted)")]),
-        *rho])
+        *[line for line in [against_ceiling(rows)] if line], *rho])
