@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
+
+from .split_backward import Junctions
 
 
 class Stage:
@@ -36,6 +38,7 @@ class Stage:
 
     def __init__(self, module: nn.Module, index: int) -> None:
         self.module, self.index = module, index
+        self.junctions: dict[int, Junctions] = {}  # micro-batch -> what its I kept for W
 
     def trainable(self) -> list[nn.Parameter]:
         """The parameters whose gradients backward computes."""
@@ -57,18 +60,29 @@ class Stage:
     def backward_input(self, microbatch: int, root: torch.Tensor,
                        grad_out: torch.Tensor | None, x: torch.Tensor | None
                        ) -> torch.Tensor | None:
-        """I: the input gradient only, keeping the graph for W (the zero-bubble split). No
+        """I: the input gradient only, keeping the graph for W (the zero-bubble split) and
+        the gradients that reach the weights' junctions with it (split_backward.py). No
         weight gradient is computed, so no parameter's hook fires."""
         if x is None:
             return None
-        # retain_graph: W walks the same graph again for the weight gradients
-        (grad_x,) = torch.autograd.grad(root, [x], grad_out, retain_graph=True)
+        junctions = Junctions(root, x, self.trainable())
+        if junctions.found:
+            self.junctions[microbatch] = junctions
+        # retain_graph: W goes down the same graph again for the weight gradients
+        with junctions.keep() if junctions.found else nullcontext():
+            (grad_x,) = torch.autograd.grad(root, [x], grad_out, retain_graph=True)
         return grad_x
 
     def backward_weight(self, microbatch: int, root: torch.Tensor,
                         grad_out: torch.Tensor | None) -> None:
-        """W: the weight gradients from the graph I kept, added into .grad."""
-        backward_into_grad([root], [grad_out], [], self.trainable())
+        """W: the weight gradients from the graph I kept, added into .grad: from the
+        junctions I recorded, or, where it recorded none (the first stage, whose input is
+        data, or a weight off the input's path), from the output down."""
+        junctions = self.junctions.pop(microbatch, None)
+        if junctions is not None:
+            junctions.weights_backward()
+        else:
+            backward_into_grad([root], [grad_out], [], self.trainable())
 
 
 def backward_into_grad(roots: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
@@ -124,8 +138,12 @@ class SavedActivationMeter:
             self.now += nbytes
             self.peak = max(self.peak, self.now)
         self._refs[key] = self._refs.get(key, 0) + 1
-        held = _Held(tensor)
-        # released when autograd drops the saved tensor (its graph freed after backward)
+        # detached: a node may save its own output, and that tensor's grad_fn is the node,
+        # a cycle through C++ that no collector sees; the graph would outlive its last
+        # reference (backward formulas read only the data)
+        held = _Held(tensor.detach())
+        # released when autograd drops the saved tensor (run with the graph not kept, or its
+        # graph freed)
         weakref.finalize(held, self._release, key, nbytes)
         return held
 
