@@ -2,12 +2,14 @@
 FSDP2, DTensor tensor parallelism and pipelining, given the trainer's model, weights and
 batches, reach the trainer's losses, norms and weights in float64; the bench runs."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import minipar
 from minipar.tensor_parallel import twin_slice
-from minipar.train.config import load_config
+from minipar.train.config import TrainConfig, load_config
 from minipar.train.loop import train
 from minipar.train.torch_native import refuse_native
 from minipar.train.torch_race import ROWS, measure, race_config, report, run_steps, schedule_floor
@@ -17,11 +19,19 @@ pytestmark = pytest.mark.slow  # races torch's own composition, trainer jobs on 
 STEPS = 10
 
 
+def _tiny(parallel: dict) -> TrainConfig:
+    """The race's run on the tiny preset in float64; a V (two stages per rank) needs one
+    block per stage, so 4 blocks where tiny has 2."""
+    config = race_config(parallel, STEPS, preset="tiny", precision="fp64")
+    stages = parallel.get("pp", 1) * parallel.get("virtual", 1)
+    return replace(config, model=replace(config.model, layers=max(config.model.layers, stages)))
+
+
 def _both(ours: dict, parallel: dict) -> dict:
     """On every rank: 10 float64 steps by the trainer's own loop (layout `ours`) and by
     torch's composition (`parallel`); the losses, norms, and the weights that differ."""
-    mine = train(race_config(ours, STEPS, preset="tiny", precision="fp64"), keep_weights=True)
-    config = race_config(parallel, STEPS, preset="tiny", precision="fp64")
+    mine = train(_tiny(ours), keep_weights=True)
+    config = _tiny(parallel)
     theirs = run_steps(config, native=True, keep_weights=True)
     tp = parallel.get("tp", 1)
     tp_rank = minipar.rank() % tp  # tp fastest on both meshes
@@ -48,9 +58,10 @@ def test_the_schedule_floor_is_1f1bs_critical_path():
 @pytest.mark.parametrize("row", list(ROWS))
 def test_torch_composition_reaches_the_trainers_losses_and_weights(row, request):
     """dp: FSDP2 against ZeRO-3; tp: DTensor Colwise/RowwiseParallel; pp: torch's
-    Schedule1F1B; dp x tp: FSDP2 over DTensor against ZeRO-3 over tp, the pairs the race
-    times. The same 10 losses and gradient norms as the trainer's loop, and the same
-    weights after them, in float64."""
+    Schedule1F1B and ScheduleZBVZeroBubble (the tied weight's two stages on one rank);
+    dp x tp: FSDP2 over DTensor against ZeRO-3 over tp, the pairs the race times. The
+    same 10 losses and gradient norms as the trainer's loop, and the same weights after
+    them, in float64."""
     ours, parallel = ROWS[row][:2]
     ranks = parallel.get("dp", 1) * parallel.get("tp", 1) * parallel.get("pp", 1)
     cluster = request.getfixturevalue(f"cluster{ranks}")
@@ -67,8 +78,8 @@ def test_torch_composition_reaches_the_trainers_losses_and_weights(row, request)
 @pytest.mark.parametrize("overrides, words", [
     ({"parallel.cp": 2}, "cp = ep = 1"),
     ({"parallel.pp": 2, "parallel.dp": 2}, "pp=2 alone"),
-    ({"parallel.pp": 2, "parallel.schedule": "interleaved", "parallel.virtual": 2},
-     "'gpipe' or '1f1b'"),
+    ({"parallel.pp": 2, "parallel.schedule": "interleaved_1f1b", "parallel.virtual": 2,
+      "parallel.microbatches": 2}, "runs 'gpipe', '1f1b', 'zb_v'"),
     ({"train.precision": "bf16"}, "train.precision"),
     ({"parallel.dp": 2}, "but 1 ranks run"),
 ])

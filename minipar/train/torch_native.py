@@ -11,11 +11,18 @@ What torch leaves to its user is written here, as torchtitan writes it:
 - the global gradient norm over parameters that live on different meshes: torch's
   `get_total_norm` per mesh, each made whole with `full_tensor()`, then summed over the
   pipeline's stages.
-Compositions it does not build here: pp with dp or tp, cp, ep, sequence parallelism.
+A V-shaped pipeline (`zb_v`: torch's `ScheduleZBVZeroBubble`) holds two stages per rank,
+stage r and stage 2p - 1 - r, so the embedding and the head share rank 0. There the head
+gets its own copy of the tied weight, and the two gradients are summed after backward as
+the ends' are across ranks: torch's split backward, given one Parameter in two stages of
+a rank, kept only one stage's share of its gradient (norm 0.74 where the sum's is 2.17, in
+float64). Compositions it does not build here: pp with dp or tp, cp, ep, sequence
+parallelism, the other multi-stage schedules.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -35,6 +42,11 @@ TP_PLAN = {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "c
            "mlp.down": "rowwise"}
 
 
+# minipar's schedule name -> torch.distributed.pipelining's class of the same schedule
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                   "zb_v": "ScheduleZBVZeroBubble"}
+
+
 def refuse_native(config: TrainConfig) -> None:
     """One line for a layout this file does not compose with torch's pieces."""
     p = config.parallel
@@ -44,9 +56,9 @@ def refuse_native(config: TrainConfig) -> None:
                          "model.experts = 0")
     if p.pp > 1 and (p.dp > 1 or p.tp > 1):
         raise ValueError(f"the torch composition runs pp={p.pp} alone: use dp = tp = 1 with it")
-    if p.pp > 1 and p.schedule not in ("gpipe", "1f1b"):
+    if p.pp > 1 and p.schedule not in TORCH_SCHEDULES:
         raise ValueError(f"parallel.schedule={p.schedule!r}: the torch composition runs "
-                         "'gpipe' or '1f1b'")
+                         f"{', '.join(map(repr, TORCH_SCHEDULES))}")
     if config.train.precision not in ("fp32", "fp64") or config.train.accumulation != 1:
         raise ValueError("the torch composition runs fp32 or fp64 without accumulation: set "
                          "train.precision to 'fp32' or 'fp64' and train.accumulation = 1")
@@ -97,7 +109,10 @@ class NativeRun:
         # keeping their names; a stage shares the twin's, and lists the tied one as head)
         names = {id(q): name for name, q in model.named_parameters()}
         # the tied head on the last stage is the embedding: counted in the norm once
-        self.norm_params = [q for q in self.params if not (self.tied_copy and q is self.tied)]
+        self.norm_params = [q for q in self.params if not (self.tied_copy and q is self.tied)
+                            and q is not self.head_copy]
+        if self.head_copy is not None:  # named as the weight it copies
+            names[id(self.head_copy)] = names[id(self.tied)]
         o = config.optim
         groups = [[q for q in self.params if decays(names[id(q)], q) == d] for d in (True, False)]
         self.optimizer = torch.optim.AdamW(
@@ -140,26 +155,40 @@ class NativeRun:
             fully_shard(model, mesh=mesh["dp"])
         self.model, self.stage = model, None
         self.params = list(model.parameters())
-        self.tied, self.tied_copy, self.pp_group = None, False, None
+        self.tied, self.tied_copy, self.tied_apart, self.pp_group = None, False, False, None
+        self.head_copy = None
 
     def _pipeline(self, model: Decoder) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed import pipelining
 
         p, n = self.config.parallel, self.config.model.layers
-        r = rank()
-        cuts = [round(i * n / p.pp) for i in range(p.pp + 1)]  # equal blocks per stage
-        module = PipelineStageModule(model, cuts[r], cuts[r + 1])
-        stage = PipelineStage(module, r, p.pp, device())
-        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[p.schedule]
+        r, stages = rank(), p.pp * p.virtual
+        cuts = [round(i * n / stages) for i in range(stages + 1)]  # equal blocks per stage
+        # a V's second stage on rank r comes back up: 2p - 1 - r (the last stage on rank 0)
+        mine = (r,) if p.virtual == 1 else (r, 2 * p.pp - 1 - r)
+        modules = [PipelineStageModule(model, cuts[i], cuts[i + 1]) for i in mine]
+        built = [pipelining.PipelineStage(modules[k], i, stages, device())
+                 for k, i in enumerate(mine)]
+        schedule = getattr(pipelining, TORCH_SCHEDULES[p.schedule])
         # scale_grads: each micro-batch's mean loss / m, so the step's is the batch's mean
-        self.stage = schedule(stage, p.microbatches, loss_fn=cross_entropy, scale_grads=True)
-        self.model, self.params = module, list(module.parameters())
+        self.stage = schedule(built if p.virtual > 1 else built[0], p.microbatches,
+                              loss_fn=cross_entropy, scale_grads=True)
+        # each parameter once: on a V's rank 0 both stages hold the tied weight
+        self.first, self.last = 0 in mine, stages - 1 in mine
+        tied = self.config.model.tied and (self.first or self.last)
+        self.head_copy = None
+        if tied and self.first and self.last:  # a V's rank 0: the head's own copy
+            modules[-1].head = copy.deepcopy(model.head)
+            self.head_copy = modules[-1].head.weight
+        self.model = modules[0]
+        self.params = [q for m in modules for q in m.parameters()]
         self.pp_group = dist.group.WORLD
-        # every rank creates the group of the two ends; only they use it
-        self.ends = dist.new_group([0, p.pp - 1]) if self.config.model.tied else None
-        tied = self.config.model.tied and (module.embed is not None or module.head is not None)
+        # every rank creates the group of the two ends; only they use it (a V has both on 0)
+        self.ends = (dist.new_group([0, p.pp - 1]) if self.config.model.tied and p.virtual == 1
+                     else None)
         self.tied = model.embed.weight if tied else None
-        self.tied_copy = tied and module.embed is None  # the last stage's copy of it
+        self.tied_copy = tied and not self.first  # the last stage's copy of it
+        self.tied_apart = tied and self.head_copy is None  # the two ends on two ranks
 
     def forward_backward(self, ids: torch.Tensor, targets: torch.Tensor) -> float | None:
         """The step's gradients; this rank's mean loss (None on a stage without the loss)."""
@@ -168,15 +197,14 @@ class NativeRun:
             loss = cross_entropy(self.model(ids), targets)
             loss.backward()
             return loss.item()
-        p, r, losses = self.config.parallel, rank(), []
-        if r == 0:
-            self.stage.step(ids)
-        elif r == p.pp - 1:
-            self.stage.step(target=targets, losses=losses)
-        else:
-            self.stage.step()
-        if self.tied is not None and p.pp > 1:  # the ends' two halves of one gradient
+        losses = []
+        inputs = (ids,) if self.first else ()
+        self.stage.step(*inputs, **(dict(target=targets, losses=losses) if self.last else {}))
+        if self.tied_apart:  # the ends' two halves of one gradient
             dist.all_reduce(self.tied.grad, group=self.ends)
+        if self.head_copy is not None:  # both halves on this rank: each copy gets the sum
+            self.tied.grad += self.head_copy.grad
+            self.head_copy.grad.copy_(self.tied.grad)
         return sum(x.item() for x in losses) / len(losses) if losses else None
 
     def by_mesh(self, params: list[nn.Parameter]) -> list[list[nn.Parameter]]:

@@ -16,9 +16,10 @@ the rest (Python, hooks, waiting for messages), and counts the messages gloo car
 (`gloo:` events: each collective, send or receive).
 
 A pipeline row also says how short its schedule could be: three more traced steps give
-each rank's median stage forward (F) and backward (B) as minipar's engine records them,
-and the schedule replayed with those costs and free messages (`pipeline.simulate`) is the
-step no implementation of that schedule beats on these kernels. Both sides run the same
+each rank's median stage forward (F) and backward (B; or input and weight gradients, I
+and W, where the schedule splits it) as minipar's engine records them, and the schedule
+replayed with those costs and free messages (`pipeline.simulate`) is the step no
+implementation of that schedule beats on these kernels. Both sides run the same
 kernels, so a step close to that floor leaves either library nothing to win but the
 schedule itself.
 """
@@ -52,6 +53,10 @@ ROWS = {
              "Megatron tp (mesh/decoder_layers.py)", "DTensor Colwise/RowwiseParallel"),
     "pp=2 1f1b m=4": (dict(pp=2, microbatches=4), dict(pp=2, microbatches=4),
                       "pipeline engine, 1F1B", "torch.distributed.pipelining Schedule1F1B"),
+    "pp=2 zb_v m=4": (dict(pp=2, schedule="zb_v", virtual=2, microbatches=4),
+                      dict(pp=2, schedule="zb_v", virtual=2, microbatches=4),
+                      "pipeline engine, ZB-V (two stages per rank)",
+                      "torch.distributed.pipelining ScheduleZBVZeroBubble"),
     "dp=2 tp=2": (dict(dp=2, tp=2, zero=3), dict(dp=2, tp=2),
                   "ZeRO-3 over dp, Megatron tp", "FSDP2 over dp, DTensor tp"),
 }
@@ -119,22 +124,24 @@ def profile_step(step, repeats: int = 3) -> dict:
 
 
 def stage_costs(step, repeats: int = 3) -> dict[str, float]:
-    """`repeats` more `step()`s, traced: the median seconds of this rank's stage forwards
-    ("F") and backwards ("B"), as the pipeline engine records them."""
+    """`repeats` more `step()`s, traced: the median seconds of each kind of this rank's
+    stage work, as the pipeline engine records it: forwards ("F"), backwards ("B"), or
+    where the schedule splits the backward, input ("I") and weight ("W") gradients."""
     with trace.capture() as captured:
         for _ in range(repeats):
             step()
-    return {kind: statistics.median(e.duration for e in captured.events if e.kind == kind)
-            for kind in ("F", "B")}
+    seen = {kind: [e.duration for e in captured.events if e.kind == kind]
+            for kind in ("F", "B", "I", "W")}
+    return {kind: statistics.median(times) for kind, times in seen.items() if times}
 
 
 def schedule_floor(config: TrainConfig, costs: list[dict[str, float]]) -> float:
-    """Seconds of the config's pipeline schedule replayed with each rank's measured F and
-    B (`stage_costs`, one dict per rank) and messages that cost nothing: the critical
+    """Seconds of the config's pipeline schedule replayed with each rank's measured stage
+    work (`stage_costs`, one dict per rank) and messages that cost nothing: the critical
     path of the schedule's arithmetic."""
     p = config.parallel
-    plan = schedule(p.schedule, p.pp, p.microbatches)
-    return simulate(plan, {k: [c[k] for c in costs] for k in ("F", "B")}).makespan
+    plan = schedule(p.schedule, p.pp, p.microbatches, p.virtual)
+    return simulate(plan, {k: [c[k] for c in costs] for k in costs[0]}).makespan
 
 
 def run_steps(config: TrainConfig, native: bool, profile: bool = False,
