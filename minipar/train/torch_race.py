@@ -19,9 +19,10 @@ A pipeline row also says how short its schedule could be: three more traced step
 each rank's median stage forward (F) and backward (B; or input and weight gradients, I
 and W, where the schedule splits it) as minipar's engine records them, and the schedule
 replayed with those costs and free messages (`pipeline.simulate`) is the step no
-implementation of that schedule beats on these kernels. Both sides run the same
-kernels, so a step close to that floor leaves either library nothing to win but the
-schedule itself.
+implementation of that schedule beats on these kernels (given for one stage per rank:
+the simulator takes one cost per rank and kind, and a V's rank holds two unequal
+stages). Both sides run the same kernels, so a step close to that floor leaves either
+library nothing to win but the schedule itself.
 """
 
 from __future__ import annotations
@@ -170,7 +171,9 @@ def run_steps(config: TrainConfig, native: bool, profile: bool = False,
         def again() -> tuple[float, float]:
             return side.step(*sampler.next(), config.optim.min_lr)
         out["profile"] = profile_step(again)
-        if not native and config.parallel.pp > 1:
+        # one stage per rank: a V's rank holds two unequal stages (rank 0 the embedding's
+        # and the head's), which one cost per rank and kind (simulate's) cannot describe
+        if not native and config.parallel.pp > 1 and config.parallel.virtual == 1:
             out["stage_costs"] = stage_costs(again)
     return out
 
