@@ -58,7 +58,8 @@ def test_the_schedule_floor_is_1f1bs_critical_path():
 @pytest.mark.parametrize("row", list(ROWS))
 def test_torch_composition_reaches_the_trainers_losses_and_weights(row, request):
     """dp: FSDP2 against ZeRO-3; tp: DTensor Colwise/RowwiseParallel; pp: torch's
-    Schedule1F1B and ScheduleZBVZeroBubble (the tied weight's two stages on one rank);
+    Schedule1F1B, ScheduleZBVZeroBubble and ScheduleDualPipeV (the tied weight's two
+    stages on one rank);
     dp x tp: FSDP2 over DTensor against ZeRO-3 over tp, the pairs the race times. The
     same 10 losses and gradient norms as the trainer's loop, and the same weights after
     them, in float64."""

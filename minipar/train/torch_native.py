@@ -11,13 +11,14 @@ What torch leaves to its user is written here, as torchtitan writes it:
 - the global gradient norm over parameters that live on different meshes: torch's
   `get_total_norm` per mesh, each made whole with `full_tensor()`, then summed over the
   pipeline's stages.
-A V-shaped pipeline (`zb_v`: torch's `ScheduleZBVZeroBubble`) holds two stages per rank,
-stage r and stage 2p - 1 - r, so the embedding and the head share rank 0. There the head
-gets its own copy of the tied weight, and the two gradients are summed after backward as
-the ends' are across ranks: torch's split backward, given one Parameter in two stages of
-a rank, kept only one stage's share of its gradient (norm 0.74 where the sum's is 2.17, in
-float64). Compositions it does not build here: pp with dp or tp, cp, ep, sequence
-parallelism, the other multi-stage schedules.
+A V-shaped pipeline (`zb_v`, `dualpipev`: torch's `ScheduleZBVZeroBubble`,
+`ScheduleDualPipeV`) holds two stages per rank, stage r and stage 2p - 1 - r, so the
+embedding and the head share rank 0. There the head gets its own copy of the tied
+weight, and the two gradients are summed after backward as the ends' are across ranks:
+torch's split backward, given one Parameter in two stages of a rank, kept only one
+stage's share of its gradient (norm 0.74 where the sum's is 2.17, in float64).
+Compositions it does not build here: pp with dp or tp, cp, ep, sequence parallelism,
+the other multi-stage schedules.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ TP_PLAN = {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "c
 
 # minipar's schedule name -> torch.distributed.pipelining's class of the same schedule
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-                   "zb_v": "ScheduleZBVZeroBubble"}
+                   "zb_v": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
 
 def refuse_native(config: TrainConfig) -> None:

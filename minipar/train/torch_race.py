@@ -58,6 +58,10 @@ ROWS = {
                       dict(pp=2, schedule="zb_v", virtual=2, microbatches=4),
                       "pipeline engine, ZB-V (two stages per rank)",
                       "torch.distributed.pipelining ScheduleZBVZeroBubble"),
+    "pp=2 dualpipev m=4": (dict(pp=2, schedule="dualpipev", virtual=2, microbatches=4),
+                           dict(pp=2, schedule="dualpipev", virtual=2, microbatches=4),
+                           "pipeline engine, DualPipeV (two stages per rank)",
+                           "torch.distributed.pipelining ScheduleDualPipeV"),
     "dp=2 tp=2": (dict(dp=2, tp=2, zero=3), dict(dp=2, tp=2),
                   "ZeRO-3 over dp, Megatron tp", "FSDP2 over dp, DTensor tp"),
 }
