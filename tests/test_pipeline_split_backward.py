@@ -11,8 +11,9 @@ from minipar.pipeline.stage import Stage
 
 
 class Shared(nn.Module):
-    """Two blocks, the second using one matrix twice (as a tied weight is used), a scale
-    on the output, and a spare layer no micro-batch uses (as an expert no token chose)."""
+    """Two blocks, the second using one matrix twice (as a tied weight is used) with a
+    scale's junction between the two uses, and a spare layer no micro-batch uses (as an
+    expert no token chose)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -23,7 +24,7 @@ class Shared(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.first(x)
-        return self.twice(torch.tanh(self.twice(h))) * self.scale
+        return self.twice(self.scale * torch.tanh(self.twice(h)))
 
 
 def _model() -> nn.Module:
@@ -66,7 +67,7 @@ def test_weight_pass_does_not_walk_the_activations_path_again():
     model = _model()
     x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
     h = model.first(x)
-    out = model.twice(torch.tanh(model.twice(h))) * model.scale  # Shared.forward, opened
+    out = model.twice(model.scale * torch.tanh(model.twice(h)))  # Shared.forward, opened
     tanh = h.grad_fn
     calls = []
     tanh.register_prehook(lambda grads: calls.append(1))

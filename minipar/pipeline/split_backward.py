@@ -14,8 +14,15 @@ So I keeps, with a hook on each of those junction nodes, the gradient that reach
 (`Junctions.weights_backward`), one group of weights at a time: a backward started at
 every junction at once with every weight as its target would walk from the upper
 junctions down the activations' path to the lower blocks' weights, which is the very
-work being saved. torch.distributed.pipelining splits its backward the same way
-(`stage_backward_input` / `stage_backward_weight`, its "param groups").
+work being saved. A weight used twice is the exception: its group walks the path
+between its two uses (in a stage that repeats one block, W costs about a whole B).
+torch.distributed.pipelining splits its backward the same way (`stage_backward_input` /
+`stage_backward_weight`, its "param groups").
+
+Two costs stay. From I to W each junction's gradient is held (an activation-sized tensor
+per matmul and norm, per micro-batch), which the activation meter (stage.py) does not
+count. And hooks on activations fire where the walk goes: all of them in I, only the
+junctions' (again) in W, none below them.
 """
 
 from __future__ import annotations
@@ -65,8 +72,8 @@ class Junctions:
     """Where the weights' subgraphs join the path from a stage's input `x` to its output
     `root`, grouped: weights that share a junction go together. A weight this micro-batch
     does not use (an expert no token chose) gets no gradient, as in a plain backward.
-    `found` is False when a weight joins that path nowhere (an output that does not
-    depend on its input): W must then walk from the root."""
+    `found` is False when a weight it uses joins that path nowhere, which happens only
+    when the output does not depend on the input: W must then walk from the root."""
 
     def __init__(self, root: torch.Tensor, x: torch.Tensor,
                  weights: Sequence[torch.Tensor]) -> None:
@@ -93,7 +100,10 @@ class Junctions:
     def keep(self) -> Iterator[None]:
         """Inside, each junction keeps the gradient that reaches it (run I inside)."""
         def hook(node: Node):
-            return lambda grads: self.kept.__setitem__(node, grads)
+            def keep(grads: tuple) -> None:
+                self.kept[node] = grads
+                return None  # a prehook that returns a value replaces the gradients
+            return keep
         handles = [node.register_prehook(hook(node)) for node in self.nodes]
         try:
             yield
@@ -106,6 +116,7 @@ class Junctions:
         into .grad (their hooks fire, as in `loss.backward()`). Within a group one
         junction may lie below another (a weight used twice); what reaches it from above
         is replaced by what it kept, so nothing is counted twice."""
+        # the prehook's return value replaces what arrives at the junction
         handles = [node.register_prehook(lambda _arrived, kept=kept: kept)
                    for node, kept in self.kept.items()]
         try:
@@ -117,7 +128,10 @@ class Junctions:
                             edges.append(GradientEdge(node, i))
                             grads.append(g)
                 if edges:
-                    torch.autograd.backward(edges, grads, inputs=weights)
+                    # retain_graph: a weight used twice walks the path between its uses,
+                    # and another group's junction there must still have its saved
+                    # tensors; the graph goes when the engine drops the step's output
+                    torch.autograd.backward(edges, grads, inputs=weights, retain_graph=True)
         finally:
             for handle in handles:
                 handle.remove()

@@ -77,7 +77,7 @@ class Stage:
                         grad_out: torch.Tensor | None) -> None:
         """W: the weight gradients from the graph I kept, added into .grad: from the
         junctions I recorded, or, where it recorded none (the first stage, whose input is
-        data, or a weight off the input's path), from the output down."""
+        data, or an output that does not depend on its input), from the output down."""
         junctions = self.junctions.pop(microbatch, None)
         if junctions is not None:
             junctions.weights_backward()

@@ -63,8 +63,9 @@ def new_groups(partition: Iterable[list[int]]) -> dist.ProcessGroup | None:
     calmed (`calm_gloo_threads`)."""
     me, mine = rank(), None
     for ranks in partition:
-        group = dist.new_group(list(ranks))
-        if me in ranks:
+        members = list(ranks)
+        group = dist.new_group(members)
+        if me in members:
             mine = group
     calm_gloo_threads()
     return mine

@@ -168,19 +168,20 @@ class NativeRun:
         # a V's second stage on rank r comes back up: 2p - 1 - r (the last stage on rank 0)
         mine = (r,) if p.virtual == 1 else (r, 2 * p.pp - 1 - r)
         modules = [PipelineStageModule(model, cuts[i], cuts[i + 1]) for i in mine]
+        self.first, self.last = 0 in mine, stages - 1 in mine
+        tied = self.config.model.tied and (self.first or self.last)
+        self.head_copy = None
+        if tied and self.first and self.last:  # a V's rank 0: the head's own copy
+            # the two copies stay equal: they start equal, get the same summed gradient
+            # (forward_backward) and AdamW updates them element by element alike
+            modules[-1].head = copy.deepcopy(model.head)
+            self.head_copy = modules[-1].head.weight
         built = [pipelining.PipelineStage(modules[k], i, stages, device())
                  for k, i in enumerate(mine)]
         schedule = getattr(pipelining, TORCH_SCHEDULES[p.schedule])
         # scale_grads: each micro-batch's mean loss / m, so the step's is the batch's mean
         self.stage = schedule(built if p.virtual > 1 else built[0], p.microbatches,
                               loss_fn=cross_entropy, scale_grads=True)
-        # each parameter once: on a V's rank 0 both stages hold the tied weight
-        self.first, self.last = 0 in mine, stages - 1 in mine
-        tied = self.config.model.tied and (self.first or self.last)
-        self.head_copy = None
-        if tied and self.first and self.last:  # a V's rank 0: the head's own copy
-            modules[-1].head = copy.deepcopy(model.head)
-            self.head_copy = modules[-1].head.weight
         self.model = modules[0]
         self.params = [q for m in modules for q in m.parameters()]
         self.pp_group = dist.group.WORLD

@@ -18,8 +18,9 @@ the rest (Python, hooks, waiting for messages), and counts the messages gloo car
 A pipeline row also says how short its schedule could be: three more traced steps give
 each rank's median stage forward (F) and backward (B; or input and weight gradients, I
 and W, where the schedule splits it) as minipar's engine records them, and the schedule
-replayed with those costs and free messages (`pipeline.simulate`) is the step no
-implementation of that schedule beats on these kernels (given for one stage per rank:
+replayed with those costs and free messages (`pipeline.simulate`) is the schedule's
+critical path at those median costs, without the step's loss, norm and optimizer: about
+the step no implementation of that schedule beats on these kernels (for one stage per rank:
 the simulator takes one cost per rank and kind, and a V's rank holds two unequal
 stages). Both sides run the same kernels, so a step close to that floor leaves either
 library nothing to win but the schedule itself.
