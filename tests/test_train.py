@@ -149,6 +149,9 @@ def test_the_learning_rate_warms_up_then_decays_to_its_floor():
     (dict(zero=3, dp=2, ep=2, experts=4), "zero 0, 1 or 2 with experts"),
     (dict(tp=2, experts=4), "use tp = cp = 1"),
     (dict(cp=2, experts=4), "use tp = cp = 1"),
+    # a V's rank 0 holds both tied ends: said before ZeRO-3 would flatten the weight twice
+    (dict(pp=2, schedule="zb_v", virtual=2, microbatches=4, dp=2, zero=3), "untie them"),
+    (dict(pp=2, schedule="dualpipev", virtual=2, microbatches=4, zero=1), "untie them"),
 ])
 def test_what_the_trainer_does_not_compose_is_one_line(change, words):
     model = DecoderConfig(experts=change.pop("experts", 0))

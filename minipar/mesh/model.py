@@ -47,6 +47,15 @@ def stage_boundaries(layers: int, stages: int) -> list[int]:
     return [1 + (blocks * s) // stages for s in range(1, stages)]
 
 
+def tied_ends_on_one_rank(schedule_name: str) -> ValueError:
+    """The one line for a schedule that puts both ends on one rank (a V's rank 0) under
+    data parallelism, whose wrappers would each own the one tied weight."""
+    return ValueError(f"schedule {schedule_name!r} puts the tied embedding and head on one "
+                      "pipeline rank, where data parallelism (dp > 1 or ZeRO) would reduce the "
+                      "shared weight once per stage: untie them (model.tied=false) or choose a "
+                      "schedule that loops, such as 1f1b")
+
+
 class MeshModel:
     """This rank's stages of [embedding, blocks..., head] on a mesh with a `pp` dimension
     (of size 1 when there is no pipeline). The first and last layers name the weight they
@@ -80,10 +89,7 @@ class MeshModel:
         if self.pp > 1 and not self.ends_apart and self.tied is not None and \
                 self.data_parallel is not None and any(self.data_parallel.wrappers.values()):
             # the wrappers would each own the one shared weight: reduced twice, sliced twice
-            raise ValueError(f"schedule {schedule_name!r} puts the tied embedding and head on "
-                             "one pipeline rank, where data parallelism (dp > 1 or ZeRO) would "
-                             "reduce the shared weight once per stage: untie them "
-                             "(model.tied=false) or choose a schedule that loops, such as 1f1b")
+            raise tied_ends_on_one_rank(schedule_name)
         self.pipe = Pipeline(stages, plan, group=groups.pp, make_stage=make_stage)
         self.pipe.reduce_gradients_with(self.data_parallel)
 

@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives, trace
+from ..mesh.model import tied_ends_on_one_rank
 from ..moe.moe_decoder import moe_decoder
-from ..pipeline import SCHEDULES
+from ..pipeline import SCHEDULES, schedule
 from ..runtime import allocator_history, rank, reset_memory_peak, world_size
 from ..trace import record
 from .compile_blocks import refuse_uncompilable
@@ -98,6 +99,11 @@ def refuse_unbuilt(config: TrainConfig) -> None:
         raise ValueError("parallel.zero=3 with ep > 1 is not built: ZeRO-3 gathers whole "
                          "blocks, whose experts are replicated over fewer ranks (dp) than "
                          "their dense weights (dp x ep); use zero 0, 1 or 2 with experts")
+    plan = schedule(par.schedule, par.pp, par.microbatches, par.virtual)
+    if par.pp > 1 and config.model.tied and (par.zero or par.dp * par.cp > 1) and \
+            plan.rank_of(0) == plan.rank_of(plan.stages - 1):
+        # said before the model is built: ZeRO-3 crashed flattening the one weight twice
+        raise tied_ends_on_one_rank(par.schedule)
 
 
 SYNCHRONOUS = tuple(name for name in SCHEDULES if name not in ("pipedream", "terapipe"))
