@@ -120,16 +120,21 @@ def _loop_thread_policies() -> dict[str, list[int]]:
     collectives.all_reduce(torch.ones(3), group=groups.dp)  # the new group's loop works
     alone, first_only = new_groups([[0], [1]]), new_groups([[0]])
     return {"started": started, "mesh": policies(), "alone": dist.get_process_group_ranks(alone),
-            "first_only": first_only is not None}
+            "first_only": first_only is not None,
+            "caller": os.sched_getscheduler(threading.get_native_id())}
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
-def test_gloo_loop_threads_cannot_preempt_the_thread_holding_their_lock(cluster2):
+def test_gloo_loop_threads_cannot_preempt_the_thread_holding_their_lock():
     """gloo's loop thread spins while another thread holds its connection's lock: waking
     on a busy core it must not preempt that thread (runtime/gloo_threads.py), so every
-    loop thread, the start's and each new group's, runs in SCHED_BATCH."""
-    everyone = cluster2.run(_loop_thread_policies)
+    loop thread, the start's and each new group's, runs in SCHED_BATCH from birth, and
+    the thread that made them keeps its own policy. Fresh ranks: the shared ones may
+    still hold the loop threads of groups other tests made with torch's own calls."""
+    with minipar.Cluster(2, backend="gloo", timeout=30) as cluster:
+        everyone = cluster.run(_loop_thread_policies)
     for seen in everyone:
+        assert seen["caller"] == os.SCHED_OTHER, seen
         assert seen["started"] and set(seen["started"]) == {os.SCHED_BATCH}, seen
         assert len(seen["mesh"]) > len(seen["started"]), seen  # the mesh's groups have theirs
         assert set(seen["mesh"]) == {os.SCHED_BATCH}, seen

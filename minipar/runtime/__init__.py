@@ -53,11 +53,12 @@ from .device import (
     world_size,
 )
 from .errors import RankDied, RankError, RankTimeout, Results
-from .gloo_threads import calm_gloo_threads, new_groups
+from .gloo_threads import calm_from_birth, calm_gloo_threads, new_groups
 from .torchrun import ranks_per_node, under_torchrun
 
 __all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "DEVICES", "START_METHODS", "Cluster", "RankDied",
-           "RankError", "RankTimeout", "Results", "allocator_history", "calm_gloo_threads",
+           "RankError", "RankTimeout", "Results", "allocator_history", "calm_from_birth",
+           "calm_gloo_threads",
            "compute_ready", "cpu_cores", "cpu_kind", "cpu_model", "device", "device_name",
            "gpu_count", "host_empty_like", "launch", "machine_line", "memory_peak",
            "new_groups", "on_copy_stream", "rank", "ranks_per_node", "reset_memory_peak",

@@ -17,15 +17,18 @@ training step paid it on every reduction its rank waited for.
 The fix is a scheduling class, not a change to gloo: SCHED_BATCH. The kernel never lets
 a waking SCHED_BATCH thread preempt the running one (its turn comes when that thread
 sleeps, say in the wait for this very message, or at the next tick), and at nice 0 it
-keeps its full share of the core. Every rank calls `calm_gloo_threads` after it makes
-process groups (each group starts a loop thread of its own); `new_groups`, minipar's one
-way to make groups after start-up, does so itself.
+keeps its full share of the core. Each group starts a loop thread of its own, so ranks
+make their groups inside `calm_from_birth` (start-up does; `new_groups`, minipar's one way
+to make groups after start-up, does too), and `calm_gloo_threads` moves those made
+elsewhere.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch.distributed as dist
 
@@ -55,17 +58,39 @@ def calm_gloo_threads() -> int:
     return moved
 
 
+@contextmanager
+def calm_from_birth() -> Iterator[None]:
+    """Inside, every thread this thread starts is SCHED_BATCH from its first instant: Linux
+    copies the creator's policy into a new thread. (A loop thread names itself only when
+    it first runs, so on a busy machine a scan right after the group is made could find it
+    still unnamed and pass it by: a loaded CI run saw one.) The creating thread gets its
+    own policy back after the block; then `calm_gloo_threads` runs for threads started
+    elsewhere."""
+    tid, kept = threading.get_native_id(), None
+    try:
+        kept = os.sched_getscheduler(tid), os.sched_getparam(tid)
+        os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):  # no SCHED_BATCH (macOS), or a sandbox refuses
+        pass
+    try:
+        yield
+    finally:
+        if kept is not None:
+            os.sched_setscheduler(tid, *kept)
+        calm_gloo_threads()
+
+
 def new_groups(partition: Iterable[list[int]]) -> dist.ProcessGroup | None:
     """Make one process group for each rank list in `partition` and return this rank's
     (None where it is in none). Every rank calls it with the same lists in the same
     order: torch's `new_group` is collective, every process creates every group, members
     or not, or the group ids disagree across ranks. The new groups' loop threads are
-    calmed (`calm_gloo_threads`)."""
+    calm from birth (`calm_from_birth`)."""
     me, mine = rank(), None
-    for ranks in partition:
-        members = list(ranks)
-        group = dist.new_group(members)
-        if me in members:
-            mine = group
-    calm_gloo_threads()
+    with calm_from_birth():
+        for ranks in partition:
+            members = list(ranks)
+            group = dist.new_group(members)
+            if me in members:
+                mine = group
     return mine

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from .. import trace
 from .device import _bind_device, rank, resolve_backend, world_size
 from .errors import Results
-from .gloo_threads import calm_gloo_threads
+from .gloo_threads import calm_from_birth
 from .placement import placement_trap, trap_requested
 from .worker import in_rank
 
@@ -102,9 +102,10 @@ def run_under_torchrun(fn: Callable, size: int, args: tuple, kwargs: dict, backe
         _bind_device(backend, local_rank, device)
         if backend == "gloo":
             torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 1)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=max(timeout, 60)),
-                                **_attempt_store(max(timeout, 60)))
-        calm_gloo_threads()  # as worker.py does after its init (gloo_threads.py)
+        with calm_from_birth():  # as worker.py's init (gloo_threads.py)
+            dist.init_process_group(backend,
+                                    timeout=datetime.timedelta(seconds=max(timeout, 60)),
+                                    **_attempt_store(max(timeout, 60)))
         atexit.register(_leave_process_group)
     started = time.perf_counter()
     dist.barrier()  # a common t=0 for every rank's events, as in worker._run_task

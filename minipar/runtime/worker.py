@@ -26,7 +26,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from .. import trace
 from .device import _bind_device, rank
-from .gloo_threads import calm_gloo_threads
+from .gloo_threads import calm_from_birth
 from .placement import placement_trap
 
 STARTUP_TIMEOUT = 60.0
@@ -165,9 +165,10 @@ def _worker_main(rank_: int, size: int, backend: str, device: str, io_dir: str,
         store = dist.FileStore(os.path.join(io_dir, "rendezvous"), size)
         # timeout: long, so that the launcher's own timeout (which reports where each rank
         # waits) fires first, not gloo's terse one
-        dist.init_process_group(backend, store=store, rank=rank_, world_size=size,
-                                timeout=datetime.timedelta(hours=1))
-        calm_gloo_threads()  # its loop thread must not preempt a lock holder (gloo_threads.py)
+        # its loop thread must not preempt a lock holder (gloo_threads.py)
+        with calm_from_birth():
+            dist.init_process_group(backend, store=store, rank=rank_, world_size=size,
+                                    timeout=datetime.timedelta(hours=1))
         conn.send_bytes(cloudpickle.dumps(("ready", None)))
     except BaseException:
         # the launcher reports a failed start with this traceback, not just an exit code

@@ -16,7 +16,7 @@ from ..data_parallel import DataParallel, shard
 from ..models import mlp, mlp_parameters
 from ..plots import stack_memory
 from ..report import format_table, progress, save_results, spread
-from ..runtime import Cluster, calm_gloo_threads, device, world_size
+from ..runtime import Cluster, calm_from_birth, device, world_size
 from ..runtime.placement import host_allocations
 from .fsdp import FullyShardedDataParallel, default_units
 from .memory_tracker import MemoryTracker, recompute
@@ -46,8 +46,8 @@ def _wrap(variant: str, model: torch.nn.Module, param_dtype: torch.dtype | None 
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        mesh = init_device_mesh("cpu", (world_size(),))
-        calm_gloo_threads()  # its groups' gloo threads as minipar's (runtime/gloo_threads.py)
+        with calm_from_birth():  # its groups' gloo threads as minipar's (runtime/gloo_threads.py)
+            mesh = init_device_mesh("cpu", (world_size(),))
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..decoder import Decoder, cross_entropy, decoder, rope_tables
-from ..runtime import calm_gloo_threads, device, rank, world_size
+from ..runtime import calm_from_birth, device, rank, world_size
 from .config import TrainConfig
 from .model_part import decays
 from .precision import PARAM_DTYPES
@@ -100,12 +100,12 @@ class NativeRun:
         model = decoder(config.model, config.train.seed,
                         PARAM_DTYPES[config.train.precision]).to(device())
         self.dp_rank, self.dp, self.twin = 0, p.dp, model
-        if p.pp > 1:
-            self._pipeline(model)
-        else:
-            self._fsdp_and_tp(model)
-        # the race's two sides alike: torch's groups' gloo threads calmed as minipar's are
-        calm_gloo_threads()
+        # the race's two sides alike: torch's groups' gloo threads calm as minipar's are
+        with calm_from_birth():
+            if p.pp > 1:
+                self._pipeline(model)
+            else:
+                self._fsdp_and_tp(model)
         # the twin's names, read after wrapping (FSDP2 and DTensor replace the Parameters,
         # keeping their names; a stage shares the twin's, and lists the tied one as head)
         names = {id(q): name for name, q in model.named_parameters()}
