@@ -68,8 +68,9 @@ def calm_from_birth() -> Iterator[None]:
     elsewhere."""
     tid, kept = threading.get_native_id(), None
     try:
-        kept = os.sched_getscheduler(tid), os.sched_getparam(tid)
+        own = os.sched_getscheduler(tid), os.sched_getparam(tid)
         os.sched_setscheduler(tid, os.SCHED_BATCH, os.sched_param(0))
+        kept = own  # to give back: only once it was changed
     except (AttributeError, OSError):  # no SCHED_BATCH (macOS), or a sandbox refuses
         pass
     try:
