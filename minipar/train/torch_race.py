@@ -179,7 +179,7 @@ def run_steps(config: TrainConfig, native: bool, profile: bool = False,
         # one stage per rank: a V's rank holds two unequal stages (rank 0 the embedding's
         # and the head's), which one cost per rank and kind (simulate's) cannot describe
         if not native and config.parallel.pp > 1 and config.parallel.virtual == 1:
-            out["stage_costs"] = stage_costs(again)
+            out["profile"]["stage_costs"] = stage_costs(again)
     return out
 
 
@@ -189,8 +189,7 @@ def timed(config: TrainConfig, native: bool, profile: bool = True) -> dict:
     torch.set_num_threads(1)
     out = run_steps(config, native, profile=profile)
     speed = statistics.median(r["tokens_per_s"] for r in out["records"][WARMUP:])
-    return {"tokens_per_s": speed, **out.get("profile", {}),
-            **({"stage_costs": out["stage_costs"]} if "stage_costs" in out else {})}
+    return {"tokens_per_s": speed, **out.get("profile", {})}
 
 
 def measure(steps: int = 10, rounds: int = 5, preset: str = "small",
