@@ -75,6 +75,22 @@ def test_overlap_is_what_shortens_dualpipev_and_one_cpu_thread_has_none():
                for f, b in plan.overlapped)
 
 
+def test_a_stage_cost_dict_prices_each_of_a_ranks_two_stages():
+    """A V's rank 0 holds stage 0 and stage 2p-1: costs given per stage price them apart;
+    equal per-stage costs replay exactly as the same cost per rank."""
+    plan = schedule("zb_v", 2, 4, 2)
+    per_rank = {"F": [1.0, 1.0], "I": [1.0, 1.0], "W": [0.5, 0.5]}
+    uniform = {kind: {s: v[0] for s in range(4)} for kind, v in per_rank.items()}
+    assert simulate(plan, uniform).events == simulate(plan, per_rank).events
+    heavy_head = {**uniform, "F": {0: 1.0, 1: 1.0, 2: 1.0, 3: 3.0}}
+    timeline = simulate(plan, heavy_head)
+    forwards = {e.stage: e.duration for e in timeline.for_rank(0) if e.kind == "F"}
+    assert forwards == {0: pytest.approx(1.0), 3: pytest.approx(3.0)}
+    assert timeline.makespan > simulate(plan, uniform).makespan + 2
+    with pytest.raises(ValueError, match="one entry per stage"):
+        simulate(plan, {"F": {0: 1.0, 1: 1.0}})
+
+
 def test_zb_v_halves_zb_h1s_bubble_at_1f1bs_activation_memory():
     """The same model on p ranks: a V cuts it into 2p stages of half the cost each."""
     for p in (2, 3, 4):

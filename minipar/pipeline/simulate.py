@@ -1,18 +1,19 @@
 """Replay a schedule with modelled costs: the ideal Timeline of a pipeline, and, given a
 machine's communication and engine costs, the Timeline a real run should have.
 
-Each rank runs its actions in order. A compute action takes its kind's cost (one figure
-for every rank, or one per rank: the last stage also computes the loss, the first has no
-input gradient to send back). A message lands `costs["p2p"]` seconds after it is sent
-(latency plus bytes over bandwidth, e.g. from a fitted `cost.Machine`); a receive waits
-until its message has landed. `costs["overhead"]` is the engine's own time per action
-(Python, posting a message), paid by every action on its rank. A plan's overlapped
-(F, B) pairs (DualPipe's F&B chunks) take `costs["F&B"]` together when it is given: a
-machine that overlaps one chunk's forward with another's backward; without it they
-take F + B, as on one CPU thread. Events carry the plan's
-labels (`1F0`, `1SEND_F0`, `2RECV_F0`) and kinds (F, B, I, W, send, recv), as the engine
-records them, so a simulated and a measured Timeline can be compared action by action,
-drawn and summarized alike.
+Each rank runs its actions in order. A compute action takes its kind's cost: one figure
+for every rank, one per rank (the last stage also computes the loss, the first has no
+input gradient to send back), or one per stage, where a rank holds several unequal stages
+(a V's rank 0 holds the embedding's stage and the head's). A message lands
+`costs["p2p"]` seconds after it is sent (latency plus bytes over bandwidth, e.g. from a
+fitted `cost.Machine`); a receive waits until its message has landed.
+`costs["overhead"]` is the engine's own time per action (Python, posting a message),
+paid by every action on its rank. A plan's overlapped (F, B) pairs (DualPipe's F&B
+chunks) take `costs["F&B"]` together when it is given: a machine that overlaps one
+chunk's forward with another's backward; without it they take F + B, as on one CPU
+thread. Events carry the plan's labels (`1F0`, `1SEND_F0`, `2RECV_F0`) and kinds (F, B,
+I, W, send, recv), as the engine records them, so a simulated and a measured Timeline
+can be compared action by action, drawn and summarized alike.
 """
 
 from __future__ import annotations
@@ -34,10 +35,26 @@ def _per_rank(costs: dict, kind: str, ranks: int, default: float) -> list[float]
     return values
 
 
-def simulate(plan: Schedule, costs: dict[str, float | list[float]]) -> Timeline:
-    """The Timeline of `plan` when F, B, I, W take costs[kind] (seconds; one number, or a
-    list with one per rank), a message takes costs["p2p"] to land and every action costs
-    its rank costs["overhead"] more.
+def _per_stage(costs: dict, kind: str, plan: Schedule, default: float) -> list[float]:
+    """costs[kind] for each of the plan's stages: a dict {stage: seconds} as it is, a
+    number or a list with one per rank given to each stage of that rank."""
+    value = costs.get(kind, default)
+    if not isinstance(value, dict):
+        by_rank = _per_rank(costs, kind, plan.ranks, default)
+        return [by_rank[plan.rank_of(s)] for s in range(plan.stages)]
+    if sorted(value) != list(range(plan.stages)):
+        raise ValueError(f"costs[{kind!r}] as a dict must have one entry per stage "
+                         f"(0..{plan.stages - 1}); got stages {sorted(value)}")
+    if any(v < 0 for v in value.values()):
+        raise ValueError(f"costs[{kind!r}] must be >= 0 seconds; got {value!r}")
+    return [float(value[s]) for s in range(plan.stages)]
+
+
+def simulate(plan: Schedule, costs: dict[str, float | list[float] | dict[int, float]]
+             ) -> Timeline:
+    """The Timeline of `plan` when F, B, I, W take costs[kind] (seconds; one number, a
+    list with one per rank, or a dict with one per stage), a message takes costs["p2p"]
+    to land and every action costs its rank costs["overhead"] more.
 
     Raises ValueError naming the stuck ranks and their next actions on a deadlock.
     """
@@ -45,10 +62,11 @@ def simulate(plan: Schedule, costs: dict[str, float | list[float]]) -> Timeline:
     if isinstance(p2p, (list, tuple)) or not p2p >= 0:
         raise ValueError(f"costs['p2p'] must be one number of seconds >= 0; got {p2p!r}")
     overhead = _per_rank(costs, "overhead", plan.ranks, 0.0)
-    compute = {kind: _per_rank(costs, kind, plan.ranks, 1.0) for kind in ("F", "B", "I", "W")}
+    compute = {kind: _per_stage(costs, kind, plan, 1.0) for kind in ("F", "B", "I", "W")}
     fused = _per_rank(costs, "F&B", plan.ranks, 0.0) if "F&B" in costs else None
-    # an overlapped pair's share of F&B: each half scaled by F&B / (F + B)
-    in_pair = {a for pair in plan.overlapped for a in pair} if fused else set()
+    # an overlapped pair's share of F&B: each half scaled by F&B / (its F + its B)
+    pair_sum = {a: sum(compute[b.kind.value][b.stage] for b in pair)
+                for pair in plan.overlapped for a in pair} if fused else {}
     clock = [0.0] * plan.ranks
     position = [0] * plan.ranks
     landed: dict[tuple[str, int, int], float] = {}  # (direction, stage sent to, mb) -> time
@@ -78,9 +96,9 @@ def simulate(plan: Schedule, costs: dict[str, float | list[float]]) -> Timeline:
                                             stage=a.stage, microbatch=a.microbatch,
                                             peer=plan.rank_of(a.peer_stage)))
                 else:
-                    cost = compute[a.kind.value][r]
-                    if a in in_pair:
-                        cost *= fused[r] / (compute["F"][r] + compute["B"][r])
+                    cost = compute[a.kind.value][a.stage]
+                    if a in pair_sum:
+                        cost *= fused[r] / pair_sum[a]
                     clock[r] += overhead[r]
                     # Timelines hold plain strings: the kind's printed form
                     events.append(Event(r, a.kind.value, str(a), clock[r], clock[r] + cost,

@@ -95,6 +95,7 @@ def _timed_run(config: TrainConfig, threads: int) -> dict:
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
             "mfu": statistics.median(r["mfu"] for r in records),
             "peak_per_core": run.peak.per_device,
+            "matmuls_per_core": run.peak.matmuls,
             "memory": sum(run.memory["measured"].values()),
             "memory_predicted": sum(run.memory["predicted"].values())}
 
@@ -107,6 +108,7 @@ def _side_by_side(clusters: list[Cluster], config: TrainConfig) -> dict:
     return {"tokens_per_s": sum(r["tokens_per_s"] for r in runs),
             "mfu": statistics.mean(r["mfu"] for r in runs),
             "peak_per_core": runs[0]["peak_per_core"],
+            "matmuls_per_core": runs[0]["matmuls_per_core"],
             "memory": max(r["memory"] for r in runs),
             "memory_predicted": max(r["memory_predicted"] for r in runs)}
 
@@ -223,6 +225,7 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small") -> list[dic
                      "tokens_per_s_range": [min(speeds), max(speeds)],
                      "mfu": statistics.median(r["mfu"] for r in runs[name]),
                      "peak_per_core": runs[name][0]["peak_per_core"],
+                     "matmuls_per_core": runs[name][0]["matmuls_per_core"],
                      "step_s": tokens_per_step / statistics.median(speeds),
                      "predicted_step_s": predicted,
                      "memory": runs[name][-1]["memory"],
@@ -256,12 +259,15 @@ def against_ceiling(rows: list[dict]) -> str | None:
 
 
 def peaks_line(rows: list[dict]) -> str:
-    """The peaks per core MFU divides by, by precision, and what bf16's means here."""
-    peak = {r["precision"]: r["peak_per_core"] for r in rows if r["threads"] == ONE_THREAD}
-    line = "MFU divides by these peaks per core (the model's projections, one thread): " + \
+    """The peaks per core MFU divides by, by precision, and what bf16's matmuls mean here."""
+    one = [r for r in rows if r["threads"] == ONE_THREAD]
+    peak = {r["precision"]: r["peak_per_core"] for r in one}
+    matmuls = {r["precision"]: r.get("matmuls_per_core") for r in one}
+    line = "MFU divides by these peaks per core (the faster of the model's matmuls and its " \
+        "fused attention, one thread): " + \
         ", ".join(f"{p} {v / 1e9:.3g} GFLOP/s" for p, v in peak.items())
-    if "fp32" in peak and "bf16" in peak:
-        line += f"; {precision_verdict('bf16', peak['bf16'] / peak['fp32'])}"
+    if matmuls.get("fp32") and matmuls.get("bf16"):
+        line += f"; {precision_verdict('bf16', matmuls['bf16'] / matmuls['fp32'])}"
     return line
 
 

@@ -1,9 +1,10 @@
 """The peak MFU divides by, on whatever the run computes on.
 
 On a CPU no data sheet gives a core's peak for these shapes and threads: the peak is the
-model's own matmuls timed here on one core (`matmul_peak.model_peak`), times the cores in
-use. A bf16 or fp16 run on a CPU also times the same matmuls in float32: a CPU without
-fast low-precision kernels multiplies them many times slower, and the run says so first.
+model's own kernels timed here on one core (`matmul_peak.model_peak`: the faster of its
+matmuls and its fused attention), times the cores in use. A bf16 or fp16 run on a CPU
+also times the same matmuls in float32: a CPU without fast low-precision kernels
+multiplies them many times slower, and the run says so first.
 
 On a GPU the convention every report follows (PaLM's appendix B, Megatron, torchtitan) is
 the maker's dense peak for the dtype the matmuls run in: MFU then compares across papers
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from ..decoder import DecoderConfig
 from ..runtime import cpu_kind, device, device_name, rank, world_size
-from .matmul_peak import model_peak, square_peak
+from .matmul_peak import matmul_rate, model_peak, square_peak
 from .metrics import cores_in_use
 
 TFLOPS = 1e12
@@ -72,7 +73,8 @@ class Peak:
     devices: int
     name: str  # the device, as its maker names it
     unit: str  # what one device is: "core" or "GPU"
-    fp32: float | None = None  # a low-precision CPU run: the same matmuls in float32
+    fp32: float | None = None  # a low-precision CPU run: its matmuls' rate in float32
+    matmuls: float | None = None  # a CPU run: its matmuls' rate in its own dtype
 
     @property
     def per_device(self) -> float:
@@ -95,16 +97,17 @@ class Peak:
         if self.unit == "GPU":
             return head + f"a {kind} matmul timed here on {self.name}; no data sheet known " \
                           "for this card"
-        return head + f"the model's {kind} matmuls timed here, each at its best, on " \
-                      f"{self.name}, {cpu_kind()}"
+        return head + f"the faster of the model's {kind} matmuls and its fused attention, " \
+                      f"timed here at their best on {self.name}, {cpu_kind()}"
 
     def warning(self) -> str | None:
         """One line before a CPU run whose low-precision matmuls are slower than float32's
         on the same shapes (a CPU without AMX or AVX512-BF16 has no fast bf16 kernel)."""
-        if self.fp32 is None or self.measured >= self.fp32:
+        low = self.measured if self.matmuls is None else self.matmuls
+        if self.fp32 is None or low >= self.fp32:
             return None
         kind = {torch.bfloat16: "bf16", torch.float16: "fp16"}[self.dtype]
-        return f"warning: {precision_verdict(kind, self.measured / self.fp32)}; " \
+        return f"warning: {precision_verdict(kind, low / self.fp32)}; " \
                "--precision fp32 trains faster here"
 
 
@@ -139,16 +142,18 @@ def precision_verdict(kind: str, ratio: float) -> str:
 def run_peak(dtype: torch.dtype, model: DecoderConfig, rows: int) -> Peak:
     """The run's peak (every rank calls it together), timed by rank 0 alone (ranks timing
     at once would slow each other) and sent to the others: on a CPU the model's matmuls
-    at `rows` sequences per pass (and in float32 too for a low-precision run); on a GPU
-    one large matmul, beside the data sheet's figure for a known card."""
+    at `rows` sequences per pass (and the matmuls alone, in the run's dtype, and for a
+    low-precision run in float32 too); on a GPU one large matmul, beside the data sheet's figure for
+    a known card."""
     gpu = device().type == "cuda"
     box: list = [None]
     if rank() == 0:
         low = dtype in (torch.bfloat16, torch.float16) and not gpu
         box = [(square_peak(dtype) if gpu else model_peak(dtype, model, rows),
-                model_peak(torch.float32, model, rows) if low else None)]
+                matmul_rate(torch.float32, model, rows) if low else None,
+                None if gpu else matmul_rate(dtype, model, rows))]
     if world_size() > 1:
         dist.broadcast_object_list(box, src=0)
-    (measured, fp32), name = box[0], device_name()
+    (measured, fp32, matmuls), name = box[0], device_name()
     return Peak(dtype, measured, datasheet_peak(name, dtype) if gpu else None,
-                devices_in_use(world_size()), name, "GPU" if gpu else "core", fp32)
+                devices_in_use(world_size()), name, "GPU" if gpu else "core", fp32, matmuls)

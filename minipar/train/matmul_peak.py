@@ -1,5 +1,5 @@
-"""The peak a CPU run's MFU divides by: the rate one core reaches on the very matmuls a
-training step multiplies.
+"""The peak a CPU run's MFU divides by: the rate one core reaches on the very kernels a
+training step's model FLOPs run in, its matmuls and its fused attention.
 
 A CPU has no data sheet figure for a given shape, thread count and dtype, and one large
 square matmul is the wrong stand-in: it takes one kernel path while the model's tall,
@@ -12,12 +12,18 @@ autograd runs it: forward `x @ W^T`, the input's gradient `g @ W`, the weight's 
 Their FLOPs are exactly the 6N x tokens of MFU's formula (a test holds them equal).
 
 Each is timed at its best of several calls, in the thread's CPU time (so a busy machine
-does not lower it), and the peak is their FLOPs over their best times, weighted as one
-step calls them: the rate of a step that did nothing but its projections, each at its
-fastest. Attention's 12 L T h FLOPs are in MFU's numerator, not in the peak: its fused
-kernel is another kind of work, and how far it falls short of the matmuls' rate is part
-of what MFU shows (it could push MFU above 1 only by outrunning the matmuls, which no
-CPU kernel here does). Above 1, the measurement failed, and the run says so.
+does not lower it), and the matmuls' rate is their FLOPs over their best times, weighted
+as one step calls them: the rate of a step that did nothing but its projections, each at
+its fastest. Attention's 12 L T h FLOPs run in another kernel, fused
+`scaled_dot_product_attention`, timed the same way at the model's shapes (forward and
+backward, credited 12 T h FLOPs per token and layer as MFU counts them). The peak is the
+faster of the two rates. Where attention is the slower (float32 on every CPU kind
+measured), the peak is the matmuls' rate, and how far attention falls short of it is
+part of what MFU shows. Where it is the faster (bf16 on a CPU without AMX or
+AVX512-BF16: the fused kernel ran at about 9 GFLOP/s, the bf16 projections at 5), a
+peak of the matmuls alone let a step "reach" 102% of it; the faster rate keeps every part of
+the step at or below the peak. So MFU above 1 means the measurement failed, and the run
+says so.
 
 tp's narrower slices and cp's shorter sequences are not the peak's shapes: what they
 lose against the whole model's matmuls shows as a lower MFU, as it should. Cached per
@@ -35,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..decoder import DecoderConfig
+from ..decoder import DecoderConfig, attend
 from ..runtime import cpu_kind, device, device_name, synchronize
 from .data import cache_dir
 
@@ -80,6 +86,24 @@ def step_kernels(model: DecoderConfig, rows: int, dtype: torch.dtype) -> list[Ke
                     (f"{name} input grad", flops, calls, lambda g=g, w=w: g @ w),
                     (f"{name} weight grad", flops, calls, lambda g=g, x=x: g.t() @ x)]
     return kernels
+
+
+def attention_kernels(model: DecoderConfig, rows: int, dtype: torch.dtype) -> list[Kernel]:
+    """One layer's causal attention over `rows` sequences, forward and backward, as the
+    model calls it (`decoder.attend`: kv heads repeated to the query heads, fused
+    `scaled_dot_product_attention`), credited the 12 T h FLOPs per token MFU counts."""
+    def qkv(heads: int) -> torch.Tensor:
+        x = _randn(rows, heads, model.seq_len, model.head_dim, dtype=dtype)
+        return x.requires_grad_()
+
+    q, k, v = qkv(model.heads), qkv(model.kv_heads), qkv(model.kv_heads)
+
+    def forward_and_backward() -> None:
+        out = attend(q, k, v)
+        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+
+    flops = 12 * model.seq_len * model.hidden * rows * model.seq_len
+    return [("attention", flops, model.layers, forward_and_backward)]
 
 
 def square_kernels(size: int, dtype: torch.dtype) -> list[Kernel]:
@@ -143,11 +167,24 @@ def cached_rate(what: str, dtype: torch.dtype, make: Callable[[], list[Kernel]])
     return saved[key]
 
 
-def model_peak(dtype: torch.dtype, model: DecoderConfig, rows: int) -> float:
-    """The peak of a run of `model` with `rows` sequences per pass (module docstring)."""
-    # the shapes themselves are the key: two models with the same matmuls share a peak
+def matmul_rate(dtype: torch.dtype, model: DecoderConfig, rows: int) -> float:
+    """FLOP/s of `model`'s projections at `rows` sequences per pass, each at its best."""
+    # the shapes themselves are the key: two models with the same matmuls share a rate
     what = "matmuls " + str(step_matmuls(model, rows))
     return cached_rate(what, dtype, lambda: step_kernels(model, rows, dtype))
+
+
+def attention_rate(dtype: torch.dtype, model: DecoderConfig, rows: int) -> float:
+    """FLOP/s of `model`'s fused attention at `rows` sequences per pass, at its best."""
+    what = (f"attention rows={rows} heads={model.heads} kv_heads={model.kv_heads} "
+            f"seq={model.seq_len} head_dim={model.head_dim}")
+    return cached_rate(what, dtype, lambda: attention_kernels(model, rows, dtype))
+
+
+def model_peak(dtype: torch.dtype, model: DecoderConfig, rows: int) -> float:
+    """The peak of a run of `model` with `rows` sequences per pass: the faster of its
+    matmuls' rate and its attention's (module docstring)."""
+    return max(matmul_rate(dtype, model, rows), attention_rate(dtype, model, rows))
 
 
 def square_peak(dtype: torch.dtype, size: int | None = None) -> float:

@@ -129,25 +129,30 @@ def profile_step(step, repeats: int = 3) -> dict:
     return {k: statistics.median(s[k] for s in seen) for k in PROFILED}
 
 
-def stage_costs(step, repeats: int = 3) -> dict[str, float]:
-    """`repeats` more `step()`s, traced: the median seconds of each kind of this rank's
-    stage work, as the pipeline engine records it: forwards ("F"), backwards ("B"), or
-    where the schedule splits the backward, input ("I") and weight ("W") gradients."""
+def stage_costs(step, repeats: int = 3) -> dict[str, dict[int, float]]:
+    """`repeats` more `step()`s, traced: for each stage this rank holds, the median seconds
+    of each kind of its work, as the pipeline engine records it: forwards ("F"), backwards
+    ("B"), or where the schedule splits the backward, input ("I") and weight ("W")
+    gradients. {kind: {stage: seconds}}: a V's rank holds two unequal stages."""
     with trace.capture() as captured:
         for _ in range(repeats):
             step()
-    seen = {kind: [e.duration for e in captured.events if e.kind == kind]
-            for kind in ("F", "B", "I", "W")}
-    return {kind: statistics.median(times) for kind, times in seen.items() if times}
+    seen: dict[str, dict[int, list[float]]] = {}
+    for e in captured.events:
+        if e.kind in ("F", "B", "I", "W"):
+            seen.setdefault(e.kind, {}).setdefault(e.stage, []).append(e.duration)
+    return {kind: {stage: statistics.median(times) for stage, times in by_stage.items()}
+            for kind, by_stage in seen.items()}
 
 
-def schedule_floor(config: TrainConfig, costs: list[dict[str, float]]) -> float:
-    """Seconds of the config's pipeline schedule replayed with each rank's measured stage
-    work (`stage_costs`, one dict per rank) and messages that cost nothing: the critical
-    path of the schedule's arithmetic."""
+def schedule_floor(config: TrainConfig, costs: list[dict[str, dict[int, float]]]) -> float:
+    """Seconds of the config's pipeline schedule replayed with each stage's measured work
+    (`stage_costs`, one dict per rank) and messages that cost nothing: the critical path
+    of the schedule's arithmetic."""
     p = config.parallel
     plan = schedule(p.schedule, p.pp, p.microbatches, p.virtual)
-    return simulate(plan, {k: [c[k] for c in costs] for k in costs[0]}).makespan
+    per_stage = {kind: {s: t for c in costs for s, t in c[kind].items()} for kind in costs[0]}
+    return simulate(plan, per_stage).makespan
 
 
 def run_steps(config: TrainConfig, native: bool, profile: bool = False,
@@ -176,9 +181,7 @@ def run_steps(config: TrainConfig, native: bool, profile: bool = False,
         def again() -> tuple[float, float]:
             return side.step(*sampler.next(), config.optim.min_lr)
         out["profile"] = profile_step(again)
-        # one stage per rank: a V's rank holds two unequal stages (rank 0 the embedding's
-        # and the head's), which one cost per rank and kind (simulate's) cannot describe
-        if not native and config.parallel.pp > 1 and config.parallel.virtual == 1:
+        if not native and config.parallel.pp > 1:
             out["profile"]["stage_costs"] = stage_costs(again)
     return out
 
