@@ -54,12 +54,12 @@ def _matmul_rates() -> list[tuple[str, str]]:
     from .runtime import cpu_kind
     from .train.config import load_config
     from .train.device_peak import precision_verdict
-    from .train.matmul_peak import matmul_rate
+    from .train.matmul_peak import matmul_rates
 
     model, threads = load_config("small").model, torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        rates = {name: matmul_rate(dtype, model, DOCTOR_ROWS) for name, dtype in
+        rates = {name: matmul_rates(dtype, model, DOCTOR_ROWS).as_run for name, dtype in
                  (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16))}
     finally:
         torch.set_num_threads(threads)

@@ -25,7 +25,8 @@ from minipar.train.loop import progress_line, train
 from minipar.train.matmul_peak import (
     attention_kernels,
     attention_rate,
-    matmul_rate,
+    layouts,
+    matmul_rates,
     model_peak,
     step_kernels,
     step_matmuls,
@@ -59,9 +60,9 @@ def test_on_a_cpu_mfu_divides_by_the_models_matmuls_timed_times_the_cores():
     assert line.startswith("peak ") and "the model's float32 matmuls and its fused" in line
     assert cpu_kind() in line
     low = run_peak(torch.bfloat16, model, 4)  # the warning's ratio: matmuls against matmuls
-    assert low.fp32 == matmul_rate(torch.float32, model, 4)
-    assert low.matmuls == matmul_rate(torch.bfloat16, model, 4)
-    assert low.measured == max(low.matmuls, attention_rate(torch.bfloat16, model, 4))
+    assert low.fp32 == matmul_rates(torch.float32, model, 4).as_run
+    assert low.matmuls == matmul_rates(torch.bfloat16, model, 4).as_run
+    assert low.measured == model_peak(torch.bfloat16, model, 4) >= low.matmuls
 
 
 @pytest.mark.parametrize("model", [
@@ -86,23 +87,36 @@ def test_the_peak_times_exactly_the_6n_flops_mfu_counts(model):
         assert len(kernels) == 3 * len(per_call)
 
 
+def test_each_product_is_timed_in_every_layout_autograds_first():
+    """Four ways to store a product's operands, each giving the product's shape; the peak
+    takes the fastest, the warning the first (autograd's), so best >= as run."""
+    ways = layouts(5, 3, 4, torch.float32, (True, False))
+    assert len(ways) == 4 and all(way().shape == (5, 4) for way in ways)
+    model = DecoderConfig(layers=1, hidden=32, heads=4, kv_heads=2, seq_len=8)
+    [(name, flops, calls, forward), *_] = step_kernels(model, 2, torch.float32)
+    assert name == "q forward" and len(forward) == 4
+    rates = matmul_rates(torch.float32, model, 2)
+    assert rates.best >= rates.as_run > 0
+
+
 def test_the_peak_is_the_faster_of_the_matmuls_and_the_fused_attention():
     """Attention's kernel is credited the 12 L T h FLOPs MFU counts for it, and the peak is
     never below either rate: a step made of both cannot outrun it."""
     model = DecoderConfig(layers=2, hidden=32, heads=4, kv_heads=2, seq_len=16)
     [(name, flops, calls, call)] = attention_kernels(model, 3, torch.float32)
     assert flops * calls == 12 * model.layers * model.seq_len * model.hidden * 3 * model.seq_len
-    call()  # runs forward and backward on the model's own attend
+    [forward_and_backward] = call
+    forward_and_backward()  # the model's own attend
     peak = model_peak(torch.float32, model, 3)
-    assert peak == max(matmul_rate(torch.float32, model, 3),
+    assert peak == max(matmul_rates(torch.float32, model, 3).best,
                        attention_rate(torch.float32, model, 3))
 
 
 def test_a_peak_is_timed_once_per_shapes_and_dtype(monkeypatch, tmp_path):
     monkeypatch.setenv("MINIPAR_CACHE", str(tmp_path))
     timed = []
-    real = matmul_peak.kernels_rate
-    monkeypatch.setattr(matmul_peak, "kernels_rate", lambda k: timed.append(len(k)) or real(k))
+    real = matmul_peak.kernels_rates
+    monkeypatch.setattr(matmul_peak, "kernels_rates", lambda k: timed.append(len(k)) or real(k))
     model = DecoderConfig(layers=1, hidden=32, heads=4, kv_heads=2, seq_len=8)
     first = model_peak(torch.float32, model, 2)  # the matmuls, then the attention
     assert model_peak(torch.float32, model, 2) == first and len(timed) == 2

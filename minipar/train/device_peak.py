@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..decoder import DecoderConfig
 from ..runtime import cpu_kind, device, device_name, rank, world_size
-from .matmul_peak import matmul_rate, model_peak, square_peak
+from .matmul_peak import matmul_rates, model_peak, square_peak
 from .metrics import cores_in_use
 
 TFLOPS = 1e12
@@ -73,8 +73,10 @@ class Peak:
     devices: int
     name: str  # the device, as its maker names it
     unit: str  # what one device is: "core" or "GPU"
-    fp32: float | None = None  # a low-precision CPU run: its matmuls' rate in float32
-    matmuls: float | None = None  # a CPU run: its matmuls' rate in its own dtype
+    # a CPU run's matmuls as the model calls them (`Rates.as_run`): in its own dtype, and
+    # for a low-precision run in float32 too (the warning compares the two)
+    fp32: float | None = None
+    matmuls: float | None = None
 
     @property
     def per_device(self) -> float:
@@ -141,17 +143,17 @@ def precision_verdict(kind: str, ratio: float) -> str:
 
 def run_peak(dtype: torch.dtype, model: DecoderConfig, rows: int) -> Peak:
     """The run's peak (every rank calls it together), timed by rank 0 alone (ranks timing
-    at once would slow each other) and sent to the others: on a CPU the model's matmuls
-    at `rows` sequences per pass (and the matmuls alone, in the run's dtype, and for a
-    low-precision run in float32 too); on a GPU one large matmul, beside the data sheet's figure for
-    a known card."""
+    at once would slow each other) and sent to the others: on a CPU the model's kernels
+    at `rows` sequences per pass (`model_peak`; and the matmuls alone as the model calls
+    them, in the run's dtype, and for a low-precision run in float32 too); on a GPU one
+    large matmul, beside the data sheet's figure for a known card."""
     gpu = device().type == "cuda"
     box: list = [None]
     if rank() == 0:
         low = dtype in (torch.bfloat16, torch.float16) and not gpu
         box = [(square_peak(dtype) if gpu else model_peak(dtype, model, rows),
-                matmul_rate(torch.float32, model, rows) if low else None,
-                None if gpu else matmul_rate(dtype, model, rows))]
+                matmul_rates(torch.float32, model, rows).as_run if low else None,
+                None if gpu else matmul_rates(dtype, model, rows).as_run)]
     if world_size() > 1:
         dist.broadcast_object_list(box, src=0)
     (measured, fp32, matmuls), name = box[0], device_name()

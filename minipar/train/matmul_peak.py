@@ -9,7 +9,10 @@ so a run "reached" 465% of that peak. Here the peak is timed on the model's shap
 every projection of a block (q, k, v, o and the feed-forward's) and the head, at the rows
 one pass multiplies (a micro-batch's sequences x seq_len tokens), each three ways, as
 autograd runs it: forward `x @ W^T`, the input's gradient `g @ W`, the weight's `g^T @ x`.
-Their FLOPs are exactly the 6N x tokens of MFU's formula (a test holds them equal).
+Their FLOPs are exactly the 6N x tokens of MFU's formula (a test holds them equal). Each
+product is timed in the four layouts its operands can be stored in, and the fastest
+counts: which one autograd meets depends on the model's code, and on a CPU without fast
+bf16 units one shape ran 7x faster in one layout than in another.
 
 Each is timed at its best of several calls, in the thread's CPU time (so a busy machine
 does not lower it), and the matmuls' rate is their FLOPs over their best times, weighted
@@ -17,13 +20,16 @@ as one step calls them: the rate of a step that did nothing but its projections,
 its fastest. Attention's 12 L T h FLOPs run in another kernel, fused
 `scaled_dot_product_attention`, timed the same way at the model's shapes (forward and
 backward, credited 12 T h FLOPs per token and layer as MFU counts them). The peak is the
-faster of the two rates. Where attention is the slower (float32 on every CPU kind
-measured), the peak is the matmuls' rate, and how far attention falls short of it is
-part of what MFU shows. Where it is the faster (bf16 on a CPU without AMX or
-AVX512-BF16: the fused kernel ran at about 9 GFLOP/s, the bf16 projections at 5), a
-peak of the matmuls alone let a step "reach" 102% of it; the faster rate keeps every part of
-the step at or below the peak. So MFU above 1 means the measurement failed, and the run
-says so.
+faster of the two rates, so no part of a step can outrun it. Where attention is the
+slower (every CPU kind measured so far), the peak is the matmuls' rate, and how far
+attention falls short of it is part of what MFU shows.
+
+Both guards come from one case: bf16 on an AVX2-only CPU, where the projections timed
+only as autograd calls them ran at 5 GFLOP/s, slower than the fused attention (9) and
+than the same products stored another way (up to 17), and one process's bf16 step
+"reached" 102% of that peak. MFU above 1 means the measurement failed, and the run says
+so. The rate as autograd calls them (`Rates.as_run`) is still what a run meets: the
+warning before a slow low precision, and `minipar doctor`, compare those.
 
 tp's narrower slices and cp's shorter sequences are not the peak's shapes: what they
 lose against the whole model's matmuls shows as a lower MFU, as it should. Cached per
@@ -37,16 +43,25 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from ..decoder import DecoderConfig, attend
 from ..runtime import cpu_kind, device, device_name, synchronize
 from .data import cache_dir
 
-# (name, FLOPs per call, calls per step, the call)
-Kernel = tuple[str, float, int, Callable[[], object]]
+# (name, FLOPs per call, calls per step, the ways to call it: the fastest one counts for
+# the peak, the first is the way the model's code calls it)
+Kernel = tuple[str, float, int, tuple[Callable[[], object], ...]]
+
+
+class Rates(NamedTuple):
+    """FLOP/s of a step's kernels: each the fastest of its ways (the peak's), and each the
+    way the model's code calls it (what a run meets: the low-precision warning's)."""
+
+    best: float
+    as_run: float
 
 # on a GPU the peak is one large square product (the data sheet beside it): this
 # size keeps a core's vector units busy; a GPU needs a far larger one to fill its SMs
@@ -76,15 +91,31 @@ def _randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(*shape, device=device()).to(dtype)
 
 
+def layouts(rows: int, inner: int, cols: int, dtype: torch.dtype,
+            as_run: tuple[bool, bool]) -> tuple[Callable[[], object], ...]:
+    """One product (rows x inner) @ (inner x cols), four ways: each operand stored as it is
+    or transposed (a contiguous tensor read through .t()); first the way autograd meets
+    it (`as_run`: which operands it reads transposed). Kernels differ by layout alone: on
+    an AVX2-only CPU one bf16 shape ran at 1.7 to 12 GFLOP/s."""
+    a, at = _randn(rows, inner, dtype=dtype), _randn(inner, rows, dtype=dtype)
+    b, bt = _randn(inner, cols, dtype=dtype), _randn(cols, inner, dtype=dtype)
+    ways = {(ta, tb): lambda ta=ta, tb=tb: (at.t() if ta else a) @ (bt.t() if tb else b)
+            for ta in (False, True) for tb in (False, True)}
+    first = ways.pop(as_run)
+    return (first, *ways.values())
+
+
 def step_kernels(model: DecoderConfig, rows: int, dtype: torch.dtype) -> list[Kernel]:
-    """The matmuls of one training step's 6N term, on tensors of `dtype`."""
+    """The matmuls of one training step's 6N term, on tensors of `dtype`: each projection's
+    forward x @ W^T (m x k x n), input gradient g @ W (m x n x k) and weight gradient
+    g^T @ x (n x m x k), each in every layout (`layouts`)."""
     kernels: list[Kernel] = []
     for name, m, k, n, calls in step_matmuls(model, rows):
-        x, w, g = _randn(m, k, dtype=dtype), _randn(n, k, dtype=dtype), _randn(m, n, dtype=dtype)
         flops = 2 * m * k * n  # a multiply and an add per term
-        kernels += [(f"{name} forward", flops, calls, lambda x=x, w=w: F.linear(x, w)),
-                    (f"{name} input grad", flops, calls, lambda g=g, w=w: g @ w),
-                    (f"{name} weight grad", flops, calls, lambda g=g, x=x: g.t() @ x)]
+        # as autograd reads them: W^T is W read transposed, g^T is g read transposed
+        kernels += [(f"{name} forward", flops, calls, layouts(m, k, n, dtype, (False, True))),
+                    (f"{name} input grad", flops, calls, layouts(m, n, k, dtype, (False, False))),
+                    (f"{name} weight grad", flops, calls, layouts(n, m, k, dtype, (True, False)))]
     return kernels
 
 
@@ -103,13 +134,13 @@ def attention_kernels(model: DecoderConfig, rows: int, dtype: torch.dtype) -> li
         torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
 
     flops = 12 * model.seq_len * model.hidden * rows * model.seq_len
-    return [("attention", flops, model.layers, forward_and_backward)]
+    return [("attention", flops, model.layers, (forward_and_backward,))]
 
 
 def square_kernels(size: int, dtype: torch.dtype) -> list[Kernel]:
     """One size x size x size product: the peak where there is no model to time."""
     a, b = _randn(size, size, dtype=dtype), _randn(size, size, dtype=dtype)
-    return [(f"{size}^3", 2 * size**3, 1, lambda: a @ b)]
+    return [(f"{size}^3", 2 * size**3, 1, (lambda: a @ b,))]
 
 
 def _clock() -> Callable[[], float]:
@@ -137,57 +168,60 @@ def best_seconds(call: Callable[[], object], repeats: int = 10, budget_s: float 
     return min(times)
 
 
-def kernels_rate(kernels: list[Kernel]) -> float:
-    """FLOP/s of `kernels` as a step calls them, each at its best: total FLOPs over the
-    total of best times."""
-    flops = seconds = 0.0
-    for _, per_call, calls, call in kernels:
+def kernels_rates(kernels: list[Kernel]) -> Rates:
+    """FLOP/s of `kernels` as a step calls them, each at its fastest call: total FLOPs over
+    the total of best times, taking each kernel's fastest way, and its first way."""
+    flops = best = as_run = 0.0
+    for _, per_call, calls, ways in kernels:
+        times = [best_seconds(call) for call in ways]
         flops += per_call * calls
-        seconds += best_seconds(call) * calls
-    return flops / seconds
+        best += min(times) * calls
+        as_run += times[0] * calls
+    return Rates(flops / best, flops / as_run)
 
 
 def _peak_file() -> Path:
     return cache_dir() / "peak_flops.json"
 
 
-def cached_rate(what: str, dtype: torch.dtype, make: Callable[[], list[Kernel]]) -> float:
-    """`kernels_rate(make())`, measured once per `what`, dtype and machine (the device,
+def cached_rates(what: str, dtype: torch.dtype, make: Callable[[], list[Kernel]]) -> Rates:
+    """`kernels_rates(make())`, measured once per `what`, dtype and machine (the device,
     the CPU's model and kind, threads, torch version) and kept in peak_flops.json."""
     key = f"{what}|{dtype}|threads={torch.get_num_threads()}|{device_name()}|" \
-          f"{cpu_kind()}|torch {torch.__version__}"
+          f"{cpu_kind()}|torch {torch.__version__}|best, as run"
     path = _peak_file()
     saved = json.loads(path.read_text()) if path.exists() else {}
     if key not in saved:
-        saved[key] = kernels_rate(make())
+        saved[key] = list(kernels_rates(make()))
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".tmp-{os.getpid()}")
         partial.write_text(json.dumps(saved, indent=1))
         partial.replace(path)  # atomic: two ranks measuring at once never leave half a file
-    return saved[key]
+    return Rates(*saved[key])
 
 
-def matmul_rate(dtype: torch.dtype, model: DecoderConfig, rows: int) -> float:
-    """FLOP/s of `model`'s projections at `rows` sequences per pass, each at its best."""
+def matmul_rates(dtype: torch.dtype, model: DecoderConfig, rows: int) -> Rates:
+    """FLOP/s of `model`'s projections at `rows` sequences per pass, each at its best: in
+    its fastest layout, and in the layout autograd meets."""
     # the shapes themselves are the key: two models with the same matmuls share a rate
     what = "matmuls " + str(step_matmuls(model, rows))
-    return cached_rate(what, dtype, lambda: step_kernels(model, rows, dtype))
+    return cached_rates(what, dtype, lambda: step_kernels(model, rows, dtype))
 
 
 def attention_rate(dtype: torch.dtype, model: DecoderConfig, rows: int) -> float:
     """FLOP/s of `model`'s fused attention at `rows` sequences per pass, at its best."""
     what = (f"attention rows={rows} heads={model.heads} kv_heads={model.kv_heads} "
             f"seq={model.seq_len} head_dim={model.head_dim}")
-    return cached_rate(what, dtype, lambda: attention_kernels(model, rows, dtype))
+    return cached_rates(what, dtype, lambda: attention_kernels(model, rows, dtype)).best
 
 
 def model_peak(dtype: torch.dtype, model: DecoderConfig, rows: int) -> float:
     """The peak of a run of `model` with `rows` sequences per pass: the faster of its
     matmuls' rate and its attention's (module docstring)."""
-    return max(matmul_rate(dtype, model, rows), attention_rate(dtype, model, rows))
+    return max(matmul_rates(dtype, model, rows).best, attention_rate(dtype, model, rows))
 
 
 def square_peak(dtype: torch.dtype, size: int | None = None) -> float:
     """FLOP/s of one large square product (SQUARE_SIZES for the device type)."""
     size = size or SQUARE_SIZES.get(device().type, SQUARE_SIZES["cpu"])
-    return cached_rate(f"square {size}", dtype, lambda: square_kernels(size, dtype))
+    return cached_rates(f"square {size}", dtype, lambda: square_kernels(size, dtype)).best
