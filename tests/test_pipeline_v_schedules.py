@@ -91,6 +91,21 @@ def test_a_stage_cost_dict_prices_each_of_a_ranks_two_stages():
         simulate(plan, {"F": {0: 1.0, 1: 1.0}})
 
 
+def test_an_overlapped_pair_of_unequal_stages_still_takes_f_and_b_together():
+    """DualPipeV's F&B chunk pairs one stage's F with another's B: with costs per stage,
+    each half is scaled by F&B over its own pair's F + B, so every pair takes F&B."""
+    plan = schedule("dualpipev", 4, 16, 2)
+    stages = range(plan.stages)
+    costs = {"F": {s: 1.0 + 0.25 * s for s in stages}, "B": {s: 2.0 + 0.5 * s for s in stages},
+             "I": 1.0, "W": 1.0, "F&B": [2.5, 2.6, 2.7, 2.8]}
+    took = {(e.rank, e.label): e.duration for e in simulate(plan, costs)}
+    for f, b in plan.overlapped:
+        r = plan.rank_of(f.stage)
+        assert took[r, str(f)] + took[r, str(b)] == pytest.approx(costs["F&B"][r])
+        assert took[r, str(f)] / took[r, str(b)] == pytest.approx(
+            costs["F"][f.stage] / costs["B"][b.stage])
+
+
 def test_zb_v_halves_zb_h1s_bubble_at_1f1bs_activation_memory():
     """The same model on p ranks: a V cuts it into 2p stages of half the cost each."""
     for p in (2, 3, 4):

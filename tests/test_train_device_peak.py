@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minipar.decoder import DecoderConfig
 from minipar.runtime import Cluster, cpu_kind
@@ -87,16 +88,36 @@ def test_the_peak_times_exactly_the_6n_flops_mfu_counts(model):
         assert len(kernels) == 3 * len(per_call)
 
 
+class _Products(TorchDispatchMode):
+    """Records, for every matmul dispatched, whether each operand is read transposed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[bool, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            self.seen.append(tuple(not t.is_contiguous() for t in args[:2]))
+        return func(*args, **(kwargs or {}))
+
+
 def test_each_product_is_timed_in_every_layout_autograds_first():
-    """Four ways to store a product's operands, each giving the product's shape; the peak
-    takes the fastest, the warning the first (autograd's), so best >= as run."""
+    """Four ways to store a product's operands, each giving the product's shape; the first
+    is the one a linear layer's forward and backward really dispatch: x @ W^T reads W
+    transposed, g @ W neither, g^T @ x reads g transposed."""
     ways = layouts(5, 3, 4, torch.float32, (True, False))
     assert len(ways) == 4 and all(way().shape == (5, 4) for way in ways)
+    x, w = torch.randn(6, 3, requires_grad=True), torch.randn(4, 3, requires_grad=True)
+    with _Products() as linear:
+        y = torch.nn.functional.linear(x, w)
+        y.backward(torch.randn_like(y))  # a gradient stored as gradients are, not expanded
     model = DecoderConfig(layers=1, hidden=32, heads=4, kv_heads=2, seq_len=8)
-    [(name, flops, calls, forward), *_] = step_kernels(model, 2, torch.float32)
-    assert name == "q forward" and len(forward) == 4
-    rates = matmul_rates(torch.float32, model, 2)
-    assert rates.best >= rates.as_run > 0
+    forward, input_grad, weight_grad = step_kernels(model, 2, torch.float32)[:3]
+    with _Products() as timed:
+        for _, _, _, kernel_ways in (forward, input_grad, weight_grad):
+            kernel_ways[0]()
+    assert timed.seen == [(False, True), (False, False), (True, False)]
+    assert sorted(linear.seen) == sorted(timed.seen)  # the backward's order is autograd's
 
 
 def test_the_peak_is_the_faster_of_the_matmuls_and_the_fused_attention():
@@ -134,6 +155,9 @@ def test_a_low_precision_slower_than_fp32_is_one_line_of_warning():
     assert "no AMX or AVX512-BF16)" in line
     assert "--precision fp32 trains faster here" in line
     assert Peak(torch.bfloat16, 150e9, None, 1, "CPU", "core", fp32=75e9).warning() is None
+    # a peak above fp32's (the fastest layouts) with matmuls as run far below: warned
+    as_run = Peak(torch.bfloat16, 150e9, None, 1, "CPU", "core", fp32=75e9, matmuls=5e9)
+    assert as_run.warning().startswith("warning: bf16 matmuls run 15x slower than fp32")
     assert Peak(torch.float32, 75e9, None, 1, "CPU", "core").warning() is None
     assert precision_verdict("bf16", 7.0).startswith("bf16 matmuls run 7.0x faster")
     assert "saves memory here, not time" in precision_verdict("bf16", 0.95)
@@ -165,3 +189,32 @@ def _one_thread_train(config) -> list[dict]:
     """A run's records on one thread, as `minipar bench train` times one process."""
     torch.set_num_threads(1)
     return train(config).records
+
+
+def test_the_head_line_says_which_peak_a_gpu_run_divides_by():
+    known = Peak(torch.bfloat16, 742e12, 989.4 * TFLOPS, 2, "NVIDIA H100 80GB HBM3", "GPU")
+    assert known.total == 2 * 989.4 * TFLOPS
+    assert known.describe() == (
+        "peak       989.4 TFLOP/s per GPU x 2 (MFU divides by it): NVIDIA H100 80GB HBM3's "
+        "data sheet, bfloat16; a bfloat16 matmul timed here reaches 742, 75% of it")
+    unknown = Peak(torch.bfloat16, 50e12, None, 1, "Some Future GPU", "GPU")
+    assert unknown.describe().endswith("no data sheet known for this card")
+
+
+def test_bench_trains_header_names_the_machine_and_the_peaks():
+    from minipar.runtime import machine_line
+    from minipar.train.bench import peaks_line
+
+    rows = [{"precision": "fp32", "threads": 1, "peak_per_core": 90e9, "matmuls_per_core": 90e9},
+            {"precision": "bf16", "threads": 1, "peak_per_core": 180e9,
+             "matmuls_per_core": 180e9},
+            {"precision": "fp32", "threads": 2, "peak_per_core": 50e9,  # every core: not one
+             "matmuls_per_core": 50e9}]
+    line = peaks_line(rows)
+    assert "fp32 90 GFLOP/s, bf16 180 GFLOP/s" in line and "run 2.0x faster than fp32" in line
+    # an AVX2-only CPU: bf16's peak (its fastest layouts) is far above its matmuls as run,
+    # and the verdict reads the matmuls as run
+    rows[1].update(peak_per_core=16e9, matmuls_per_core=4.5e9)
+    line = peaks_line(rows)
+    assert "bf16 16 GFLOP/s" in line and "bf16 matmuls run 20x slower than fp32" in line
+    assert machine_line().startswith("machine: ") and f"({cpu_kind()})" in machine_line()

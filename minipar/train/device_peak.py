@@ -68,7 +68,7 @@ class Peak:
     """What MFU divides by: `per_device` FLOP/s times `devices`, and where it came from."""
 
     dtype: torch.dtype  # the dtype the run's matmuls run in
-    measured: float  # the matmul timed on this device, per device
+    measured: float  # timed on this device, per device: a GPU's matmul, a CPU's model_peak
     datasheet: float | None  # the maker's figure, for a card in DATASHEET
     devices: int
     name: str  # the device, as its maker names it
@@ -80,7 +80,7 @@ class Peak:
 
     @property
     def per_device(self) -> float:
-        """The data sheet's figure where there is one, else the timed matmul."""
+        """The data sheet's figure where there is one, else the timed peak."""
         return self.datasheet or self.measured
 
     @property

@@ -120,9 +120,12 @@ def step_kernels(model: DecoderConfig, rows: int, dtype: torch.dtype) -> list[Ke
 
 
 def attention_kernels(model: DecoderConfig, rows: int, dtype: torch.dtype) -> list[Kernel]:
-    """One layer's causal attention over `rows` sequences, forward and backward, as the
-    model calls it (`decoder.attend`: kv heads repeated to the query heads, fused
-    `scaled_dot_product_attention`), credited the 12 T h FLOPs per token MFU counts."""
+    """One layer's causal attention over `rows` sequences, forward and backward, through
+    the model's `decoder.attend` (kv heads repeated to the query heads, fused
+    `scaled_dot_product_attention`; on contiguous heads, where the model passes
+    transposed views), credited the 12 T h FLOPs per token MFU counts. Causal, the kernel
+    skips about half of them, so its "rate" is about twice what the core did: a bound
+    for the peak, as MFU counts, not a measure of the hardware."""
     def qkv(heads: int) -> torch.Tensor:
         x = _randn(rows, heads, model.seq_len, model.head_dim, dtype=dtype)
         return x.requires_grad_()

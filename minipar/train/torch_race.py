@@ -16,14 +16,13 @@ the rest (Python, hooks, waiting for messages), and counts the messages gloo car
 (`gloo:` events: each collective, send or receive).
 
 A pipeline row also says how short its schedule could be: three more traced steps give
-each rank's median stage forward (F) and backward (B; or input and weight gradients, I
-and W, where the schedule splits it) as minipar's engine records them, and the schedule
-replayed with those costs and free messages (`pipeline.simulate`) is the schedule's
-critical path at those median costs, without the step's loss, norm and optimizer: about
-the step no implementation of that schedule beats on these kernels (for one stage per rank:
-the simulator takes one cost per rank and kind, and a V's rank holds two unequal
-stages). Both sides run the same kernels, so a step close to that floor leaves either
-library nothing to win but the schedule itself.
+each stage's median forward (F) and backward (B; or input and weight gradients, I and W,
+where the schedule splits it) as minipar's engine records them (a V's rank holds two
+unequal stages, priced apart), and the schedule replayed with those costs and free
+messages (`pipeline.simulate`) is the schedule's critical path at those median costs,
+without the step's loss, norm and optimizer: about the step no implementation of that
+schedule beats on these kernels. Both sides run the same kernels, so a step close to
+that floor leaves either library nothing to win but the schedule itself.
 """
 
 from __future__ import annotations
@@ -151,7 +150,9 @@ def schedule_floor(config: TrainConfig, costs: list[dict[str, dict[int, float]]]
     of the schedule's arithmetic."""
     p = config.parallel
     plan = schedule(p.schedule, p.pp, p.microbatches, p.virtual)
-    per_stage = {kind: {s: t for c in costs for s, t in c[kind].items()} for kind in costs[0]}
+    kinds = {kind for c in costs for kind in c}  # every rank's: F and B, or F, I and W
+    per_stage = {kind: {s: t for c in costs for s, t in c.get(kind, {}).items()}
+                 for kind in kinds}
     return simulate(plan, per_stage).makespan
 
 
