@@ -21,8 +21,8 @@ its fastest. Attention's 12 L T h FLOPs run in another kernel, fused
 `scaled_dot_product_attention`, timed the same way at the model's shapes (forward and
 backward, credited 12 T h FLOPs per token and layer as MFU counts them). The peak is the
 faster of the two rates, so no part of a step can outrun it. Where attention is the
-slower (every CPU kind measured so far), the peak is the matmuls' rate, and how far
-attention falls short of it is part of what MFU shows.
+slower (fp32 and bf16 on the AVX2-only CPU measured), the peak is the matmuls' rate, and
+how far attention falls short of it is part of what MFU shows.
 
 Both guards come from one case: bf16 on an AVX2-only CPU, where the projections timed
 only as autograd calls them ran at 5 GFLOP/s, slower than the fused attention (9) and
