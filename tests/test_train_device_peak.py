@@ -5,6 +5,7 @@ for the run's dtype, the timed matmul beside it; on an unknown GPU the timed mat
 so. A low precision this CPU multiplies slower than float32 is one line of warning."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -131,6 +132,34 @@ def test_the_peak_is_the_faster_of_the_matmuls_and_the_fused_attention():
     peak = model_peak(torch.float32, model, 3)
     assert peak == max(matmul_rates(torch.float32, model, 3).best,
                        attention_rate(torch.float32, model, 3))
+
+
+def _spinning(seconds: float, calls: list) -> callable:
+    """A kernel that keeps its thread busy for `seconds` (the peak reads thread time)."""
+    def call() -> None:
+        calls.append(seconds)
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+    return call
+
+
+def test_a_kernel_slower_than_its_budget_is_timed_once_a_fast_one_at_its_best_of_many(
+        monkeypatch):
+    """A dtype the cores lack makes a hundred slow products: each way gets one call after
+    one warm-up per product, not a warm-up and three calls each (90 s on an AVX2-only CPU);
+    a fast way still gets its best of `repeats`."""
+    slow, fast = [], []
+    assert matmul_peak.best_seconds(_spinning(0.02, slow), budget_s=0.01) >= 0.02
+    assert len(slow) == 1
+    matmul_peak.best_seconds(_spinning(0.0, fast), repeats=5, budget_s=1.0)
+    assert len(fast) == 5
+    monkeypatch.setattr(matmul_peak, "KERNEL_BUDGET_S", 0.01)  # shared by the kernel's ways
+    first, second = [], []
+    kernel = ("product", 1e6, 1, (_spinning(0.02, first), _spinning(0.01, second)))
+    rates = matmul_peak.kernels_rates([kernel])
+    assert (len(first), len(second)) == (2, 1)  # the warm-up is the first way's
+    assert rates.as_run < rates.best  # as run: the first way; best: its fastest
 
 
 def test_a_peak_is_timed_once_per_shapes_and_dtype(monkeypatch, tmp_path):

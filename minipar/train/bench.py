@@ -11,10 +11,13 @@ nobody is misled about what one process can do. Four and eight ranks on this mac
 not a speed-up. The variants take turns for `rounds` rounds; a row keeps the median round and
 the per-round ratios, whose spread is the noise. One more row runs no composition at all:
 two one-process runs of half the batch each, at once, on the two cores, with no
-message between them (`CEILING`). That is what dp=2 would reach if its reductions were
-free, so the row says how much of the gap to 2x is the reductions' and how much is the
-two processes slowing each other down through the caches and memory they share; a line
-under the table gives dp=2 over the ceiling, round by round. MFU
+message between them (`CEILING`), each at its own pace (their tokens/s added). That is
+what dp=2 would reach if its reductions were free and neither rank ever waited for the
+other, so the row says how much of the gap to 2x is the two processes slowing each other
+down through the caches and memory they share; a line under the table gives dp=2 over
+the ceiling, round by round: what the reductions and the waiting cost together (traced
+on an AVX2-only EPYC, the reductions took 4-6 ms of a 340 ms step, and waiting for the
+slower rank most of the rest: docs/trainer.md). MFU
 divides by the peak measured for the dtype on one thread on the model's own projections
 (matmul_peak.py), times the cores in use; the header gives the fp32 and bf16 peaks and
 the CPU's kind.
@@ -78,6 +81,9 @@ BASELINE = "1 process, fp32"
 # dp=2 with free reductions: two one-process runs of half the batch each, at once
 CEILING = "2 processes, half batch each, no messages"
 WARMUP = 2  # steps left out of the median: the first ones pay for allocation
+# a rank silent this long has hung: a bf16 row on a CPU without fast bf16 takes 5 s a step,
+# and its first run times the peak too (20 s or more)
+TIMEOUT_S = 300
 
 
 def _ranks(parallel: dict) -> int:
@@ -180,9 +186,9 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small") -> list[dic
     and the planner's prediction for each fp32 composition."""
     runs: dict[str, list[dict]] = {name: [] for name in ROWS}
     sizes = sorted({_ranks(_spec(name)[0]) for name in ROWS})
-    clusters = {k: Cluster(k, backend="gloo", timeout=120) for k in sizes}
+    clusters = {k: Cluster(k, backend="gloo", timeout=TIMEOUT_S) for k in sizes}
     # CEILING's second process: a one-rank cluster beside clusters[1]
-    alone = [clusters[1], Cluster(1, backend="gloo", timeout=120)]
+    alone = [clusters[1], Cluster(1, backend="gloo", timeout=TIMEOUT_S)]
     try:
         progress("fitting alpha and beta (ping-pong) and the optimizer's memory rate")
         fitted = fit_machine(clusters[2], save=False)

@@ -14,8 +14,8 @@ product is timed in the four layouts its operands can be stored in, and the fast
 counts: which one autograd meets depends on the model's code, and on a CPU without fast
 bf16 units one shape ran 7x faster in one layout than in another.
 
-Each is timed at its best of several calls, in the thread's CPU time (so a busy machine
-does not lower it), and the matmuls' rate is their FLOPs over their best times, weighted
+Each is timed at its best of several calls (one, where a call alone outlasts the kernel's
+share of half a second), in the thread's CPU time (so a busy machine does not lower it), and the matmuls' rate is their FLOPs over their best times, weighted
 as one step calls them: the rate of a step that did nothing but its projections, each at
 its fastest. Attention's 12 L T h FLOPs run in another kernel, fused
 `scaled_dot_product_attention`, timed the same way at the model's shapes (forward and
@@ -62,6 +62,10 @@ class Rates(NamedTuple):
 
     best: float
     as_run: float
+
+# seconds of timed calls per kernel, shared by its ways: fast kernels get several calls
+# (the first few run slower: fused attention's took 43, 33, 30, 26 ms after its warm-up)
+KERNEL_BUDGET_S = 0.5
 
 # on a GPU the peak is one large square product (the data sheet beside it): this
 # size keeps a core's vector units busy; a GPU needs a far larger one to fill its SMs
@@ -156,15 +160,16 @@ def _clock() -> Callable[[], float]:
     return lambda: (synchronize(), time.perf_counter())[1]
 
 
-def best_seconds(call: Callable[[], object], repeats: int = 10, budget_s: float = 0.5
-                 ) -> float:
-    """The fastest of `repeats` timed calls after an untimed warm-up one (allocation,
-    one-time set-up, the kernel's choice), or of as many as fit in `budget_s`, at least
-    3: a dtype the cores lack is slow to time. The fastest is the peak."""
+def best_seconds(call: Callable[[], object], repeats: int = 10,
+                 budget_s: float = KERNEL_BUDGET_S) -> float:
+    """The fastest of up to `repeats` timed calls, as many as fit in `budget_s`, at least
+    one (the caller warms the kernel up first). The fastest is the peak. A call slower than
+    the budget is timed once: a step has about a hundred products to time, in four layouts
+    each, and in a dtype the cores lack (bf16 on an AVX2-only CPU, about 0.2 s a call) a
+    warm-up and three calls for each layout took 90 s for the small preset."""
     clock = _clock()
-    call()
     times: list[float] = []
-    while len(times) < repeats and (len(times) < 3 or sum(times) < budget_s):
+    while len(times) < repeats and (not times or sum(times) < budget_s):
         start = clock()
         call()
         times.append(clock() - start)
@@ -176,7 +181,11 @@ def kernels_rates(kernels: list[Kernel]) -> Rates:
     the total of best times, taking each kernel's fastest way, and its first way."""
     flops = best = as_run = 0.0
     for _, per_call, calls, ways in kernels:
-        times = [best_seconds(call) for call in ways]
+        # one untimed warm-up per kernel, its first way: allocation, one-time set-up, the
+        # kernel's choice (a product's ways share its shapes; a way slow enough to be timed
+        # once has little to set up beside its call)
+        ways[0]()
+        times = [best_seconds(call, budget_s=KERNEL_BUDGET_S / len(ways)) for call in ways]
         flops += per_call * calls
         best += min(times) * calls
         as_run += times[0] * calls
