@@ -14,10 +14,11 @@ product is timed in the four layouts its operands can be stored in, and the fast
 counts: which one autograd meets depends on the model's code, and on a CPU without fast
 bf16 units one shape ran 7x faster in one layout than in another.
 
-Each is timed at its best of several calls (one, where a call alone outlasts the kernel's
-share of half a second), in the thread's CPU time (so a busy machine does not lower it), and the matmuls' rate is their FLOPs over their best times, weighted
-as one step calls them: the rate of a step that did nothing but its projections, each at
-its fastest. Attention's 12 L T h FLOPs run in another kernel, fused
+Each is timed at its best of several calls (one, where a call alone outlasts the
+kernel's share of half a second), in the thread's CPU time (so a busy machine does not
+lower it), and the matmuls' rate is their FLOPs over their best times, weighted as one
+step calls them: the rate of a step that did nothing but its projections, each at its
+fastest. Attention's 12 L T h FLOPs run in another kernel, fused
 `scaled_dot_product_attention`, timed the same way at the model's shapes (forward and
 backward, credited 12 T h FLOPs per token and layer as MFU counts them). The peak is the
 faster of the two rates, so no part of a step can outrun it. Where attention is the
