@@ -6,6 +6,7 @@ so. A low precision this CPU multiplies slower than float32 is one line of warni
 
 import json
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -134,7 +135,7 @@ def test_the_peak_is_the_faster_of_the_matmuls_and_the_fused_attention():
                        attention_rate(torch.float32, model, 3))
 
 
-def _spinning(seconds: float, calls: list) -> callable:
+def _spinning(seconds: float, calls: list) -> Callable[[], None]:
     """A kernel that keeps its thread busy for `seconds` (the peak reads thread time)."""
     def call() -> None:
         calls.append(seconds)

@@ -78,7 +78,8 @@ VARIANTS = {
     "dp=2 pp=2 tp=2 m=4, fp32": (dict(dp=2, pp=2, tp=2, microbatches=4), "fp32", ONE_THREAD),
 }
 BASELINE = "1 process, fp32"
-# dp=2 with free reductions: two one-process runs of half the batch each, at once
+# dp=2 with free reductions and no rank waiting for the other: two one-process runs of half
+# the batch each, at once
 CEILING = "2 processes, half batch each, no messages"
 WARMUP = 2  # steps left out of the median: the first ones pay for allocation
 # a rank silent this long has hung: a bf16 row on a CPU without fast bf16 takes 5 s a step,
