@@ -40,7 +40,7 @@ def test_the_table_reads_the_rows_ratios_predictions_and_ranking(tmp_path):
     assert "200 ms (-20%)" in table  # the planner's step and its error against 250 ms
     assert "3.0 / 4.0" in table  # the fullest rank's memory, measured / predicted, MiB
     assert "2 ranks: Spearman rank correlation, predicted vs measured step = +0.50" in table
-    assert table.splitlines()[0].startswith("MFU divides by these peaks per core")
+    assert table.splitlines()[0].startswith("MFU divides by each row's peak per core")
     assert "against the ceiling" not in table  # no ceiling row: no such line
     ceiling = _row(CEILING, 2, 0.22, None, [1.6, 1.6, 2.0])
     assert "dp=2 against the ceiling (two processes, no messages), per round: 0.94x " \

@@ -239,7 +239,9 @@ def test_bench_trains_header_names_the_machine_and_the_peaks():
             {"precision": "bf16", "threads": 1, "peak_per_core": 180e9,
              "matmuls_per_core": 180e9},
             {"precision": "fp32", "threads": 2, "peak_per_core": 50e9,  # every core: not one
-             "matmuls_per_core": 50e9}]
+             "matmuls_per_core": 50e9},
+            # dp=2: half the rows per pass, its own peak; the header keeps one process's
+            {"precision": "fp32", "threads": 1, "peak_per_core": 70e9, "matmuls_per_core": 70e9}]
     line = peaks_line(rows)
     assert "fp32 90 GFLOP/s, bf16 180 GFLOP/s" in line and "run 2.0x faster than fp32" in line
     # an AVX2-only CPU: bf16's peak (its fastest layouts) is far above its matmuls as run,

@@ -266,12 +266,17 @@ def against_ceiling(rows: list[dict]) -> str | None:
 
 
 def peaks_line(rows: list[dict]) -> str:
-    """The peaks per core MFU divides by, by precision, and what bf16's matmuls mean here."""
-    one = [r for r in rows if r["threads"] == ONE_THREAD]
-    peak = {r["precision"]: r["peak_per_core"] for r in one}
-    matmuls = {r["precision"]: r.get("matmuls_per_core") for r in one}
-    line = "MFU divides by these peaks per core (the faster of the model's matmuls and its " \
-        "fused attention, one thread): " + \
+    """The peaks per core the one-process rows' MFU divides by, by precision, and what
+    bf16's matmuls mean here. Every row times its own shapes (dp and micro-batches shrink
+    the rows a pass multiplies), so the first one-thread row of each precision speaks."""
+    peak: dict[str, float] = {}
+    matmuls: dict[str, float | None] = {}
+    for r in rows:
+        if r["threads"] == ONE_THREAD:
+            peak.setdefault(r["precision"], r["peak_per_core"])
+            matmuls.setdefault(r["precision"], r.get("matmuls_per_core"))
+    line = "MFU divides by each row's peak per core, on its own shapes (the faster of the " \
+        "model's matmuls and its fused attention, one thread); one process's: " + \
         ", ".join(f"{p} {v / 1e9:.3g} GFLOP/s" for p, v in peak.items())
     if matmuls.get("fp32") and matmuls.get("bf16"):
         line += f"; {precision_verdict('bf16', matmuls['bf16'] / matmuls['fp32'])}"
