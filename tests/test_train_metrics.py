@@ -3,6 +3,8 @@
 files in tb/ holding every step's loss when it is installed."""
 
 import math
+import threading
+import time
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import minipar
 from minipar.decoder import DecoderConfig
 from minipar.train.config import DataConfig, LoopConfig, OptimConfig, TrainConfig
 from minipar.train.loop import train
-from minipar.train.metrics import SCALARS, MetricsLog, read_metrics
+from minipar.train.metrics import SCALARS, MetricsLog, StepClock, read_metrics
 
 
 class FakeWriter:
@@ -91,3 +93,31 @@ def test_a_run_leaves_event_files_with_every_steps_scalars(tmp_path):
         assert all(math.isclose(e.value, r[name], rel_tol=1e-6)  # stored as float32
                    for e, r in zip(events, records, strict=True)), name
     assert [e.step for e in board.Scalars("val_loss")] == [2, 4]
+    # every step's split: the training thread computed, so its CPU time is never zero
+    assert all(r["cpu_seconds"] > 0 and r["other_cpu_seconds"] >= 0 for r in records)
+
+
+def _spin(seconds: float) -> None:
+    """Compute on this thread until it has had `seconds` of CPU (however busy the cores)."""
+    start = time.thread_time()
+    while time.thread_time() - start < seconds:
+        pass
+
+
+@pytest.mark.parametrize("work", ["own thread", "other thread", "sleep"])
+def test_a_steps_time_is_split_into_its_threads_cpu_other_threads_and_neither(work):
+    with StepClock() as clock:
+        if work == "own thread":
+            _spin(0.05)
+        elif work == "other thread":
+            helper = threading.Thread(target=_spin, args=(0.05,))
+            helper.start()
+            helper.join()
+        else:
+            time.sleep(0.05)
+    assert clock.seconds >= 0.05
+    by_part = {"own thread": clock.cpu_seconds, "other thread": clock.other_cpu_seconds,
+               "sleep": clock.idle_seconds}
+    assert by_part[work] >= 0.05  # the part that did the work holds all of it
+    # the other parts hold what starting a thread and waking up cost: far from the work
+    assert all(seconds < 0.025 for part, seconds in by_part.items() if part != work), by_part

@@ -92,15 +92,24 @@ def _ranks(parallel: dict) -> int:
             * parallel.get("cp", 1))
 
 
+def _split(record: dict) -> list[float]:
+    """A step's wall seconds as [the step's thread's CPU, other threads' CPU, neither]
+    (metrics.StepClock)."""
+    own, other = record["cpu_seconds"], record["other_cpu_seconds"]
+    return [own, other, max(0.0, record["seconds"] - own - other)]
+
+
 def _timed_run(config: TrainConfig, threads: int) -> dict:
-    """Median tokens/s and MFU of a short run on this rank, on `threads` threads, the peak
-    per core its MFU divides by, and this rank's memory (bytes, all kinds together)
-    measured and predicted."""
+    """Median tokens/s and MFU of a short run on this rank, on `threads` threads, the
+    median step's split (`_split`), the peak per core its MFU divides by, and this rank's
+    memory (bytes, all kinds together) measured and predicted."""
     torch.set_num_threads(threads)
     run = train(config)
     records = run.records[WARMUP:]
+    middle = sorted(records, key=lambda r: r["seconds"])[len(records) // 2]
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
             "mfu": statistics.median(r["mfu"] for r in records),
+            "split": _split(middle),
             "peak_per_core": run.peak.per_device,
             "matmuls_per_core": run.peak.matmuls,
             "memory": sum(run.memory["measured"].values()),
@@ -114,6 +123,8 @@ def _side_by_side(clusters: list[Cluster], config: TrainConfig) -> dict:
         runs = list(pool.map(lambda c: c.run(_timed_run, config, ONE_THREAD)[0], clusters))
     return {"tokens_per_s": sum(r["tokens_per_s"] for r in runs),
             "mfu": statistics.mean(r["mfu"] for r in runs),
+            "split": [statistics.mean(parts)
+                      for parts in zip(*(r["split"] for r in runs), strict=True)],
             "peak_per_core": runs[0]["peak_per_core"],
             "matmuls_per_core": runs[0]["matmuls_per_core"],
             "memory": max(r["memory"] for r in runs),
@@ -223,6 +234,7 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small") -> list[dic
     for name in ROWS:
         parallel, precision, threads = _spec(name)
         speeds = [r["tokens_per_s"] for r in runs[name]]
+        middle = sorted(runs[name], key=lambda r: r["tokens_per_s"])[len(speeds) // 2]
         config = _config(preset, parallel, precision, steps)
         predicted = (predicted_step(config, flops, bandwidth, fitted.alpha, fitted.beta)
                      if precision == "fp32" and threads == ONE_THREAD and name != CEILING
@@ -234,6 +246,7 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small") -> list[dic
                      "peak_per_core": runs[name][0]["peak_per_core"],
                      "matmuls_per_core": runs[name][0]["matmuls_per_core"],
                      "step_s": tokens_per_step / statistics.median(speeds),
+                     "step_split_s": middle["split"],
                      "predicted_step_s": predicted,
                      "memory": runs[name][-1]["memory"],
                      "memory_predicted": runs[name][-1]["memory_predicted"],
@@ -291,6 +304,7 @@ def report(rows: list[dict], out_dir: Path) -> str:
     shown = [{"variant": r["variant"], "tokens/s": f"{r['tokens_per_s']:,.0f}",
               "mfu": f"{r['mfu']:.0%}", "ratio": ratio_cell(r["vs_one_process"]),
               "step": f"{r['step_s'] * 1e3:.0f} ms",
+              "split": " + ".join(f"{part * 1e3:.0f}" for part in r["step_split_s"]),
               "predicted": ("-" if r["predicted_step_s"] is None else
                             f"{r['predicted_step_s'] * 1e3:.0f} ms "
                             f"({r['predicted_step_s'] / r['step_s'] - 1:+.0%})"),
@@ -313,9 +327,14 @@ def report(rows: list[dict], out_dir: Path) -> str:
         "ratios per round, median (min-max); predicted: the planner's step on this "
         "machine's fitted constants (its error in brackets; no model of cp); memory: the "
         "fullest rank, every kind together, measured in the run's last, untimed step / "
-        "the cost model's formulas (memory_report.py)",
+        "the cost model's formulas (memory_report.py); a step's split, in ms, of the median "
+        "round's median step (the slowest rank's; the ceiling's, its two processes' mean): "
+        "the CPU of the thread that ran it + the process's other threads' (the "
+        "communication thread, gloo's, torch's intra-op pool) + neither (waiting for "
+        "another rank, or off the cores while another process ran)",
         format_table(shown, [("variant", "variant"), ("tokens/s", "tokens/s"), ("mfu", "MFU"),
                              ("ratio", "vs 1 process, fp32"), ("step", "step"),
+                             ("split", "own CPU + others + neither"),
                              ("predicted", "predicted step"),
                              ("memory", "fullest rank MiB (measured / predicted)")]),
         *[line for line in [against_ceiling(rows)] if line], *rho])

@@ -24,7 +24,6 @@ when to save (`_checkpoints`), and the memory step after the last.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ from .device_peak import Peak, run_peak
 from .faults import Fault
 from .hf_format import read_hf, refuse_other_shape
 from .memory_report import memory_rows, save_memory
-from .metrics import MetricsLog, mfu, read_metrics
+from .metrics import MetricsLog, StepClock, mfu, read_metrics
 from .model_part import ModelPart
 from .optim import clip_, learning_rate, squared_norm
 from .precision import COMPUTE_DTYPES, PARAM_DTYPES, LossScaler
@@ -226,11 +225,9 @@ def train(config: TrainConfig, out: str | Path | None = None, keep_weights: bool
     run, events = Run(peak=peak), []
     for step in range(first, stop):
         lr = learning_rate(step, config.optim, loop.steps)
-        with _watched(step, config, out, fault, events):
-            start = time.perf_counter()
+        with _watched(step, config, out, fault, events), StepClock() as clock:
             loss, norm, overflow = train_step(part, scaler, *sampler.next(), config, lr)
-            seconds = time.perf_counter() - start
-        record = meter.record(step, loss, lr, norm, seconds, scaler, overflow)
+        record = meter.record(step, loss, lr, norm, clock, scaler, overflow)
         if _evaluates(step, loop):
             record["val_loss"] = evaluate(part, held_out, loop.eval_batches)
         if part.loads is not None:
@@ -297,17 +294,18 @@ class _Meter:
         self.tokens = config.train.batch_size * config.model.seq_len
         self.flops, self.peak = config.model.flops_per_token(), peak
 
-    def record(self, step: int, loss: float, lr: float, norm: float | None, seconds: float,
-               scaler: LossScaler, overflow: bool) -> dict:
+    def record(self, step: int, loss: float, lr: float, norm: float | None,
+               clock: StepClock, scaler: LossScaler, overflow: bool) -> dict:
         if not math.isfinite(loss):
             raise FloatingPointError(f"step {step + 1}: the loss is {loss}; lower optim.lr "
                                      "or raise optim.warmup_steps")
-        tokens_per_s = self.tokens / seconds
+        tokens_per_s = self.tokens / clock.seconds
         record = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": norm,
                   "tokens_per_s": tokens_per_s,
                   "mfu": mfu(self.flops, tokens_per_s, self.peak.per_device,
                              self.peak.devices),
-                  "seconds": seconds}
+                  "seconds": clock.seconds, "cpu_seconds": clock.cpu_seconds,
+                  "other_cpu_seconds": clock.other_cpu_seconds}
         if scaler.enabled:
             record.update(loss_scale=scaler.scale, skipped=overflow)
         return record

@@ -1,6 +1,8 @@
 """What a run shows: tokens per second, model FLOPs utilization (MFU) against a peak
 measured on this machine, and one JSON line per step in `metrics.jsonl` (and, when the
 `tensorboard` package is installed, the same scalars as event files in `tb/`).
+Each step's wall time comes split by `StepClock` into the CPU time of the thread that
+ran it, the CPU time of the process's other threads, and the time neither ran.
 
 MFU = (model FLOPs per token x tokens per second) / peak FLOP/s of the cores in use
 (PaLM, Chowdhery et al. 2022, appendix B). Model FLOPs per token are
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,34 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_per_core: float, cores
         ) -> float:
     """Model FLOPs utilization: achieved model FLOP/s over the peak of `cores` cores."""
     return flops_per_token * tokens_per_s / (peak_per_core * cores)
+
+
+class StepClock:
+    """A step's time three ways (`with StepClock() as clock: step()`): `seconds` of wall
+    time; `cpu_seconds`, the CPU time of the thread that ran the step (its Python and,
+    on a CPU, its kernels); `other_cpu_seconds`, the CPU time of the process's other
+    threads (the communication thread's collectives, gloo's socket threads, torch's
+    intra-op pool). What neither covers, `idle_seconds`, is time no thread of this
+    process ran: waiting (for another rank's message, for a GPU) or kept off the cores
+    while another process ran. On one thread per rank, that split says where a
+    synchronous step's time goes: dp=2 against two processes that never wait
+    (`minipar bench train`)."""
+
+    def __enter__(self) -> StepClock:
+        self._start = (time.perf_counter(), time.thread_time(), time.process_time())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall, thread, process = time.perf_counter(), time.thread_time(), time.process_time()
+        self.seconds = wall - self._start[0]
+        self.cpu_seconds = thread - self._start[1]
+        self.other_cpu_seconds = process - self._start[2] - self.cpu_seconds
+
+    @property
+    def idle_seconds(self) -> float:
+        # never below zero: the process's CPU time can outrun the wall clock only when
+        # several of its threads ran at once (the intra-op pool on every core)
+        return max(0.0, self.seconds - self.cpu_seconds - self.other_cpu_seconds)
 
 
 # the per-step numbers TensorBoard draws, under the names metrics.jsonl gives them
