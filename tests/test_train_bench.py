@@ -25,7 +25,8 @@ def _row(variant: str, ranks: int, step: float, predicted: float | None,
     return {"variant": variant, "ranks": ranks, "precision": "fp32", "threads": 1,
             "tokens_per_s": 4096 / step, "tokens_per_s_range": [4000 / step, 4200 / step],
             "mfu": 0.5, "peak_per_core": 90e9, "step_s": step, "predicted_step_s": predicted,
-            "step_split_s": [0.8 * step, 0.04 * step, 0.16 * step],
+            "step_split_s": {"own": 0.8 * step, "others": 0.04 * step,
+                             "neither": 0.16 * step, "step": step},
             "memory": 3 * 2**20, "memory_predicted": 4 * 2**20, "vs_one_process": ratios}
 
 
@@ -39,7 +40,7 @@ def test_the_table_reads_the_rows_ratios_predictions_and_ranking(tmp_path):
     table = report(rows, tmp_path)
     assert "1.60x (1.50-1.70)" in table  # dp=2's per-round ratios: median (min-max)
     assert "200 ms (-20%)" in table  # the planner's step and its error against 250 ms
-    assert "200 + 10 + 40" in table  # dp=2's step split: own CPU + other threads + neither
+    assert "200 + 10 + 40 of 250" in table  # dp=2's step: own CPU + other threads + neither
     assert "3.0 / 4.0" in table  # the fullest rank's memory, measured / predicted, MiB
     assert "2 ranks: Spearman rank correlation, predicted vs measured step = +0.50" in table
     assert table.splitlines()[0].startswith("MFU divides by each row's peak per core")

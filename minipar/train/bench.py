@@ -2,7 +2,10 @@
 `small` preset, one process against compositions of 2, 4 and 8 ranks, fp32 against
 bf16, each composition beside the planner's predicted step time, and each rank's memory
 (the fullest rank's, measured by kind in the run's untimed last step, memory_report.py) beside
-the prediction.
+the prediction, and where a row's step goes: its median step split into the CPU time of
+the thread that ran it, of the process's other threads (the communication thread, gloo's)
+and of neither, when the rank waited for another or another process held the core
+(metrics.StepClock).
 
 Every rank computes on one thread, and so does the one-process baseline, so "dp=2 on 2
 cores" compares like with like; a one-process row on every core is shown too, so that
@@ -92,11 +95,17 @@ def _ranks(parallel: dict) -> int:
             * parallel.get("cp", 1))
 
 
-def _split(record: dict) -> list[float]:
-    """A step's wall seconds as [the step's thread's CPU, other threads' CPU, neither]
-    (metrics.StepClock)."""
-    own, other = record["cpu_seconds"], record["other_cpu_seconds"]
-    return [own, other, max(0.0, record["seconds"] - own - other)]
+SPLIT = ("own", "others", "neither", "step")  # a step's split (`_split`), in seconds
+
+
+def _split(record: dict) -> dict[str, float]:
+    """A step's wall seconds ("step") split into the CPU time of the thread that ran it
+    ("own"), the process's other threads' ("others") and what neither covers ("neither"),
+    as metrics.StepClock measures them. Threads that ran at once (torch's intra-op pool)
+    make own + others more than the step, and neither zero."""
+    own, others = record["cpu_seconds"], record["other_cpu_seconds"]
+    return {"own": own, "others": others, "neither": max(0.0, record["seconds"] - own - others),
+            "step": record["seconds"]}
 
 
 def _timed_run(config: TrainConfig, threads: int) -> dict:
@@ -123,8 +132,7 @@ def _side_by_side(clusters: list[Cluster], config: TrainConfig) -> dict:
         runs = list(pool.map(lambda c: c.run(_timed_run, config, ONE_THREAD)[0], clusters))
     return {"tokens_per_s": sum(r["tokens_per_s"] for r in runs),
             "mfu": statistics.mean(r["mfu"] for r in runs),
-            "split": [statistics.mean(parts)
-                      for parts in zip(*(r["split"] for r in runs), strict=True)],
+            "split": {k: statistics.mean(r["split"][k] for r in runs) for k in SPLIT},
             "peak_per_core": runs[0]["peak_per_core"],
             "matmuls_per_core": runs[0]["matmuls_per_core"],
             "memory": max(r["memory"] for r in runs),
@@ -304,7 +312,8 @@ def report(rows: list[dict], out_dir: Path) -> str:
     shown = [{"variant": r["variant"], "tokens/s": f"{r['tokens_per_s']:,.0f}",
               "mfu": f"{r['mfu']:.0%}", "ratio": ratio_cell(r["vs_one_process"]),
               "step": f"{r['step_s'] * 1e3:.0f} ms",
-              "split": " + ".join(f"{part * 1e3:.0f}" for part in r["step_split_s"]),
+              "split": " + ".join(f"{r['step_split_s'][k] * 1e3:.0f}" for k in SPLIT[:3])
+              + f" of {r['step_split_s']['step'] * 1e3:.0f}",
               "predicted": ("-" if r["predicted_step_s"] is None else
                             f"{r['predicted_step_s'] * 1e3:.0f} ms "
                             f"({r['predicted_step_s'] / r['step_s'] - 1:+.0%})"),
@@ -327,14 +336,15 @@ def report(rows: list[dict], out_dir: Path) -> str:
         "ratios per round, median (min-max); predicted: the planner's step on this "
         "machine's fitted constants (its error in brackets; no model of cp); memory: the "
         "fullest rank, every kind together, measured in the run's last, untimed step / "
-        "the cost model's formulas (memory_report.py); a step's split, in ms, of the median "
-        "round's median step (the slowest rank's; the ceiling's, its two processes' mean): "
-        "the CPU of the thread that ran it + the process's other threads' (the "
-        "communication thread, gloo's, torch's intra-op pool) + neither (waiting for "
-        "another rank, or off the cores while another process ran)",
+        "the cost model's formulas (memory_report.py); the median round's median step (the "
+        "slowest rank's; the ceiling's, its two processes' mean), in ms: the CPU of the "
+        "thread that ran it + the process's other threads' (the communication thread, "
+        "gloo's, torch's intra-op pool: more than the step where they ran at once) + "
+        "neither (waiting for another rank, or off the cores while another process ran) "
+        "of the step",
         format_table(shown, [("variant", "variant"), ("tokens/s", "tokens/s"), ("mfu", "MFU"),
                              ("ratio", "vs 1 process, fp32"), ("step", "step"),
-                             ("split", "own CPU + others + neither"),
+                             ("split", "median step: own CPU + others + neither"),
                              ("predicted", "predicted step"),
                              ("memory", "fullest rank MiB (measured / predicted)")]),
         *[line for line in [against_ceiling(rows)] if line], *rho])
