@@ -43,10 +43,10 @@ class StepClock:
     on a CPU, its kernels); `other_cpu_seconds`, the CPU time of the process's other
     threads (the communication thread's collectives, gloo's socket threads, torch's
     intra-op pool). What neither covers, `idle_seconds`, is time no thread of this
-    process ran: waiting (for another rank's message, for a GPU) or kept off the cores
-    while another process ran. On one thread per rank, that split says where a
-    synchronous step's time goes: dp=2 against two processes that never wait
-    (`minipar bench train`)."""
+    process ran: waiting for another rank's message (or for a GPU, where the wait sleeps;
+    a wait that spins counts as CPU) or kept off the cores while another process ran.
+    On one thread per rank, that split says where a synchronous step's time goes: dp=2
+    against two processes that never wait (`minipar bench train`)."""
 
     def __enter__(self) -> StepClock:
         self._start = (time.perf_counter(), time.thread_time(), time.process_time())
