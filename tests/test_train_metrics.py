@@ -94,7 +94,8 @@ def test_a_run_leaves_event_files_with_every_steps_scalars(tmp_path):
                    for e, r in zip(events, records, strict=True)), name
     assert [e.step for e in board.Scalars("val_loss")] == [2, 4]
     # every step's split: the training thread computed, so its CPU time is never zero
-    assert all(r["cpu_seconds"] > 0 and r["other_cpu_seconds"] >= 0 for r in records)
+    assert all(r["cpu_seconds"] > 0 and r["other_cpu_seconds"] >= 0 and r["idle_seconds"] >= 0
+               for r in records)
 
 
 def _spin(seconds: float) -> None:

@@ -103,9 +103,8 @@ def _split(record: dict) -> dict[str, float]:
     ("own"), the process's other threads' ("others") and what neither covers ("neither"),
     as metrics.StepClock measures them. Threads that ran at once (torch's intra-op pool)
     make own + others more than the step, and neither zero."""
-    own, others = record["cpu_seconds"], record["other_cpu_seconds"]
-    return {"own": own, "others": others, "neither": max(0.0, record["seconds"] - own - others),
-            "step": record["seconds"]}
+    return {"own": record["cpu_seconds"], "others": record["other_cpu_seconds"],
+            "neither": record["idle_seconds"], "step": record["seconds"]}
 
 
 def _timed_run(config: TrainConfig, threads: int) -> dict:

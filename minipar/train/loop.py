@@ -305,7 +305,8 @@ class _Meter:
                   "mfu": mfu(self.flops, tokens_per_s, self.peak.per_device,
                              self.peak.devices),
                   "seconds": clock.seconds, "cpu_seconds": clock.cpu_seconds,
-                  "other_cpu_seconds": clock.other_cpu_seconds}
+                  "other_cpu_seconds": clock.other_cpu_seconds,
+                  "idle_seconds": clock.idle_seconds}
         if scaler.enabled:
             record.update(loss_scale=scaler.scale, skipped=overflow)
         return record
