@@ -25,8 +25,8 @@ def _row(variant: str, ranks: int, step: float, predicted: float | None,
     return {"variant": variant, "ranks": ranks, "precision": "fp32", "threads": 1,
             "tokens_per_s": 4096 / step, "tokens_per_s_range": [4000 / step, 4200 / step],
             "mfu": 0.5, "peak_per_core": 90e9, "step_s": step, "predicted_step_s": predicted,
-            "step_split_s": {"own": 0.8 * step, "others": 0.04 * step,
-                             "neither": 0.16 * step, "step": step},
+            "step_split_s": {"cpu_seconds": 0.8 * step, "other_cpu_seconds": 0.04 * step,
+                             "idle_seconds": 0.16 * step, "seconds": step},
             "memory": 3 * 2**20, "memory_predicted": 4 * 2**20, "vs_one_process": ratios}
 
 

@@ -95,21 +95,14 @@ def _ranks(parallel: dict) -> int:
             * parallel.get("cp", 1))
 
 
-SPLIT = ("own", "others", "neither", "step")  # a step's split (`_split`), in seconds
-
-
-def _split(record: dict) -> dict[str, float]:
-    """A step's wall seconds ("step") split into the CPU time of the thread that ran it
-    ("own"), the process's other threads' ("others") and what neither covers ("neither"),
-    as metrics.StepClock measures them. Threads that ran at once (torch's intra-op pool)
-    make own + others more than the step, and neither zero."""
-    return {"own": record["cpu_seconds"], "others": record["other_cpu_seconds"],
-            "neither": record["idle_seconds"], "step": record["seconds"]}
+# a step's split as metrics.StepClock records it: the CPU of the thread that ran it, of the
+# process's other threads, neither's (waiting, off the cores), and the step's wall time
+SPLIT = ("cpu_seconds", "other_cpu_seconds", "idle_seconds", "seconds")
 
 
 def _timed_run(config: TrainConfig, threads: int) -> dict:
     """Median tokens/s and MFU of a short run on this rank, on `threads` threads, the
-    median step's split (`_split`), the peak per core its MFU divides by, and this rank's
+    median step's split (`SPLIT`), the peak per core its MFU divides by, and this rank's
     memory (bytes, all kinds together) measured and predicted."""
     torch.set_num_threads(threads)
     run = train(config)
@@ -117,7 +110,7 @@ def _timed_run(config: TrainConfig, threads: int) -> dict:
     middle = sorted(records, key=lambda r: r["seconds"])[len(records) // 2]
     return {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
             "mfu": statistics.median(r["mfu"] for r in records),
-            "split": _split(middle),
+            "split": {k: middle[k] for k in SPLIT},
             "peak_per_core": run.peak.per_device,
             "matmuls_per_core": run.peak.matmuls,
             "memory": sum(run.memory["measured"].values()),
@@ -312,7 +305,7 @@ def report(rows: list[dict], out_dir: Path) -> str:
               "mfu": f"{r['mfu']:.0%}", "ratio": ratio_cell(r["vs_one_process"]),
               "step": f"{r['step_s'] * 1e3:.0f} ms",
               "split": " + ".join(f"{r['step_split_s'][k] * 1e3:.0f}" for k in SPLIT[:3])
-              + f" of {r['step_split_s']['step'] * 1e3:.0f}",
+              + f" of {r['step_split_s']['seconds'] * 1e3:.0f}",
               "predicted": ("-" if r["predicted_step_s"] is None else
                             f"{r['predicted_step_s'] * 1e3:.0f} ms "
                             f"({r['predicted_step_s'] / r['step_s'] - 1:+.0%})"),
