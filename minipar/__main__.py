@@ -7,7 +7,7 @@ import re
 import sys
 from pathlib import Path
 
-from .cli import OneLineParser, output_folder, run_command
+from .cli import OneLineParser, output_folder, positive_int, run_command
 
 
 def _default_lessons() -> Path:
@@ -43,6 +43,9 @@ def _parser() -> OneLineParser:
                        help=f"which benchmark: {', '.join(BENCHMARKS)}")
     bench.add_argument("--out", default="bench-out", type=output_folder,
                        help="folder for the JSON and the plot (default: bench-out)")
+    bench.add_argument("--rounds", type=positive_int, default=None, metavar="N",
+                       help="rounds in turns, for the benchmarks that take turns (default: "
+                            "each one's own; more rounds, a steadier median)")
     lessons = commands.add_parser(
         "lessons", help="learners' copies of the lessons, or the lessons as an offline site",
         description="--copy DIR: write the lessons and deep dives as they ship (solutions, "
@@ -129,7 +132,7 @@ def _run(args) -> int:
     if args.command == "bench":
         from .bench import run_benchmark
 
-        run_benchmark(args.name, args.out)
+        run_benchmark(args.name, args.out, args.rounds)
         return 0
     if args.command == "grade":
         from .gradebook import grade_class, summary

@@ -26,6 +26,8 @@ def _run(args: list[str], timeout: float = 60) -> subprocess.CompletedProcess:
 MISTAKES = [
     (MINIPAR + ["bench", "collectives", "--out", "README.md"], "is a file"),
     (MINIPAR + ["bench", "nope"], "invalid choice: 'nope'"),
+    (MINIPAR + ["bench", "train-dp", "--rounds", "0"], "--rounds: must be >= 1"),
+    (MINIPAR + ["bench", "launch", "--rounds", "3"], "takes no rounds in turns"),
     (MINIPAR + ["lessons", "--student", "README.md"], "is a file"),
     (MINIPAR, "required"),
     ([sys.executable, "-m", "minipar.collectives", "--ranks", "0"], "--ranks: must be >= 1"),

@@ -1,6 +1,7 @@
-"""`minipar bench train` (train/bench.py) without running it: its table from built rows
-(the ratio cells, the planner's error, the rank correlation), the planner's step for a
-composition, and the ceiling's spec. The bench itself runs 24 rows on up to 8 ranks, too
+"""`minipar bench train` (train/bench.py): its table from built rows (the ratio cells, the
+planner's error, the rank correlation), the planner's step for a composition, and the
+ceiling's spec; and, in the slow tier, its data-parallel rows measured for real on the
+tiny preset (`bench train-dp`'s path). The whole bench runs 24 rows on up to 8 ranks, too
 long for any tier; its figures are in docs/trainer.md."""
 
 import json
@@ -15,9 +16,11 @@ from minipar.train.bench import (
     _config,
     _spec,
     correlations,
+    measure,
     predicted_step,
     report,
 )
+from minipar.train.dp_bench import ROWS as DP_ROWS
 
 
 def _row(variant: str, ranks: int, step: float, predicted: float | None,
@@ -65,3 +68,30 @@ def test_the_ceiling_runs_dp2s_shape_without_messages_and_every_row_has_a_spec()
     assert _spec(CEILING) == _spec("dp=2, fp32")
     assert ROWS[ROWS.index(CEILING) - 1] == "dp=2, fp32"  # printed beside dp=2
     assert set(ROWS) == {*VARIANTS, CEILING}
+
+
+def test_rows_the_bench_lacks_or_no_baseline_are_refused_before_any_rank_starts():
+    with pytest.raises(ValueError, match="rows must be among the bench's"):
+        measure(rows=(BASELINE, "dp=3, fp32"))
+    with pytest.raises(ValueError, match="include '1 process, fp32'"):
+        measure(rows=("dp=2, fp32",))
+    assert set(DP_ROWS) <= set(ROWS) and BASELINE in DP_ROWS and CEILING in DP_ROWS
+
+
+@pytest.mark.slow  # spawns 1, 1 and 2 ranks and trains the tiny preset in turns (~20 s)
+def test_the_data_parallel_rows_measured_for_real_in_turns(tmp_path):
+    rows = measure(steps=4, rounds=2, preset="tiny", rows=(CEILING, "dp=2, fp32", BASELINE))
+    assert [r["variant"] for r in rows] == [BASELINE, "dp=2, fp32", CEILING]  # table order
+    assert rows[0]["vs_one_process"] == [1.0, 1.0]  # each round divided by its own baseline
+    for r in rows:
+        assert len(r["vs_one_process"]) == 2 and all(v > 0 for v in r["vs_one_process"])
+        split = r["step_split_s"]
+        assert split["cpu_seconds"] > 0
+        # neither is what the CPU clocks leave of the step, never below zero: the parts
+        # cover the step (more than it only where threads ran at once, and neither is 0)
+        parts = split["cpu_seconds"] + split["other_cpu_seconds"] + split["idle_seconds"]
+        assert split["idle_seconds"] >= 0 and parts >= split["seconds"] * (1 - 1e-9)
+        assert 0 < r["mfu"] <= 1
+    assert rows[1]["predicted_step_s"] > 0 and rows[2]["predicted_step_s"] is None
+    assert "dp=2 against the ceiling" in report(rows, tmp_path, name="train_dp")
+    assert (tmp_path / "bench_train_dp.json").exists()

@@ -193,11 +193,19 @@ def _spec(name: str) -> tuple[dict, str, int]:
 ROWS = [*list(VARIANTS)[:4], CEILING, *list(VARIANTS)[4:]]
 
 
-def measure(steps: int = 12, rounds: int = 3, preset: str = "small") -> list[dict]:
-    """Each variant's median tokens/s and MFU, the variants in turns for `rounds` rounds,
-    and the planner's prediction for each fp32 composition."""
-    runs: dict[str, list[dict]] = {name: [] for name in ROWS}
-    sizes = sorted({_ranks(_spec(name)[0]) for name in ROWS})
+def measure(steps: int = 12, rounds: int = 3, preset: str = "small",
+            rows: tuple[str, ...] = tuple(ROWS)) -> list[dict]:
+    """Each of `rows`' median tokens/s and MFU, the rows in turns for `rounds` rounds, and
+    the planner's prediction for each fp32 composition. `rows` must include `BASELINE`,
+    which every ratio divides by (train/dp_bench.py measures data parallelism's rows alone)."""
+    unknown = [name for name in rows if name not in ROWS]
+    if unknown or BASELINE not in rows:
+        raise ValueError(f"rows must be among the bench's ({', '.join(ROWS)}) and include "
+                         f"{BASELINE!r}; got {list(rows)}")
+    rows = tuple(name for name in ROWS if name in rows)  # the table's order, each once
+    runs: dict[str, list[dict]] = {name: [] for name in rows}
+    # 2 ranks always: the ping-pong that fits alpha and beta for the planner runs on them
+    sizes = sorted({2, *(_ranks(_spec(name)[0]) for name in rows)})
     clusters = {k: Cluster(k, backend="gloo", timeout=TIMEOUT_S) for k in sizes}
     # CEILING's second process: a one-rank cluster beside clusters[1]
     alone = [clusters[1], Cluster(1, backend="gloo", timeout=TIMEOUT_S)]
@@ -207,7 +215,7 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small") -> list[dic
         bandwidth = clusters[1].run(_adam_bytes_per_s, _config(preset, {}, "fp32", 1))[0]
         half = _config(preset, {}, "fp32", steps).train.batch_size // 2
         for round_index in range(rounds):
-            for name in ROWS:
+            for name in rows:
                 progress(f"{name}, round {round_index + 1}/{rounds}")
                 if name == CEILING:
                     runs[name].append(_side_by_side(alone, _config(preset, {}, "fp32", steps,
@@ -230,8 +238,8 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small") -> list[dic
     # the compute rate in the planner's FLOP count, from the one-process fp32 row
     flops = (sum(cost.transformer_flops(planner_model(tokens.model)).values())
              * statistics.median(r["tokens_per_s"] for r in base))
-    rows = []
-    for name in ROWS:
+    measured = []
+    for name in rows:
         parallel, precision, threads = _spec(name)
         speeds = [r["tokens_per_s"] for r in runs[name]]
         middle = sorted(runs[name], key=lambda r: r["tokens_per_s"])[len(speeds) // 2]
@@ -239,20 +247,20 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small") -> list[dic
         predicted = (predicted_step(config, flops, bandwidth, fitted.alpha, fitted.beta)
                      if precision == "fp32" and threads == ONE_THREAD and name != CEILING
                      else None)
-        rows.append({"variant": name, "ranks": _ranks(parallel), "precision": precision,
-                     "threads": threads, "tokens_per_s": statistics.median(speeds),
-                     "tokens_per_s_range": [min(speeds), max(speeds)],
-                     "mfu": statistics.median(r["mfu"] for r in runs[name]),
-                     "peak_per_core": runs[name][0]["peak_per_core"],
-                     "matmuls_per_core": runs[name][0]["matmuls_per_core"],
-                     "step_s": tokens_per_step / statistics.median(speeds),
-                     "step_split_s": middle["split"],
-                     "predicted_step_s": predicted,
-                     "memory": runs[name][-1]["memory"],
-                     "memory_predicted": runs[name][-1]["memory_predicted"],
-                     "vs_one_process": [mine["tokens_per_s"] / one["tokens_per_s"]
-                                        for one, mine in zip(base, runs[name], strict=True)]})
-    return rows
+        measured.append({"variant": name, "ranks": _ranks(parallel), "precision": precision,
+                         "threads": threads, "tokens_per_s": statistics.median(speeds),
+                         "tokens_per_s_range": [min(speeds), max(speeds)],
+                         "mfu": statistics.median(r["mfu"] for r in runs[name]),
+                         "peak_per_core": runs[name][0]["peak_per_core"],
+                         "matmuls_per_core": runs[name][0]["matmuls_per_core"],
+                         "step_s": tokens_per_step / statistics.median(speeds),
+                         "step_split_s": middle["split"],
+                         "predicted_step_s": predicted,
+                         "memory": runs[name][-1]["memory"],
+                         "memory_predicted": runs[name][-1]["memory_predicted"],
+                         "vs_one_process": [mine["tokens_per_s"] / one["tokens_per_s"]
+                                            for one, mine in zip(base, runs[name], strict=True)]})
+    return measured
 
 
 def correlations(rows: list[dict]) -> dict[int, float]:
@@ -296,9 +304,9 @@ def peaks_line(rows: list[dict]) -> str:
     return line
 
 
-def report(rows: list[dict], out_dir: Path) -> str:
+def report(rows: list[dict], out_dir: Path, name: str = "train") -> str:
     """Tokens/s, MFU, the per-round ratio to one fp32 process and the planner's step beside
-    the measured one; JSON and a bar plot."""
+    the measured one; JSON and a bar plot (bench_`name`.json and .png)."""
     from matplotlib.figure import Figure
 
     shown = [{"variant": r["variant"], "tokens/s": f"{r['tokens_per_s']:,.0f}",
@@ -318,7 +326,7 @@ def report(rows: list[dict], out_dir: Path) -> str:
                   [r["tokens_per_s_range"][1] - r["tokens_per_s"] for r in rows][::-1]],
             color="#4C72B0", capsize=2)
     ax.set_xlabel("tokens per second (median of rounds, min-max)")
-    save_results(rows, fig, out_dir, "train",
+    save_results(rows, fig, out_dir, name,
                  title="the trainer on this machine: tokens/s by composition and precision")
     rho = [f"{k} ranks: Spearman rank correlation, predicted vs measured step = {v:+.2f}"
            for k, v in correlations(rows).items()]

@@ -1,0 +1,36 @@
+"""`minipar bench train-dp`: `minipar bench train`'s data-parallel rows alone, in more rounds.
+
+Whether data parallelism reaches 1.8x on 2 cores is a question about a ratio near 2x,
+read on machines whose speed moves 10-30% from one minute to the next: in one 3-round run
+of `bench train`, the ceiling (two processes of half the batch each, no messages) spread
+from 1.25x to 2.24x one process. A median of three such rounds cannot tell 1.7x from 1.8x.
+
+This bench runs only the rows that answer it, the same measurements as `bench train`
+(bench.py: each rank on one thread, the rows in turns, ratios per round): one process,
+dp=2, the ceiling and ZeRO-1/2/3. It runs them for `ROUNDS` rounds instead of three, in
+about the time `bench train` takes for its three. The line under the table gives dp=2
+over the ceiling per round: the cost of the reductions and of waiting for the slower rank,
+apart from what two busy processes cost each other.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import bench
+from .bench import BASELINE, CEILING
+
+# the rows that say how close data parallelism comes to 2x, and to what it could reach
+ROWS = (BASELINE, "dp=2, fp32", CEILING, "dp=2 zero=1, fp32", "dp=2 zero=2, fp32",
+        "dp=2 zero=3, fp32")
+ROUNDS = 9  # bench train's 3 left a spread wider than the gap in question
+
+
+def measure(steps: int = 12, rounds: int = ROUNDS, preset: str = "small") -> list[dict]:
+    """`ROWS` of `minipar bench train`, in turns for `rounds` rounds."""
+    return bench.measure(steps, rounds, preset, rows=ROWS)
+
+
+def report(rows: list[dict], out_dir: Path) -> str:
+    """`bench train`'s table of these rows (bench_train_dp.json and .png)."""
+    return bench.report(rows, out_dir, name="train_dp")
