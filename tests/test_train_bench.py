@@ -5,6 +5,7 @@ tiny preset (`bench train-dp`'s path). The whole bench runs 24 rows on up to 8 r
 long for any tier; its figures are in docs/trainer.md."""
 
 import json
+import re
 
 import pytest
 
@@ -30,6 +31,7 @@ def _row(variant: str, ranks: int, step: float, predicted: float | None,
             "mfu": 0.5, "peak_per_core": 90e9, "step_s": step, "predicted_step_s": predicted,
             "step_split_s": {"cpu_seconds": 0.8 * step, "other_cpu_seconds": 0.04 * step,
                              "idle_seconds": 0.16 * step, "seconds": step},
+            "pace_s": [0.7 * step, 0.8 * step],
             "memory": 3 * 2**20, "memory_predicted": 4 * 2**20, "vs_one_process": ratios}
 
 
@@ -44,6 +46,9 @@ def test_the_table_reads_the_rows_ratios_predictions_and_ranking(tmp_path):
     assert "1.60x (1.50-1.70)" in table  # dp=2's per-round ratios: median (min-max)
     assert "200 ms (-20%)" in table  # the planner's step and its error against 250 ms
     assert "200 + 10 + 40 of 250" in table  # dp=2's step: own CPU + other threads + neither
+    assert "175-200" in table  # dp=2's ranks' own CPU, fastest-slowest
+    one = next(line for line in table.splitlines() if line.startswith(BASELINE))
+    assert re.search(r"320 \+ 16 \+ 64 of 400\s+-\s", one)  # one process: no pace to compare
     assert "3.0 / 4.0" in table  # the fullest rank's memory, measured / predicted, MiB
     assert "2 ranks: Spearman rank correlation, predicted vs measured step = +0.50" in table
     assert table.splitlines()[0].startswith("MFU divides by each row's peak per core")
@@ -92,6 +97,7 @@ def test_the_data_parallel_rows_measured_for_real_in_turns(tmp_path):
         parts = split["cpu_seconds"] + split["other_cpu_seconds"] + split["idle_seconds"]
         assert split["idle_seconds"] >= 0 and parts >= split["seconds"] * (1 - 1e-9)
         assert 0 < r["mfu"] <= 1
+        assert 0 < r["pace_s"][0] <= r["pace_s"][1]  # fastest rank's own CPU, then slowest's
     assert rows[1]["predicted_step_s"] > 0 and rows[2]["predicted_step_s"] is None
     assert "dp=2 against the ceiling" in report(rows, tmp_path, name="train_dp")
     assert (tmp_path / "bench_train_dp.json").exists()

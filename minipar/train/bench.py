@@ -5,7 +5,9 @@ bf16, each composition beside the planner's predicted step time, and each rank's
 the prediction, and where a row's step goes: its median step split into the CPU time of
 the thread that ran it, of the process's other threads (the communication thread, gloo's)
 and of neither, when the rank waited for another or another process held the core
-(metrics.StepClock).
+(metrics.StepClock); and, for rows of several ranks, each rank's own CPU in its median
+step, fastest to slowest: ranks that compute the same rows at different paces (two
+vCPUs a host shares unevenly) make a synchronous step wait for the slower one.
 
 Every rank computes on one thread, and so does the one-process baseline, so "dp=2 on 2
 cores" compares like with like; a one-process row on every core is shown too, so that
@@ -117,6 +119,13 @@ def _timed_run(config: TrainConfig, threads: int) -> dict:
             "memory_predicted": sum(run.memory["predicted"].values())}
 
 
+def _pace(runs: list[dict]) -> list[float]:
+    """The fastest and the slowest rank's own CPU in its median step: how unevenly ranks
+    given the same work computed it."""
+    own = [r["split"]["cpu_seconds"] for r in runs]
+    return [min(own), max(own)]
+
+
 def _side_by_side(clusters: list[Cluster], config: TrainConfig) -> dict:
     """Each one-rank cluster runs `config` on one thread, all at once, with no messages
     between them: their tokens/s added, their MFU's mean, the fullest one's memory."""
@@ -125,6 +134,7 @@ def _side_by_side(clusters: list[Cluster], config: TrainConfig) -> dict:
     return {"tokens_per_s": sum(r["tokens_per_s"] for r in runs),
             "mfu": statistics.mean(r["mfu"] for r in runs),
             "split": {k: statistics.mean(r["split"][k] for r in runs) for k in SPLIT},
+            "pace": _pace(runs),
             "peak_per_core": runs[0]["peak_per_core"],
             "matmuls_per_core": runs[0]["matmuls_per_core"],
             "memory": max(r["memory"] for r in runs),
@@ -226,6 +236,7 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small",
                 result = clusters[_ranks(parallel)].run(_timed_run, config, threads)
                 # the slowest rank sets the pace; the fullest rank sets the memory
                 runs[name].append({**min(result, key=lambda r: r["tokens_per_s"]),
+                                   "pace": _pace(result),
                                    "memory": max(r["memory"] for r in result),
                                    "memory_predicted": max(r["memory_predicted"]
                                                            for r in result)})
@@ -255,6 +266,7 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small",
                          "matmuls_per_core": runs[name][0]["matmuls_per_core"],
                          "step_s": tokens_per_step / statistics.median(speeds),
                          "step_split_s": middle["split"],
+                         "pace_s": middle["pace"],
                          "predicted_step_s": predicted,
                          "memory": runs[name][-1]["memory"],
                          "memory_predicted": runs[name][-1]["memory_predicted"],
@@ -314,6 +326,9 @@ def report(rows: list[dict], out_dir: Path, name: str = "train") -> str:
               "step": f"{r['step_s'] * 1e3:.0f} ms",
               "split": " + ".join(f"{r['step_split_s'][k] * 1e3:.0f}" for k in SPLIT[:3])
               + f" of {r['step_split_s']['seconds'] * 1e3:.0f}",
+              # one rank has no pace to compare (the ceiling counts as dp=2's two processes)
+              "pace": ("-" if r["ranks"] == 1 else
+                       "-".join(f"{v * 1e3:.0f}" for v in r["pace_s"])),
               "predicted": ("-" if r["predicted_step_s"] is None else
                             f"{r['predicted_step_s'] * 1e3:.0f} ms "
                             f"({r['predicted_step_s'] / r['step_s'] - 1:+.0%})"),
@@ -341,10 +356,12 @@ def report(rows: list[dict], out_dir: Path, name: str = "train") -> str:
         "thread that ran it + the process's other threads' (the communication thread, "
         "gloo's, torch's intra-op pool: more than the step where they ran at once) + "
         "neither (waiting for another rank, or off the cores while another process ran) "
-        "of the step",
+        "of the step; own CPU by rank: each rank's own CPU in its median step, fastest-"
+        "slowest, in ms",
         format_table(shown, [("variant", "variant"), ("tokens/s", "tokens/s"), ("mfu", "MFU"),
                              ("ratio", "vs 1 process, fp32"), ("step", "step"),
                              ("split", "median step: own CPU + others + neither"),
+                             ("pace", "own CPU by rank"),
                              ("predicted", "predicted step"),
                              ("memory", "fullest rank MiB (measured / predicted)")]),
         *[line for line in [against_ceiling(rows)] if line], *rho])
