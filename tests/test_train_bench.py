@@ -20,6 +20,7 @@ from minipar.train.bench import (
     measure,
     predicted_step,
     report,
+    slower_rank_lead,
 )
 from minipar.train.dp_bench import ROWS as DP_ROWS
 
@@ -31,7 +32,7 @@ def _row(variant: str, ranks: int, step: float, predicted: float | None,
             "mfu": 0.5, "peak_per_core": 90e9, "step_s": step, "predicted_step_s": predicted,
             "step_split_s": {"cpu_seconds": 0.8 * step, "other_cpu_seconds": 0.04 * step,
                              "idle_seconds": 0.16 * step, "seconds": step},
-            "pace_s": [0.7 * step, 0.8 * step],
+            "pace_s": [0.7 * step, 0.8 * step], "slower_rank_lead_s": 0.05 * step,
             "memory": 3 * 2**20, "memory_predicted": 4 * 2**20, "vs_one_process": ratios}
 
 
@@ -47,6 +48,7 @@ def test_the_table_reads_the_rows_ratios_predictions_and_ranking(tmp_path):
     assert "200 ms (-20%)" in table  # the planner's step and its error against 250 ms
     assert "200 + 10 + 40 of 250" in table  # dp=2's step: own CPU + other threads + neither
     assert "175-200" in table  # dp=2's ranks' own CPU, fastest-slowest
+    assert "+12 ms" in table  # dp=2's slower rank over the ranks' mean, per step
     one = next(line for line in table.splitlines() if line.startswith(BASELINE))
     assert re.search(r"320 \+ 16 \+ 64 of 400\s+-\s", one)  # one process: no pace to compare
     assert "3.0 / 4.0" in table  # the fullest rank's memory, measured / predicted, MiB
@@ -54,10 +56,22 @@ def test_the_table_reads_the_rows_ratios_predictions_and_ranking(tmp_path):
     assert table.splitlines()[0].startswith("MFU divides by each row's peak per core")
     assert "against the ceiling" not in table  # no ceiling row: no such line
     ceiling = _row(CEILING, 2, 0.22, None, [1.6, 1.6, 2.0])
-    assert "dp=2 against the ceiling (two processes, no messages), per round: 0.94x " \
-        "(0.85-1.00)" in report([*rows, ceiling], tmp_path)
+    line = report([*rows, ceiling], tmp_path).splitlines()[-2]
+    assert line.startswith("dp=2 against the ceiling (two processes, no messages), per "
+                           "round: 0.94x (0.85-1.00); in its median round dp=2's slower rank "
+                           "computed 12 ms a step longer than the ranks' mean (5% of its step)")
     saved = json.loads((tmp_path / "bench_train.json").read_text())
     assert "dp=2, fp32" in json.dumps(saved)
+
+
+def test_the_slower_rank_lead_is_what_a_synchronous_step_waits_for_step_by_step():
+    runs = [{"own_cpu_steps": [0.30, 0.40, 0.35]}, {"own_cpu_steps": [0.36, 0.30, 0.35]}]
+    # per step: max - mean = 0.03, 0.05, 0: the pace a step waits for, not the runs' totals
+    # (1.05 and 1.01 s, whose difference would say 0.02 s over three steps)
+    assert slower_rank_lead(runs) == pytest.approx(0.08 / 3)
+    assert slower_rank_lead(runs[:1]) == 0  # one rank waits for nobody
+    with pytest.raises(ValueError):  # ranks that logged different steps: a bug, not a zero
+        slower_rank_lead([runs[0], {"own_cpu_steps": [0.3]}])
 
 
 def test_the_planner_predicts_compositions_but_not_context_parallelism():
@@ -98,6 +112,8 @@ def test_the_data_parallel_rows_measured_for_real_in_turns(tmp_path):
         assert split["idle_seconds"] >= 0 and parts >= split["seconds"] * (1 - 1e-9)
         assert 0 < r["mfu"] <= 1
         assert 0 < r["pace_s"][0] <= r["pace_s"][1]  # fastest rank's own CPU, then slowest's
+        # the slower rank's lead over the ranks' mean: never negative; none for one process
+        assert r["slower_rank_lead_s"] >= 0 and (r["ranks"] > 1 or r["slower_rank_lead_s"] == 0)
     assert rows[1]["predicted_step_s"] > 0 and rows[2]["predicted_step_s"] is None
     assert "dp=2 against the ceiling" in report(rows, tmp_path, name="train_dp")
     assert (tmp_path / "bench_train_dp.json").exists()

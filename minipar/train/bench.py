@@ -7,7 +7,9 @@ the thread that ran it, of the process's other threads (the communication thread
 and of neither, when the rank waited for another or another process held the core
 (metrics.StepClock); and, for rows of several ranks, each rank's own CPU in its median
 step, fastest to slowest: ranks that compute the same rows at different paces (two
-vCPUs a host shares unevenly) make a synchronous step wait for the slower one.
+vCPUs a host shares unevenly) make a synchronous step wait for the slower one, and how
+much that costs a step: the slower rank's own CPU over the ranks' mean, step by step,
+averaged (`slower_rank_lead`).
 
 Every rank computes on one thread, and so does the one-process baseline, so "dp=2 on 2
 cores" compares like with like; a one-process row on every core is shown too, so that
@@ -115,6 +117,7 @@ def _timed_run(config: TrainConfig, threads: int) -> dict:
             "split": {k: middle[k] for k in SPLIT},
             "peak_per_core": run.peak.per_device,
             "matmuls_per_core": run.peak.matmuls,
+            "own_cpu_steps": [r["cpu_seconds"] for r in records],
             "memory": sum(run.memory["measured"].values()),
             "memory_predicted": sum(run.memory["predicted"].values())}
 
@@ -126,6 +129,17 @@ def _pace(runs: list[dict]) -> list[float]:
     return [min(own), max(own)]
 
 
+def slower_rank_lead(runs: list[dict]) -> float:
+    """The slower rank's own CPU over the ranks' mean, step by step, averaged over the
+    steps: what a synchronous step pays, beyond its messages, for ranks that compute at
+    different paces (the faster waits). The own CPU of a step moves from one step to
+    the next on a shared host; a one-off trace on an AVX2-only EPYC found the two ranks'
+    difference barely correlated with the step before (lag 1: -0.16 and +0.19 in two runs), so
+    no split of rows by last step's speed would win it back (docs/trainer.md)."""
+    steps = zip(*(r["own_cpu_steps"] for r in runs), strict=True)
+    return statistics.fmean(max(own) - statistics.fmean(own) for own in steps)
+
+
 def _side_by_side(clusters: list[Cluster], config: TrainConfig) -> dict:
     """Each one-rank cluster runs `config` on one thread, all at once, with no messages
     between them: their tokens/s added, their MFU's mean, the fullest one's memory."""
@@ -135,6 +149,8 @@ def _side_by_side(clusters: list[Cluster], config: TrainConfig) -> dict:
             "mfu": statistics.mean(r["mfu"] for r in runs),
             "split": {k: statistics.mean(r["split"][k] for r in runs) for k in SPLIT},
             "pace": _pace(runs),
+            # what their paces would have cost them had they waited for each other
+            "lead": slower_rank_lead(runs),
             "peak_per_core": runs[0]["peak_per_core"],
             "matmuls_per_core": runs[0]["matmuls_per_core"],
             "memory": max(r["memory"] for r in runs),
@@ -218,7 +234,8 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small",
     sizes = sorted({2, *(_ranks(_spec(name)[0]) for name in rows)})
     clusters = {k: Cluster(k, backend="gloo", timeout=TIMEOUT_S) for k in sizes}
     # CEILING's second process: a one-rank cluster beside clusters[1]
-    alone = [clusters[1], Cluster(1, backend="gloo", timeout=TIMEOUT_S)]
+    alone = [clusters[1], *([Cluster(1, backend="gloo", timeout=TIMEOUT_S)]
+                            if CEILING in rows else [])]
     try:
         progress("fitting alpha and beta (ping-pong) and the optimizer's memory rate")
         fitted = fit_machine(clusters[2], save=False)
@@ -237,11 +254,12 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small",
                 # the slowest rank sets the pace; the fullest rank sets the memory
                 runs[name].append({**min(result, key=lambda r: r["tokens_per_s"]),
                                    "pace": _pace(result),
+                                   "lead": slower_rank_lead(result),
                                    "memory": max(r["memory"] for r in result),
                                    "memory_predicted": max(r["memory_predicted"]
                                                            for r in result)})
     finally:
-        for cluster in [*clusters.values(), alone[1]]:
+        for cluster in [*clusters.values(), *alone[1:]]:
             cluster.close()
     base = runs[BASELINE]
     tokens = _config(preset, {}, "fp32", 1)
@@ -267,6 +285,7 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small",
                          "step_s": tokens_per_step / statistics.median(speeds),
                          "step_split_s": middle["split"],
                          "pace_s": middle["pace"],
+                         "slower_rank_lead_s": middle["lead"],
                          "predicted_step_s": predicted,
                          "memory": runs[name][-1]["memory"],
                          "memory_predicted": runs[name][-1]["memory_predicted"],
@@ -292,10 +311,14 @@ def against_ceiling(rows: list[dict]) -> str | None:
     by_name = {r["variant"]: r for r in rows}
     if "dp=2, fp32" not in by_name or CEILING not in by_name:
         return None
-    ratios = [a / b for a, b in zip(by_name["dp=2, fp32"]["vs_one_process"],
-                                    by_name[CEILING]["vs_one_process"], strict=True)]
+    dp = by_name["dp=2, fp32"]
+    ratios = [a / b for a, b in zip(dp["vs_one_process"], by_name[CEILING]["vs_one_process"],
+                                    strict=True)]
+    lead = dp["slower_rank_lead_s"]
     return (f"dp=2 against the ceiling (two processes, no messages), per round: "
-            f"{ratio_cell(ratios)}")
+            f"{ratio_cell(ratios)}; in its median round dp=2's slower rank computed "
+            f"{lead * 1e3:.0f} ms a step longer than the ranks' mean ({lead / dp['step_s']:.0%} "
+            "of its step), a wait no message causes")
 
 
 def peaks_line(rows: list[dict]) -> str:
@@ -329,6 +352,7 @@ def report(rows: list[dict], out_dir: Path, name: str = "train") -> str:
               # one rank has no pace to compare (the ceiling counts as dp=2's two processes)
               "pace": ("-" if r["ranks"] == 1 else
                        "-".join(f"{v * 1e3:.0f}" for v in r["pace_s"])),
+              "lead": "-" if r["ranks"] == 1 else f"+{r['slower_rank_lead_s'] * 1e3:.0f} ms",
               "predicted": ("-" if r["predicted_step_s"] is None else
                             f"{r['predicted_step_s'] * 1e3:.0f} ms "
                             f"({r['predicted_step_s'] / r['step_s'] - 1:+.0%})"),
@@ -357,11 +381,14 @@ def report(rows: list[dict], out_dir: Path, name: str = "train") -> str:
         "gloo's, torch's intra-op pool: more than the step where they ran at once) + "
         "neither (waiting for another rank, or off the cores while another process ran) "
         "of the step; own CPU by rank: each rank's own CPU in its median step, fastest-"
-        "slowest, in ms",
+        "slowest, in ms; slower rank: its own CPU over the ranks' mean, per step, averaged "
+        "over the median round's steps (the ceiling's: what its two processes' paces would "
+        "have cost had they waited for each other)",
         format_table(shown, [("variant", "variant"), ("tokens/s", "tokens/s"), ("mfu", "MFU"),
                              ("ratio", "vs 1 process, fp32"), ("step", "step"),
                              ("split", "median step: own CPU + others + neither"),
                              ("pace", "own CPU by rank"),
+                             ("lead", "slower rank"),
                              ("predicted", "predicted step"),
                              ("memory", "fullest rank MiB (measured / predicted)")]),
         *[line for line in [against_ceiling(rows)] if line], *rho])
