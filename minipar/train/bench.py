@@ -23,8 +23,9 @@ what dp=2 would reach if its reductions were free and neither rank ever waited f
 other, so the row says how much of the gap to 2x is the two processes slowing each other
 down through the caches and memory they share; a line under the table gives dp=2 over
 the ceiling, round by round: what the reductions and the waiting cost together (traced
-on an AVX2-only EPYC, the reductions took 4-6 ms of a 340 ms step, and waiting for the
-slower rank most of the rest: docs/trainer.md). MFU
+on an AVX2-only EPYC, the reductions took 4-6 ms of a 340 ms step; the rest is waiting
+for the slower rank, its own column, and the other threads' CPU on two full cores:
+docs/trainer.md). MFU
 divides by the peak measured for the dtype on one thread on the model's own projections
 (matmul_peak.py), times the cores in use; the header gives the fp32 and bf16 peaks and
 the CPU's kind.

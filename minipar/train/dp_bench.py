@@ -10,7 +10,8 @@ This bench runs only the rows that answer it, the same measurements as `bench tr
 dp=2, the ceiling and ZeRO-1/2/3. It runs them for `ROUNDS` rounds instead of three (about
 6 minutes on 2 cores; `bench train` takes 23). The line under the table gives dp=2
 over the ceiling per round: the cost of the reductions and of waiting for the slower rank,
-apart from what two busy processes cost each other.
+apart from what two busy processes cost each other; the "slower rank" column, how much of
+a step that wait takes.
 """
 
 from __future__ import annotations
