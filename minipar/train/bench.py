@@ -123,11 +123,11 @@ def _timed_run(config: TrainConfig, threads: int) -> dict:
             "memory_predicted": sum(run.memory["predicted"].values())}
 
 
-def _pace(runs: list[dict]) -> list[float]:
-    """The fastest and the slowest rank's own CPU in its median step: how unevenly ranks
-    given the same work computed it."""
+def _paces(runs: list[dict]) -> dict:
+    """How unevenly ranks given the same work computed it: `pace`, the fastest and the
+    slowest rank's own CPU in its median step; `lead`, `slower_rank_lead`."""
     own = [r["split"]["cpu_seconds"] for r in runs]
-    return [min(own), max(own)]
+    return {"pace": [min(own), max(own)], "lead": slower_rank_lead(runs)}
 
 
 def slower_rank_lead(runs: list[dict]) -> float:
@@ -149,9 +149,8 @@ def _side_by_side(clusters: list[Cluster], config: TrainConfig) -> dict:
     return {"tokens_per_s": sum(r["tokens_per_s"] for r in runs),
             "mfu": statistics.mean(r["mfu"] for r in runs),
             "split": {k: statistics.mean(r["split"][k] for r in runs) for k in SPLIT},
-            "pace": _pace(runs),
-            # what their paces would have cost them had they waited for each other
-            "lead": slower_rank_lead(runs),
+            # the lead: what their paces would have cost them had they waited for each other
+            **_paces(runs),
             "peak_per_core": runs[0]["peak_per_core"],
             "matmuls_per_core": runs[0]["matmuls_per_core"],
             "memory": max(r["memory"] for r in runs),
@@ -254,8 +253,7 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small",
                 result = clusters[_ranks(parallel)].run(_timed_run, config, threads)
                 # the slowest rank sets the pace; the fullest rank sets the memory
                 runs[name].append({**min(result, key=lambda r: r["tokens_per_s"]),
-                                   "pace": _pace(result),
-                                   "lead": slower_rank_lead(result),
+                                   **_paces(result),
                                    "memory": max(r["memory"] for r in result),
                                    "memory_predicted": max(r["memory_predicted"]
                                                            for r in result)})
