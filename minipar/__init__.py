@@ -3,10 +3,10 @@
 Start with `minipar.launch(fn, world_size)`; see README.md for the lessons and docs/ for the rest.
 """
 
-# cli first: importing it installs the handler that makes Ctrl-C during the rest of
-# start-up one line (trace alone pulls in dataclasses, inspect and ast: a cold start spends
-# a visible fraction of a second there)
-from . import cli, trace  # noqa: F401  (cli: imported for its start-up handler)
+# First, before any import that takes time: the handler that makes Ctrl-C during the rest
+# of start-up one line (see interrupt_at_start.py)
+from . import interrupt_at_start  # noqa: F401, I001  (imported for its handler; order matters)
+from . import cli, trace  # noqa: F401
 from .cli import refuse_library_modules
 from .runtime import (
     Cluster,

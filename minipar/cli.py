@@ -2,20 +2,20 @@
 counts that must be positive, an --out that must be a folder, Ctrl-C, and a one-line
 answer to `python -m` of a module that is not a command.
 
-Importing this module in a process that is a minipar command (`minipar ...` or `python -m
-minipar...`) makes Ctrl-C during start-up (importing torch takes seconds) one line too.
+Ctrl-C during start-up (importing torch takes seconds) is one line too: see
+interrupt_at_start.py, which the package imports first.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import re
-import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+
+from .interrupt_at_start import hand_ctrl_c_back, module_run_by_dash_m
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -59,8 +59,7 @@ def output_folder(text: str) -> str:
 def run_command(prog: str, body: Callable[[], int]) -> int:
     """Run a command's body: a ValueError becomes one line and exit status 2, Ctrl-C one
     line and 130 (the ranks are cleaned up by their Cluster on the way out)."""
-    if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # ranks may start now
+    hand_ctrl_c_back()  # ranks may start now: their Cluster stops them on Ctrl-C
     try:
         return body()
     except ValueError as err:
@@ -69,18 +68,6 @@ def run_command(prog: str, body: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
-
-
-def module_run_by_dash_m() -> str | None:
-    """The module `python -m MODULE` is starting, while Python imports its packages
-    (sys.argv[0] is "-m" until the module itself runs); None otherwise."""
-    if sys.argv[:1] != ["-m"]:
-        return None
-    argv = getattr(sys, "orig_argv", [])
-    for i, arg in enumerate(argv[1:-1], start=1):
-        if arg == "-m":
-            return argv[i + 1]
-    return None
 
 
 def _spec(module: str):
@@ -117,39 +104,3 @@ def refuse_library_modules() -> None:
     hint = f"python -m {parent}" + (" --help" if parent == "minipar" else "")
     print(f"{module} is a library module, not a command; try: {hint}", file=sys.stderr)
     raise SystemExit(2)
-
-
-def _command_name() -> str | None:
-    """How the user started this process, if it is a minipar command; None otherwise."""
-    module = module_run_by_dash_m()
-    if module is not None:
-        return f"python -m {module}" if module.split(".")[0] == "minipar" else None
-    return "minipar" if os.path.basename(sys.argv[0] if sys.argv else "") == "minipar" else None
-
-
-# The command's name, taken when the start-up handler is installed: by the time Ctrl-C
-# lands, runpy may already have replaced sys.argv[0] ("-m") with the module's path, and on
-# a cold start (no .pyc yet) that window is seconds wide.
-_starting_command: str | None = None
-
-
-def _interrupted_while_starting(signum: int, frame: object) -> None:
-    print(f"{_starting_command}: interrupted", file=sys.stderr, flush=True)
-    os._exit(130)  # nothing to clean up yet: no rank has started
-
-
-def _quiet_interrupts_while_starting() -> None:
-    """Until `run_command` takes over, Ctrl-C in a minipar command is one line and exit
-    status 130, not a KeyboardInterrupt traceback from inside an import."""
-    global _starting_command
-    name = _command_name()
-    if name is None or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return  # someone else's program, or Ctrl-C already handled by whoever runs us
-    _starting_command = name
-    try:
-        signal.signal(signal.SIGINT, _interrupted_while_starting)
-    except ValueError:  # not the main thread
-        pass
-
-
-_quiet_interrupts_while_starting()
