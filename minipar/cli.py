@@ -59,8 +59,8 @@ def output_folder(text: str) -> str:
 def run_command(prog: str, body: Callable[[], int]) -> int:
     """Run a command's body: a ValueError becomes one line and exit status 2, Ctrl-C one
     line and 130 (the ranks are cleaned up by their Cluster on the way out)."""
-    hand_ctrl_c_back()  # ranks may start now: their Cluster stops them on Ctrl-C
     try:
+        hand_ctrl_c_back()  # ranks may start now: their Cluster stops them on Ctrl-C
         return body()
     except ValueError as err:
         print(f"{prog}: {err}", file=sys.stderr)

@@ -36,6 +36,7 @@ from dataclasses import replace
 
 import torch
 
+from .cli import run_command
 from .runtime import gpu_count, launch
 
 BF16_BOUND = {"small": 0.05, "tiny": 0.05}  # largest |bf16 - fp32| / fp32 loss, any step
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m minipar.gpu_check
         print("gpu check: skipped: torch sees no GPU here (a CPU-only build, or no driver); "
               "`--on-cpu` runs its parts on CPU ranks")
         return 0
-    return 0 if run_check(args.on_cpu) else 1
+    return run_command(prog, lambda: 0 if run_check(args.on_cpu) else 1)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,11 @@ before anything else, and importing it installs a handler that prints
 "python -m minipar.mesh: interrupted" and exits with 130; `cli.run_command` hands Ctrl-C
 back to Python once the command's body runs and ranks may start.
 
-This module imports only what the interpreter loaded before any of our code ran (`os`,
-`sys`, and `_signal`, the C half of `signal`), so the handler is in place a few
-milliseconds after our first line runs. `import signal` itself builds its enums with
+This module imports only `sys`, `os` and `_signal` (the C half of `signal`), which the
+interpreter loads at its own start-up, so the handler is in place a few milliseconds after
+the package's first line runs. `import signal` itself builds its enums with
 `enum`, which a cold start compiles first: a Ctrl-C landed there once (a CI failure).
 """
-
-from __future__ import annotations
 
 import _signal  # what `signal` wraps: already loaded at interpreter start-up (see above)
 import os
@@ -47,8 +45,10 @@ _starting_command: str | None = None
 
 def interrupted_while_starting(signum: int, frame: object) -> None:
     """The start-up handler: one line, then exit at once with 130 (128 + SIGINT)."""
-    print(f"{_starting_command}: interrupted", file=sys.stderr, flush=True)
-    os._exit(130)  # nothing to clean up yet: no rank has started
+    try:  # os.write, not print: Ctrl-C may land inside a print to stderr (reentrant call)
+        os.write(2, f"{_starting_command}: interrupted\n".encode())
+    finally:
+        os._exit(130)  # nothing to clean up yet: no rank has started
 
 
 def hand_ctrl_c_back() -> None:

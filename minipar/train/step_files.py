@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from ..cli import run_command
 from ..runtime import launch
 from .config import TrainConfig, load_config
 from .data import BatchSampler, load_tokens
@@ -66,7 +67,12 @@ def count(layout: str) -> tuple[int, list[str]]:
     return len(files), files
 
 
-if __name__ == "__main__":
+def _print_every_layout() -> int:
     for name in LAYOUTS:
         n, files = count(name)
         print(f"{name}: {n} files\n  " + "\n  ".join(files))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_command("python -m minipar.train.step_files", _print_every_layout))
