@@ -77,6 +77,16 @@ def _package(module: str) -> str:
     return module
 
 
+def test_the_start_up_handler_is_the_packages_first_import_and_needs_nothing_slow():
+    """What keeps the window before Ctrl-C's start-up handler a few milliseconds: it is the
+    first thing minipar/__init__.py imports, and it imports only `_signal`, `os` and `sys`
+    (test_cli checks that the interpreter has them loaded before any package runs)."""
+    first = min(_imports("minipar"), key=lambda found: found[2])
+    assert first[:2] == ("minipar", ["interrupt_at_start"]), first
+    imported = {source for source, _, _ in _imports("minipar.interrupt_at_start")}
+    assert imported == {"_signal", "os", "sys"}, imported
+
+
 def test_every_file_is_small():
     long = {str(path.relative_to(ROOT)): n for path in MODULES.values()
             if (n := len(path.read_text().splitlines())) > MAX_LINES}
