@@ -3,7 +3,7 @@ the stated one, it is saved and loaded, and fitting it on real ranks gives sane 
 
 import pytest
 
-from minipar.collectives import fit_machine
+from minipar.collectives import bench, fit_machine
 from minipar.cost import CommStep, all_reduce_cost, all_reduce_steps
 from minipar.machine import Machine
 from minipar.pipeline import schedule, simulate
@@ -108,3 +108,23 @@ def test_simulator_prices_messages_and_engine_overhead_per_rank():
 def test_a_ratio_above_its_ceiling_is_called_noise():
     assert ratio_cell([1.2, 1.3, 1.4], ceiling=1.78) == "1.30x (1.20-1.40)"
     assert ratio_cell([1.7, 1.9, 2.1], ceiling=1.78).startswith("noise: 1.90x")
+
+
+def test_the_collectives_bench_refits_only_once_its_fit_is_stale(monkeypatch):
+    """Fitting before every size spent 28 of lesson 01's 34 s: a size reuses the last fit
+    on its ranks until it is REFIT_AFTER_S old, and each row names the fit it was priced
+    with (the report's spread counts each fit once)."""
+    fits = []
+
+    def fit(cluster, save):  # a machine per fit, told apart by its alpha
+        fits.append((cluster.world_size, save))
+        return Machine("gloo", alpha=len(fits) * 1e-4, beta=1e-9, gamma=1e-10, cores=2)
+
+    monkeypatch.setattr(bench, "fit_machine", fit)
+    for refit_after, expected in ((1e9, [(2, True)]), (0.0, [(2, True), (2, False)])):
+        fits.clear()
+        monkeypatch.setattr(bench, "REFIT_AFTER_S", refit_after)
+        rows = bench.measure(world_sizes=(2,), sizes=[4 << 10, 8 << 10])
+        assert fits == expected  # only the first fit of a K is saved for the other models
+        by_size = {r["bytes"]: (r["fit"], r["alpha"]) for r in rows}
+        assert len(set(by_size.values())) == len(expected), by_size

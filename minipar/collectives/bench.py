@@ -21,6 +21,10 @@ from .fit import fit_machine
 COLLECTIVE_SIZES = [1 << 10 << (2 * i) for i in range(9)]  # 1 KiB ... 64 MiB
 PIPELINED = "pipelined ring"  # collectives.pipelined_ring_all_reduce, timed beside the rest
 WITHIN = 0.25  # the model's goal: every algorithm's median within 25% of its prediction
+# a shared host's speed drifts over minutes: the machine is fitted again on the same ranks
+# before a size once the last fit is this old. Fitting before every size spent 28 of lesson
+# 01's 34 s fitting, for sizes timed a few seconds apart.
+REFIT_AFTER_S = 30.0
 
 
 def _time_round_robin(algorithms: list[str], nbytes: int, rounds: int) -> dict[str, list[float]]:
@@ -53,23 +57,27 @@ def measure(world_sizes: tuple[int, ...] = (2, 4),
     """All-reduce time per algorithm, size and K, with torch's for scale, and the fitted
     model's prediction for each.
 
-    The machine is fitted on the same ranks right before each size is timed (a shared
-    host's speed drifts over minutes, so a fit from the start of the run is stale by the
-    end); the first fit is saved for the other models. Per (K, size) the algorithms take
-    turns for several rounds; a round's time is the slowest rank's; rows keep the median
-    with min and max, and ring vs torch as the median of the per-round ratios with their
-    spread (the machine's noise, measured).
+    The machine is fitted on the same ranks at most `REFIT_AFTER_S` before each size is
+    timed (a shared host's speed drifts over minutes, so a fit from the start of the run
+    is stale by the end); the first fit is saved for the other models. Per (K, size) the
+    algorithms take turns for several rounds; a round's time is the slowest rank's; rows
+    keep the median with min and max, and ring vs torch as the median of the per-round
+    ratios with their spread (the machine's noise, measured).
     """
 
     sizes = sizes or COLLECTIVE_SIZES
     algorithms = ["torch", *collectives.ALL_REDUCE_ALGORITHMS, PIPELINED]
     rows = []
+    fits = 0  # rows measured against the same fit share its number
     for k in world_sizes:
         with Cluster(k, backend="gloo") as cluster:
+            fitted_at = -float("inf")
             for index, nbytes in enumerate(sizes):
-                progress(f"K={k}, {human_bytes(nbytes)}: fitting alpha, beta (ping-pong) and "
-                         "gamma (additions)")
-                machine = fit_machine(cluster, save=index == 0)
+                if time.monotonic() - fitted_at > REFIT_AFTER_S:
+                    progress(f"K={k}, {human_bytes(nbytes)}: fitting alpha, beta (ping-pong) "
+                             "and gamma (additions)")
+                    machine = fit_machine(cluster, save=index == 0)
+                    fitted_at, fits = time.monotonic(), fits + 1
                 # small messages are bimodal on shared cores: more rounds steady the median
                 rounds = 41 if nbytes <= 256 << 10 else 15 if nbytes <= 1 << 20 \
                     else 7 if nbytes <= 16 << 20 else 5
@@ -97,7 +105,7 @@ def measure(world_sizes: tuple[int, ...] = (2, 4),
                                  "gamma": machine.gamma, "cores": machine.cores,
                                  "busy_alpha": machine.busy_alpha,
                                  "busy_beta": machine.busy_beta,
-                                 "busy_ranks": machine.busy_ranks,
+                                 "busy_ranks": machine.busy_ranks, "fit": fits,
                                  "vs_torch": ratios.get(a)})
     return rows
 
@@ -179,12 +187,14 @@ def report(rows: list[dict], out_dir: Path) -> str:
                  title="all-reduce algorithms: bus bandwidth by size, and measured vs "
                        "the fitted model")
     table, verdict = _prediction_table(rows)
-    fits = {(r["world_size"], r["bytes"]): r for r in rows}.values()  # one fit per (K, size)
+    fits = {r["fit"]: r for r in rows}.values()  # each fit once, however many sizes used it
     alphas = [r["alpha"] * 1e6 for r in fits]
     links = [1 / r["beta"] / 1e9 for r in fits]
     adds = [1 / r["gamma"] / 1e9 for r in fits]
-    return (f"fitted before each size: alpha = {spread(alphas, ' us', 0)} per message, 1/beta "
-            f"= {spread(links, ' GB/s')} (ping-pong), 1/gamma = {spread(adds, ' GB/s', 1)} "
+    how_many = f"{len(fits)} fit" + "s" * (len(fits) != 1)
+    return (f"fitted at most {REFIT_AFTER_S:.0f} s before each size ({how_many}): alpha = "
+            f"{spread(alphas, ' us', 0)} per message, 1/beta = {spread(links, ' GB/s')} "
+            f"(ping-pong), 1/gamma = {spread(adds, ' GB/s', 1)} "
             f"(additions), {rows[0]['cores']} cores\n"
             "bus bandwidth in GB/s = size/time x 2(K-1)/K (higher is better); ring (pipelined) vs "
             "torch: median of per-round time ratios (min-max over rounds)\n"
