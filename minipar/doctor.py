@@ -44,8 +44,10 @@ def _gpu_check(gpus: int) -> str:
 
 
 # the matmuls doctor times: the small preset's projections at a few sequences (a dtype
-# the cores lack is slow to time; the rate hardly depends on the rows)
-DOCTOR_ROWS = 4
+# the cores lack is slow to time; the rate hardly depends on the rows: on the AVX2-only
+# EPYC, 2 sequences gave bf16 0.057-0.059x fp32 and 4 gave 0.059-0.068x, in 9-10 s cold
+# instead of 14-15)
+DOCTOR_ROWS = 2
 
 
 def _matmul_rates() -> list[tuple[str, str]]:
