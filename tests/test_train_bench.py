@@ -12,6 +12,7 @@ import pytest
 from minipar.train.bench import (
     BASELINE,
     CEILING,
+    LOCKSTEP,
     ROWS,
     VARIANTS,
     _config,
@@ -60,6 +61,14 @@ def test_the_table_reads_the_rows_ratios_predictions_and_ranking(tmp_path):
     assert line.startswith("dp=2 against the ceiling (two processes, no messages), per "
                            "round: 0.94x (0.85-1.00); in its median round dp=2's slower rank "
                            "computed 12 ms a step longer than the ranks' mean (5% of its step)")
+    # the stopwatch row splits that gap: ceiling -> lockstep -> dp=2, per round
+    lockstep = _row(LOCKSTEP, 2, 0.23, None, [1.55, 1.6, 1.9])
+    lines = report([*rows, ceiling, lockstep], tmp_path).splitlines()
+    assert lines[-2].startswith("dp=2 without its gradient reductions (stepping together, "
+                                "nothing reduced) against the ceiling, per round: 0.97x "
+                                "(0.95-1.00), what stepping together costs; dp=2 against it: "
+                                "0.97x (0.89-1.00), what the reductions cost")
+    assert lines[-3].startswith("dp=2 against the ceiling")
     saved = json.loads((tmp_path / "bench_train.json").read_text())
     assert "dp=2, fp32" in json.dumps(saved)
 
@@ -84,9 +93,10 @@ def test_the_planner_predicts_compositions_but_not_context_parallelism():
 
 
 def test_the_ceiling_runs_dp2s_shape_without_messages_and_every_row_has_a_spec():
-    assert _spec(CEILING) == _spec("dp=2, fp32")
+    assert _spec(CEILING) == _spec(LOCKSTEP) == _spec("dp=2, fp32")
     assert ROWS[ROWS.index(CEILING) - 1] == "dp=2, fp32"  # printed beside dp=2
-    assert set(ROWS) == {*VARIANTS, CEILING}
+    assert ROWS[ROWS.index(LOCKSTEP) - 1] == CEILING
+    assert set(ROWS) == {*VARIANTS, CEILING, LOCKSTEP}
 
 
 def test_rows_the_bench_lacks_or_no_baseline_are_refused_before_any_rank_starts():
@@ -97,10 +107,12 @@ def test_rows_the_bench_lacks_or_no_baseline_are_refused_before_any_rank_starts(
     assert set(DP_ROWS) <= set(ROWS) and BASELINE in DP_ROWS and CEILING in DP_ROWS
 
 
-@pytest.mark.slow  # spawns 1, 1 and 2 ranks and trains the tiny preset in turns (~20 s)
+@pytest.mark.slow  # spawns 1, 1 and 2 ranks and trains the tiny preset in turns (~25 s)
 def test_the_data_parallel_rows_measured_for_real_in_turns(tmp_path):
-    rows = measure(steps=4, rounds=2, preset="tiny", rows=(CEILING, "dp=2, fp32", BASELINE))
-    assert [r["variant"] for r in rows] == [BASELINE, "dp=2, fp32", CEILING]  # table order
+    rows = measure(steps=4, rounds=2, preset="tiny",
+                   rows=(LOCKSTEP, CEILING, "dp=2, fp32", BASELINE))
+    # table order; the lockstep row ran (it raises if it skipped no reduction)
+    assert [r["variant"] for r in rows] == [BASELINE, "dp=2, fp32", CEILING, LOCKSTEP]
     assert rows[0]["vs_one_process"] == [1.0, 1.0]  # each round divided by its own baseline
     for r in rows:
         assert len(r["vs_one_process"]) == 2 and all(v > 0 for v in r["vs_one_process"])
@@ -114,6 +126,23 @@ def test_the_data_parallel_rows_measured_for_real_in_turns(tmp_path):
         assert 0 < r["pace_s"][0] <= r["pace_s"][1]  # fastest rank's own CPU, then slowest's
         # the slower rank's lead over the ranks' mean: never negative; none for one process
         assert r["slower_rank_lead_s"] >= 0 and (r["ranks"] > 1 or r["slower_rank_lead_s"] == 0)
-    assert rows[1]["predicted_step_s"] > 0 and rows[2]["predicted_step_s"] is None
-    assert "dp=2 against the ceiling" in report(rows, tmp_path, name="train_dp")
+    assert rows[1]["predicted_step_s"] > 0
+    assert rows[2]["predicted_step_s"] is None and rows[3]["predicted_step_s"] is None
+    table = report(rows, tmp_path, name="train_dp")
+    assert "dp=2 against the ceiling" in table and "what the reductions cost" in table
     assert (tmp_path / "bench_train_dp.json").exists()
+
+
+def test_the_stopwatch_skips_dp_reductions_and_gives_the_method_back():
+    from minipar.data_parallel import DataParallel
+    from minipar.train.dp_references import gradient_reductions_skipped
+
+    original = DataParallel._all_reduce
+    with gradient_reductions_skipped() as skipped:
+        assert DataParallel._all_reduce is not original
+        DataParallel._all_reduce(None, None)  # a bucket's reduction: counted, nothing sent
+        assert skipped == [1]
+    assert DataParallel._all_reduce is original  # the bench's ranks run real rows next
+    with pytest.raises(KeyError), gradient_reductions_skipped():
+        raise KeyError("a failing row")
+    assert DataParallel._all_reduce is original  # given back on a failure too

@@ -22,10 +22,9 @@ message between them (`CEILING`), each at its own pace (their tokens/s added). T
 what dp=2 would reach if its reductions were free and neither rank ever waited for the
 other, so the row says how much of the gap to 2x is the two processes slowing each other
 down through the caches and memory they share; a line under the table gives dp=2 over
-the ceiling, round by round: what the reductions and the waiting cost together (traced
-on an AVX2-only EPYC, the reductions took 4-6 ms of a 340 ms step; the rest is waiting
-for the slower rank, its own column, and the other threads' CPU on two full cores:
-docs/trainer.md). MFU
+the ceiling, round by round: what the reductions and the waiting cost together. Another
+row (`LOCKSTEP`) is dp=2 with its gradient reductions skipped, a stopwatch: its line
+splits that gap into stepping together and the reductions (dp_references.py). MFU
 divides by the peak measured for the dtype on one thread on the model's own projections
 (matmul_peak.py), times the cores in use; the header gives the fp32 and bf16 peaks and
 the CPU's kind.
@@ -57,6 +56,7 @@ from ..report import format_table, progress, ratio_cell, save_results
 from ..runtime import Cluster
 from .config import TrainConfig, load_config
 from .device_peak import precision_verdict
+from .dp_references import CEILING, LOCKSTEP, against_references, gradient_reductions_skipped
 from .loop import train
 
 ONE_THREAD, EVERY_CORE = 1, os.cpu_count() or 1
@@ -86,9 +86,6 @@ VARIANTS = {
     "dp=2 pp=2 tp=2 m=4, fp32": (dict(dp=2, pp=2, tp=2, microbatches=4), "fp32", ONE_THREAD),
 }
 BASELINE = "1 process, fp32"
-# dp=2 with free reductions and no rank waiting for the other: two one-process runs of half
-# the batch each, at once
-CEILING = "2 processes, half batch each, no messages"
 WARMUP = 2  # steps left out of the median: the first ones pay for allocation
 # a rank silent this long has hung: a bf16 row on a CPU without fast bf16 takes 5 s a step,
 # and its first run times the peak too (20 s or more)
@@ -121,6 +118,16 @@ def _timed_run(config: TrainConfig, threads: int) -> dict:
             "own_cpu_steps": [r["cpu_seconds"] for r in records],
             "memory": sum(run.memory["measured"].values()),
             "memory_predicted": sum(run.memory["predicted"].values())}
+
+
+def _lockstep_run(config: TrainConfig, threads: int) -> dict:
+    """`_timed_run` with the gradient all-reduces skipped (dp_references.py: `LOCKSTEP`)."""
+    with gradient_reductions_skipped() as skipped:
+        run = _timed_run(config, threads)
+    if not skipped[0]:  # the row would time full dp=2 under the stopwatch's name
+        raise RuntimeError("the lockstep row skipped no gradient reduction: the trainer's dp=2 "
+                           "no longer reduces through DataParallel; update dp_references.py")
+    return run
 
 
 def _paces(runs: list[dict]) -> dict:
@@ -211,12 +218,13 @@ def _config(preset: str, parallel: dict, precision: str, steps: int,
 
 
 def _spec(name: str) -> tuple[dict, str, int]:
-    """A row's (parallel degrees, precision, threads per rank); CEILING's are dp=2's."""
-    return (dict(dp=2), "fp32", ONE_THREAD) if name == CEILING else VARIANTS[name]
+    """A row's (parallel degrees, precision, threads per rank); CEILING's and LOCKSTEP's
+    are dp=2's."""
+    return (dict(dp=2), "fp32", ONE_THREAD) if name in (CEILING, LOCKSTEP) else VARIANTS[name]
 
 
-# the rows in the order they run and print: the ceiling beside the data-parallel rows
-ROWS = [*list(VARIANTS)[:4], CEILING, *list(VARIANTS)[4:]]
+# the rows in the order they run and print: dp=2's references beside the data-parallel rows
+ROWS = [*list(VARIANTS)[:4], CEILING, LOCKSTEP, *list(VARIANTS)[4:]]
 
 
 def measure(steps: int = 12, rounds: int = 3, preset: str = "small",
@@ -248,9 +256,10 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small",
                     runs[name].append(_side_by_side(alone, _config(preset, {}, "fp32", steps,
                                                                    batch_size=half)))
                     continue
-                parallel, precision, threads = VARIANTS[name]
+                parallel, precision, threads = _spec(name)
                 config = _config(preset, parallel, precision, steps)
-                result = clusters[_ranks(parallel)].run(_timed_run, config, threads)
+                result = clusters[_ranks(parallel)].run(
+                    _lockstep_run if name == LOCKSTEP else _timed_run, config, threads)
                 # the slowest rank sets the pace; the fullest rank sets the memory
                 runs[name].append({**min(result, key=lambda r: r["tokens_per_s"]),
                                    **_paces(result),
@@ -273,7 +282,7 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small",
         middle = sorted(runs[name], key=lambda r: r["tokens_per_s"])[len(speeds) // 2]
         config = _config(preset, parallel, precision, steps)
         predicted = (predicted_step(config, flops, bandwidth, fitted.alpha, fitted.beta)
-                     if precision == "fp32" and threads == ONE_THREAD and name != CEILING
+                     if precision == "fp32" and threads == ONE_THREAD and name in VARIANTS
                      else None)
         measured.append({"variant": name, "ranks": _ranks(parallel), "precision": precision,
                          "threads": threads, "tokens_per_s": statistics.median(speeds),
@@ -302,22 +311,6 @@ def correlations(rows: list[dict]) -> dict[int, float]:
         if len(same) >= 3:
             out[k] = spearman([r["predicted_step_s"] for r in same], [r["step_s"] for r in same])
     return out
-
-
-def against_ceiling(rows: list[dict]) -> str | None:
-    """dp=2's tokens/s over the ceiling's (`CEILING`), round by round: how much of what two
-    processes can do side by side dp=2 reaches, its reductions included."""
-    by_name = {r["variant"]: r for r in rows}
-    if "dp=2, fp32" not in by_name or CEILING not in by_name:
-        return None
-    dp = by_name["dp=2, fp32"]
-    ratios = [a / b for a, b in zip(dp["vs_one_process"], by_name[CEILING]["vs_one_process"],
-                                    strict=True)]
-    lead = dp["slower_rank_lead_s"]
-    return (f"dp=2 against the ceiling (two processes, no messages), per round: "
-            f"{ratio_cell(ratios)}; in its median round dp=2's slower rank computed "
-            f"{lead * 1e3:.0f} ms a step longer than the ranks' mean ({lead / dp['step_s']:.0%} "
-            "of its step), a wait no message causes")
 
 
 def peaks_line(rows: list[dict]) -> str:
@@ -390,4 +383,4 @@ def report(rows: list[dict], out_dir: Path, name: str = "train") -> str:
                              ("lead", "slower rank"),
                              ("predicted", "predicted step"),
                              ("memory", "fullest rank MiB (measured / predicted)")]),
-        *[line for line in [against_ceiling(rows)] if line], *rho])
+        *against_references(rows), *rho])
