@@ -9,11 +9,11 @@ ceiling and dp=2 lie two costs, and one more row tells them apart:
   the row is a stopwatch, never a training run). What is left of data parallelism is the
   lockstep: the step's one small all-reduce that agrees on the loss and the gradient norm,
   after which neither rank starts its next step before the slower one ends this one.
-- the ceiling over lockstep is what stepping together costs: the faster rank waiting for
-  the slower, step after step, and two ranks that hit the same memory-bound phases at the
-  same moment instead of drifting apart;
-- lockstep over dp=2 is what the reductions cost: their CPU on cores that are already
-  full, and the last bucket's reduction, which backward cannot hide.
+- `LOCKSTEP` against the ceiling is what stepping together costs: the faster rank
+  waiting for the slower, step after step (the "slower rank" column measures that wait),
+  and whatever else two ranks that keep in step cost each other on shared cores;
+- dp=2 against `LOCKSTEP` is what the reductions cost: their CPU on cores that are
+  already full, and the last bucket's reduction, which backward cannot hide.
 
 No choice of buckets, overlap or communication thread can take dp=2 past `LOCKSTEP`,
 which does none of that work; only an optimizer that does not step together (local SGD,
