@@ -12,7 +12,7 @@ import pytest
 from minipar.train.bench import (
     BASELINE,
     CEILING,
-    LOCKSTEP,
+    NO_REDUCTIONS,
     ROWS,
     VARIANTS,
     _config,
@@ -61,14 +61,23 @@ def test_the_table_reads_the_rows_ratios_predictions_and_ranking(tmp_path):
     assert line.startswith("dp=2 against the ceiling (two processes, no messages), per "
                            "round: 0.94x (0.85-1.00); in its median round dp=2's slower rank "
                            "computed 12 ms a step longer than the ranks' mean (5% of its step)")
-    # the stopwatch row splits that gap: ceiling -> lockstep -> dp=2, per round
-    lockstep = _row(LOCKSTEP, 2, 0.23, None, [1.55, 1.6, 1.9])
-    lines = report([*rows, ceiling, lockstep], tmp_path).splitlines()
-    assert lines[-2].startswith("dp=2 without its gradient reductions (stepping together, "
-                                "nothing reduced) against the ceiling, per round: 0.97x "
-                                "(0.95-1.00), what stepping together costs; dp=2 against it: "
-                                "0.97x (0.89-1.00), what the reductions cost")
+    # the stopwatch row splits that gap, per round: ceiling -> stopwatch -> dp=2
+    stopwatch = _row(NO_REDUCTIONS, 2, 0.23, None, [1.52, 1.8, 1.8])
+    lines = report([*rows, ceiling, stopwatch], tmp_path).splitlines()
+    # stopwatch / ceiling: 0.95, 1.125, 0.90; dp=2 / stopwatch: 0.987, 0.889, 0.944
+    assert lines[-2] == ("dp=2 without its gradient reductions (a stopwatch: the ranks still "
+                         "meet once a step) against the ceiling, per round: 0.95x (0.90-1.12), "
+                         "what stepping together leaves; dp=2 against it: 0.94x (0.89-0.99), "
+                         "what its reductions leave (per round the two multiply to dp=2 "
+                         "against the ceiling; their medians need not)")
     assert lines[-3].startswith("dp=2 against the ceiling")
+    # without the ceiling, dp=2 against the stopwatch still reads
+    alone = report([*rows, stopwatch], tmp_path).splitlines()[-2]
+    assert alone == "dp=2 against the stopwatch: 0.94x (0.89-0.99), what its reductions leave"
+    # a stopwatch faster than the ceiling in its median round is noise, and says so
+    noisy = _row(NO_REDUCTIONS, 2, 0.21, None, [1.7, 1.7, 2.1])
+    assert "per round: noise: 1.06x (1.05-1.06) > ceiling 1.00x" in report(
+        [*rows, ceiling, noisy], tmp_path)
     saved = json.loads((tmp_path / "bench_train.json").read_text())
     assert "dp=2, fp32" in json.dumps(saved)
 
@@ -93,10 +102,10 @@ def test_the_planner_predicts_compositions_but_not_context_parallelism():
 
 
 def test_the_ceiling_runs_dp2s_shape_without_messages_and_every_row_has_a_spec():
-    assert _spec(CEILING) == _spec(LOCKSTEP) == _spec("dp=2, fp32")
+    assert _spec(CEILING) == _spec(NO_REDUCTIONS) == _spec("dp=2, fp32")
     assert ROWS[ROWS.index(CEILING) - 1] == "dp=2, fp32"  # printed beside dp=2
-    assert ROWS[ROWS.index(LOCKSTEP) - 1] == CEILING
-    assert set(ROWS) == {*VARIANTS, CEILING, LOCKSTEP}
+    assert ROWS[ROWS.index(NO_REDUCTIONS) - 1] == CEILING
+    assert set(ROWS) == {*VARIANTS, CEILING, NO_REDUCTIONS}
 
 
 def test_rows_the_bench_lacks_or_no_baseline_are_refused_before_any_rank_starts():
@@ -104,15 +113,15 @@ def test_rows_the_bench_lacks_or_no_baseline_are_refused_before_any_rank_starts(
         measure(rows=(BASELINE, "dp=3, fp32"))
     with pytest.raises(ValueError, match="include '1 process, fp32'"):
         measure(rows=("dp=2, fp32",))
-    assert set(DP_ROWS) <= set(ROWS) and BASELINE in DP_ROWS and CEILING in DP_ROWS
+    assert set(DP_ROWS) <= set(ROWS) and {BASELINE, CEILING, NO_REDUCTIONS} <= set(DP_ROWS)
 
 
 @pytest.mark.slow  # spawns 1, 1 and 2 ranks and trains the tiny preset in turns (~25 s)
 def test_the_data_parallel_rows_measured_for_real_in_turns(tmp_path):
     rows = measure(steps=4, rounds=2, preset="tiny",
-                   rows=(LOCKSTEP, CEILING, "dp=2, fp32", BASELINE))
-    # table order; the lockstep row ran (it raises if it skipped no reduction)
-    assert [r["variant"] for r in rows] == [BASELINE, "dp=2, fp32", CEILING, LOCKSTEP]
+                   rows=(NO_REDUCTIONS, CEILING, "dp=2, fp32", BASELINE))
+    # table order; the stopwatch row ran (it raises if it skipped no reduction)
+    assert [r["variant"] for r in rows] == [BASELINE, "dp=2, fp32", CEILING, NO_REDUCTIONS]
     assert rows[0]["vs_one_process"] == [1.0, 1.0]  # each round divided by its own baseline
     for r in rows:
         assert len(r["vs_one_process"]) == 2 and all(v > 0 for v in r["vs_one_process"])

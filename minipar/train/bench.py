@@ -23,7 +23,7 @@ what dp=2 would reach if its reductions were free and neither rank ever waited f
 other, so the row says how much of the gap to 2x is the two processes slowing each other
 down through the caches and memory they share; a line under the table gives dp=2 over
 the ceiling, round by round: what the reductions and the waiting cost together. Another
-row (`LOCKSTEP`) is dp=2 with its gradient reductions skipped, a stopwatch: its line
+row (`NO_REDUCTIONS`) is dp=2 with its gradient reductions skipped, a stopwatch: its line
 splits that gap into stepping together and the reductions (dp_references.py). MFU
 divides by the peak measured for the dtype on one thread on the model's own projections
 (matmul_peak.py), times the cores in use; the header gives the fp32 and bf16 peaks and
@@ -56,7 +56,7 @@ from ..report import format_table, progress, ratio_cell, save_results
 from ..runtime import Cluster
 from .config import TrainConfig, load_config
 from .device_peak import precision_verdict
-from .dp_references import CEILING, LOCKSTEP, against_references, gradient_reductions_skipped
+from .dp_references import CEILING, NO_REDUCTIONS, against_references, gradient_reductions_skipped
 from .loop import train
 
 ONE_THREAD, EVERY_CORE = 1, os.cpu_count() or 1
@@ -120,13 +120,16 @@ def _timed_run(config: TrainConfig, threads: int) -> dict:
             "memory_predicted": sum(run.memory["predicted"].values())}
 
 
-def _lockstep_run(config: TrainConfig, threads: int) -> dict:
-    """`_timed_run` with the gradient all-reduces skipped (dp_references.py: `LOCKSTEP`)."""
+def _stopwatch_run(config: TrainConfig, threads: int) -> dict:
+    """`_timed_run` with the gradient all-reduces skipped (dp_references.py: `NO_REDUCTIONS`);
+    raises after the run if it skipped none, rather than print full dp=2 under the row's
+    name."""
     with gradient_reductions_skipped() as skipped:
         run = _timed_run(config, threads)
-    if not skipped[0]:  # the row would time full dp=2 under the stopwatch's name
-        raise RuntimeError("the lockstep row skipped no gradient reduction: the trainer's dp=2 "
-                           "no longer reduces through DataParallel; update dp_references.py")
+    if not skipped[0]:
+        raise RuntimeError(f"the row {NO_REDUCTIONS!r} skipped no gradient reduction: the "
+                           "trainer's dp=2 no longer reduces through DataParallel; update "
+                           "dp_references.py")
     return run
 
 
@@ -218,13 +221,13 @@ def _config(preset: str, parallel: dict, precision: str, steps: int,
 
 
 def _spec(name: str) -> tuple[dict, str, int]:
-    """A row's (parallel degrees, precision, threads per rank); CEILING's and LOCKSTEP's
+    """A row's (parallel degrees, precision, threads per rank); CEILING's and NO_REDUCTIONS's
     are dp=2's."""
-    return (dict(dp=2), "fp32", ONE_THREAD) if name in (CEILING, LOCKSTEP) else VARIANTS[name]
+    return (dict(dp=2), "fp32", ONE_THREAD) if name in (CEILING, NO_REDUCTIONS) else VARIANTS[name]
 
 
 # the rows in the order they run and print: dp=2's references beside the data-parallel rows
-ROWS = [*list(VARIANTS)[:4], CEILING, LOCKSTEP, *list(VARIANTS)[4:]]
+ROWS = [*list(VARIANTS)[:4], CEILING, NO_REDUCTIONS, *list(VARIANTS)[4:]]
 
 
 def measure(steps: int = 12, rounds: int = 3, preset: str = "small",
@@ -259,7 +262,7 @@ def measure(steps: int = 12, rounds: int = 3, preset: str = "small",
                 parallel, precision, threads = _spec(name)
                 config = _config(preset, parallel, precision, steps)
                 result = clusters[_ranks(parallel)].run(
-                    _lockstep_run if name == LOCKSTEP else _timed_run, config, threads)
+                    _stopwatch_run if name == NO_REDUCTIONS else _timed_run, config, threads)
                 # the slowest rank sets the pace; the fullest rank sets the memory
                 runs[name].append({**min(result, key=lambda r: r["tokens_per_s"]),
                                    **_paces(result),
