@@ -138,7 +138,7 @@ def test_the_data_parallel_rows_measured_for_real_in_turns(tmp_path):
     assert rows[1]["predicted_step_s"] > 0
     assert rows[2]["predicted_step_s"] is None and rows[3]["predicted_step_s"] is None
     table = report(rows, tmp_path, name="train_dp")
-    assert "dp=2 against the ceiling" in table and "what the reductions cost" in table
+    assert "dp=2 against the ceiling" in table and "what its reductions leave" in table
     assert (tmp_path / "bench_train_dp.json").exists()
 
 
