@@ -50,19 +50,23 @@ from .comm import (
 from .fit import fit_machine
 from .network import Link, Network, slow_network
 from .p2p import (
+    Pending,
     PendingRecv,
     PendingSend,
     irecv,
     isend,
+    post_together,
     recv,
     recv_any,
     send,
+    sendrecv,
 )
 from .pipelined_ring import pipelined_ring_all_reduce
 from .rooted import broadcast, gather, reduce, scatter
 
 __all__ = ["ALL_REDUCE_ALGORITHMS", "OPS", "ROOTED_ALGORITHMS", "SEGMENT_BYTES", "Link",
-           "Meter", "Network", "PendingRecv", "PendingSend", "Transfer", "all_gather",
-           "all_reduce", "all_to_all", "broadcast", "fit_machine", "gather", "irecv", "isend",
-           "meter", "pipelined_ring_all_reduce", "recv", "recv_any", "reduce", "reduce_scatter",
-           "scatter", "send", "slow_network", "split_bounds", "swap_counts", "validation"]
+           "Meter", "Network", "Pending", "PendingRecv", "PendingSend", "Transfer",
+           "all_gather", "all_reduce", "all_to_all", "broadcast", "fit_machine", "gather",
+           "irecv", "isend", "meter", "pipelined_ring_all_reduce", "post_together", "recv",
+           "recv_any", "reduce", "reduce_scatter", "scatter", "send", "sendrecv",
+           "slow_network", "split_bounds", "swap_counts", "validation"]

@@ -130,13 +130,13 @@ class _Comm:
         ops, send_meta, recv_meta = [], [], []
         for tensor, peer, chunk in sends:
             # tag = segment index: both ends cut the same segments, so segment j meets segment j
-            for tag, (a, b) in enumerate(_segments(tensor)):
+            for tag, (a, b) in enumerate(_segments(tensor, self.group)):
                 ops.append(dist.P2POp(dist.isend, tensor[a:b], self.global_rank(peer),
                                       self.group, tag))
                 send_meta.append((peer, chunk, (b - a) * tensor.element_size()))
         first_recv = len(ops)  # requests come back in ops order: sends first, then receives
         for index, (tensor, peer, chunk) in enumerate(recvs):
-            for tag, (a, b) in enumerate(_segments(tensor)):
+            for tag, (a, b) in enumerate(_segments(tensor, self.group)):
                 ops.append(dist.P2POp(dist.irecv, tensor[a:b], self.global_rank(peer),
                                       self.group, tag))
                 recv_meta.append((index, a, b, peer, chunk, (b - a) * tensor.element_size()))
@@ -193,8 +193,14 @@ def _account(transfer: Transfer, start: float, end: float, messages: int = 1,
                     chunk=transfer.chunk, **fields)
 
 
-def _segments(flat: torch.Tensor) -> list[tuple[int, int]]:
-    """[start, end) element ranges of at most SEGMENT_BYTES each (the same on both ends)."""
+def _segments(flat: torch.Tensor, group: dist.ProcessGroup | None = None
+              ) -> list[tuple[int, int]]:
+    """[start, end) element ranges of at most SEGMENT_BYTES each (the same on both ends).
+    Under NCCL one range: a batch is one NCCL group that returns one request, so segments
+    could not be waited for one by one, and 1 MiB pieces of a 1 GiB bucket would be 1,024
+    operations in one group for nothing."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return [(0, flat.numel())]
     per = max(SEGMENT_BYTES // max(flat.element_size(), 1), 1)
     n = flat.numel()
     # an empty tensor still yields one (empty) range; callers drop it with `if b > a`

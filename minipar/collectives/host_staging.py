@@ -25,6 +25,8 @@ from ..runtime.placement import host_allocations
 
 _forced = False
 staged_messages = 0  # messages this process has staged so far (tests read it)
+# called with (ops, requests) after each batch is posted: the message log of the NCCL rehearsal
+post_hooks: list = []
 
 
 @contextmanager
@@ -79,11 +81,16 @@ class _Staged:
         return self.work.is_completed()
 
 
-def post(ops: list[dist.P2POp], together: bool = True) -> list:
-    """`dist.batch_isend_irecv(ops)` (or, with `together=False`, each op on its own, as
-    `dist.isend`/`dist.irecv` would post it), each message that `stages` sent from or
-    received into a host buffer. Returns one request per op, in order; a staged
-    receive's data is on its device tensor once its `wait()` returns."""
+def post(ops: list[dist.P2POp]) -> list:
+    """`dist.batch_isend_irecv(ops)`, each message that `stages` sent from or received into
+    a host buffer. Returns one request per op, in order; a staged receive's data is on its
+    device tensor once its `wait()` returns.
+
+    Every minipar message goes through here, and always in a batch, a batch of one
+    included: under NCCL a batch goes on the group's communicator, while a lone
+    `dist.isend` goes on a communicator of its own for that pair, and the two never
+    meet (ProcessGroupNCCL's pointToPoint, "for single P2P, preserve the old two-rank
+    behavior"). The rehearsal in runtime/nccl_replay.py holds the library to it."""
     posted, targets = [], []
     for op in ops:
         if not stages(op.tensor, op.group):
@@ -94,8 +101,9 @@ def post(ops: list[dist.P2POp], together: bool = True) -> list:
         host = host_buffer(op.tensor, copy=not receiving)
         posted.append(dist.P2POp(op.op, host, op.peer, op.group, op.tag))
         targets.append((host, op.tensor if receiving else None))
-    works = dist.batch_isend_irecv(posted) if together else \
-        [op.op(op.tensor, op.peer, op.group, op.tag) for op in posted]
+    works = dist.batch_isend_irecv(posted) if posted else []
+    for hook in post_hooks:
+        hook(ops, works)
     if len(works) == 1 < len(posted):
         # NCCL coalesces a batch into one request for all of it: each op waits on that one
         works = works * len(posted)

@@ -1,7 +1,11 @@
-"""Point to point: send, isend (non-blocking, as pipelines need), recv and recv_any,
-all metered like the collectives."""
+"""Point to point: send and recv, isend and irecv (non-blocking, as pipelines need),
+post_together (sends and receives that must progress together, in one batch), sendrecv
+and recv_any, all metered like the collectives. Every message goes through
+`host_staging.post`, one `batch_isend_irecv`: the way NCCL matches it (docs/gpus.md)."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,86 +35,130 @@ def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None)
     comm.exchange("p2p", sends=[(tensor.contiguous().view(-1), dst, None)])
 
 
-class PendingSend:
-    """A send in flight; `wait()` blocks until the data has left, then meters it."""
+class Pending:
+    """Messages posted together and not yet waited for. `wait()` blocks until every one
+    has left or landed, meters each and returns the received tensors, in order
+    (`received()` waits for the receives alone). A send's Timeline event spans from posting to the wait; a receive's only the time `wait()` was
+    blocked, so a receive whose data is already there costs (nearly) nothing."""
 
-    def __init__(self, works: list, tensor: torch.Tensor, dst: int, start: float,
-                 label: str | None = None, fields: dict | None = None) -> None:
-        self.works, self.tensor, self.dst, self.start = works, tensor, dst, start
-        self.label, self.fields = label, fields or {}
+    def __init__(self, sends: list, recvs: list, start: float) -> None:
+        # (tensor, peer, requests, the Timeline's names for it)
+        self.sends, self.recvs, self.start = sends, recvs, start
+        self.recvs_done: list[torch.Tensor] = []
 
-    def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        nbytes = self.tensor.numel() * self.tensor.element_size()
-        _account(Transfer("isend", "p2p", 0, "send", self.dst, None, nbytes), self.start,
-                 trace.now(), messages=len(self.works), label=self.label, **self.fields)
+    def received(self) -> list[torch.Tensor]:
+        """Wait for the receives only (the sends may still be leaving) and return them."""
+        start = trace.now()
+        for tensor, src, works, names in self.recvs:
+            for work in works:
+                work.wait()
+            _account(Transfer("irecv", "p2p", 0, "recv", src, None, _nbytes(tensor)), start,
+                     trace.now(), messages=len(works), **names)
+        self.recvs_done += [entry[0] for entry in self.recvs]
+        self.recvs = []
+        return self.recvs_done
+
+    def wait(self) -> list[torch.Tensor]:
+        received = self.received()
+        for tensor, dst, works, names in self.sends:
+            for work in works:
+                work.wait()
+            _account(Transfer("isend", "p2p", 0, "send", dst, None, _nbytes(tensor)),
+                     self.start, trace.now(), messages=len(works), **names)
+        self.sends = []
+        return received
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def post_together(sends: Sequence[tuple] = (), recvs: Sequence[tuple] = (),
+                  group: dist.ProcessGroup | None = None, label: str | None = None,
+                  **fields: int) -> Pending:
+    """Post `sends` (tensor, dst) and `recvs` (contiguous tensor, src) as one batch and
+    return without waiting. Messages that must progress together go in one call: NCCL
+    runs one batch's sends and receives at once, but the batches a rank posts one after
+    another in order, on one stream, so two ranks that each post a send before the
+    receive that would match the other's deadlock there (Megatron pairs them the same
+    way, in `send_forward_recv_backward`). Keep every tensor unchanged until `wait()`.
+    `label` and `fields` (stage=, microbatch=) name the messages in the Timeline; a
+    message's own names may follow its peer, (tensor, peer, {"label": ..., ...})."""
+    return _post(Pending, sends, recvs, group, label, fields)
+
+
+def _post(kind: type[Pending], sends: Sequence, recvs: Sequence,
+          group: dist.ProcessGroup | None, label: str | None, fields: dict) -> Pending:
+    size = dist.get_world_size(group)
+    # torch's P2POp takes a global rank even when a group is given
+    peer_of = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    flat_sends, flat_recvs, ops, sizes = [], [], [], []
+    for tensor, dst, *names in sends:
+        _check_tensor(tensor)
+        _check_root("dst", dst, size)
+        flat_sends.append((tensor.contiguous().view(-1), dst, *names))
+    for tensor, src, *names in recvs:
+        _check_tensor(tensor)
+        _check_root("src", src, size)
+        if not tensor.is_contiguous():
+            raise ValueError("a receive needs a contiguous tensor to land in; pass "
+                             "torch.empty_like(x) or x.contiguous()")
+        flat_recvs.append((tensor, src, *names))
+    start = trace.now()
+    for op, entries in ((dist.isend, flat_sends), (dist.irecv, flat_recvs)):
+        for tensor, peer, *_ in entries:
+            data = tensor.view(-1)
+            # the same segments and tags as exchange(), so a send() meets an irecv()
+            cut = [(a, b) for a, b in _segments(data, group) if b > a]
+            ops += [dist.P2POp(op, data[a:b], peer_of(peer), group, tag)
+                    for tag, (a, b) in enumerate(cut)]
+            sizes.append(len(cut))
+    # the emulated network charges the sender here, so posting returns only after that sleep
+    pay_for_sends((peer_of(entry[1]), _nbytes(entry[0])) for entry in flat_sends)
+    works = post(ops)
+    grouped, at = [], 0
+    for n in sizes:
+        grouped.append(works[at:at + n])
+        at += n
+    entries = [(t, peer, w, {"label": label, **fields, **(names[0] if names else {})})
+               for (t, peer, *names), w in zip(flat_sends + flat_recvs, grouped, strict=True)]
+    return kind(entries[:len(flat_sends)], entries[len(flat_sends):], start)
+
+
+class PendingSend(Pending):
+    """One send in flight (`isend`); `wait()` blocks until its data has left."""
+
+
+class PendingRecv(Pending):
+    """One receive in flight (`irecv`); `wait()` returns the tensor once the data is in."""
+
+    def wait(self) -> torch.Tensor:
+        return super().wait()[0]
 
 
 def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None,
           label: str | None = None, **fields: int) -> PendingSend:
-    """Start sending `tensor` to `dst` without waiting (pipelines need it: with blocking
-    sends, two stages that each send before receiving deadlock). Keep `tensor` unchanged
-    and call `.wait()` on the result before reusing it. `label` and `fields` (stage=,
-    microbatch=) name the message in the Timeline, as the pipeline engine does."""
-    _check_tensor(tensor)
-    size = dist.get_world_size(group)
-    _check_root("dst", dst, size)
-    data = tensor.contiguous().view(-1)
-    # torch's isend takes a global rank even when a group is given
-    peer = dst if group is None else dist.get_global_rank(group, dst)
-    start = trace.now()
-    segments = [(a, b) for a, b in _segments(data) if b > a]
-    # the emulated network charges the sender here, so isend returns only after that sleep
-    pay_for_sends((peer, (b - a) * data.element_size()) for a, b in segments)
-    # the same segments and tags as exchange(), so a plain recv() on the other side matches
-    # each segment on its own (not one batch): NCCL wants every rank of a group in the
-    # first batch it sees, and a pipeline's first message is between two ranks only
-    works = post([dist.P2POp(dist.isend, data[a:b], peer, group, tag)
-                  for tag, (a, b) in enumerate(segments)], together=False)
-    return PendingSend(works, data, dst, start, label, fields)
-
-
-class PendingRecv:
-    """A receive in flight; `wait()` blocks until the data has landed in the tensor, meters
-    it and returns the tensor. Its Timeline event spans only the time `wait()` was
-    blocked: a receive posted early whose data is already there costs (nearly) nothing."""
-
-    def __init__(self, works: list, tensor: torch.Tensor, src: int,
-                 label: str | None = None, fields: dict | None = None) -> None:
-        self.works, self.tensor, self.src = works, tensor, src
-        self.label, self.fields = label, fields or {}
-
-    def wait(self) -> torch.Tensor:
-        start = trace.now()
-        for work in self.works:
-            work.wait()
-        nbytes = self.tensor.numel() * self.tensor.element_size()
-        _account(Transfer("irecv", "p2p", 0, "recv", self.src, None, nbytes), start,
-                 trace.now(), messages=len(self.works), label=self.label, **self.fields)
-        return self.tensor
+    """Start sending `tensor` to `dst` without waiting; `.wait()` before changing `tensor`.
+    Posted as a batch of one, like every minipar message, so that under NCCL it meets a
+    `recv` on the group's communicator. A send that must progress with a receive (each
+    rank of a ring sends, then receives) goes with it in one `post_together`."""
+    return _post(PendingSend, [(tensor, dst)], (), group, label, fields)
 
 
 def irecv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None,
           label: str | None = None, **fields: int) -> PendingRecv:
     """Start receiving into `tensor` (contiguous) from `src` without waiting, so that a
-    transfer overlaps computation (ring attention posts it before the block's math; the
-    pipeline engine posts its next receives before each compute action). Matches an
-    `isend` or `send` of the same size; `.wait()` before reading `tensor`. `label` and
-    `fields` name the message in the Timeline, as for `isend`."""
-    _check_tensor(tensor)
-    if not tensor.is_contiguous():
-        raise ValueError("irecv needs a contiguous tensor to receive into; pass "
-                         "torch.empty_like(x) or x.contiguous()")
-    size = dist.get_world_size(group)
-    _check_root("src", src, size)
-    data = tensor.view(-1)
-    # as in isend: a global rank
-    peer = src if group is None else dist.get_global_rank(group, src)
-    ops = [dist.P2POp(dist.irecv, data[a:b], peer, group, tag)
-           for tag, (a, b) in enumerate(_segments(data)) if b > a]
-    works = post(ops, together=False)  # as in isend: each segment on its own
-    return PendingRecv(works, tensor, src, label, fields)
+    transfer overlaps computation; `.wait()` returns `tensor` once the data is in. Matches
+    an `isend` or `send` of the same size."""
+    return _post(PendingRecv, (), [(tensor, src)], group, label, fields)
+
+
+def sendrecv(tensor: torch.Tensor, dst: int, into: torch.Tensor, src: int,
+             group: dist.ProcessGroup | None = None, label: str | None = None,
+             **fields: int) -> torch.Tensor:
+    """Send `tensor` to `dst` while receiving `into` from `src`, in one batch, and wait for
+    both: one step of a ring, or two ranks swapping (returns `into`)."""
+    return post_together([(tensor, dst)], [(into, src)], group, label, **fields).wait()[0]
 
 
 def recv(tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None = None,

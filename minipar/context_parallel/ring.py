@@ -91,8 +91,10 @@ class _Ring:
         returns (buffer, requests to wait on)."""
         # a fresh buffer each time: `tensor` is still being read by the math while it is sent
         incoming = torch.empty_like(tensor)
-        return incoming, [collectives.isend(tensor, self.next, self.group),
-                          collectives.irecv(incoming, self.prev, self.group)]
+        # one batch: every rank sends before it receives, which NCCL allows only when the
+        # send and the receive progress together
+        return incoming, [collectives.post_together([(tensor, self.next)],
+                                                    [(incoming, self.prev)], self.group)]
 
 
 def _wait(requests: list) -> None:

@@ -133,10 +133,9 @@ class MeshModel:
         # Megatron-LM's embedding group: the first and the last pipeline rank
         partner = self.pp - 1 if self.pp_rank == 0 else 0
         grad = holder.grad if holder.grad is not None else torch.zeros_like(holder)
-        # isend, then recv: both ends send first, so neither blocks the other
-        pending = collectives.isend(grad.contiguous(), partner, self.groups.pp)
-        theirs = collectives.recv(torch.empty_like(grad), partner, self.groups.pp)
-        pending.wait()
+        # both ends send and receive in one batch, so neither waits for the other
+        theirs = collectives.sendrecv(grad.contiguous(), partner, torch.empty_like(grad),
+                                      partner, self.groups.pp, label="tied gradient")
         holder.grad = grad + theirs
 
     def holds_tied_copy(self, p: nn.Parameter) -> bool:

@@ -73,7 +73,7 @@ def reshard(local: torch.Tensor | None, shape: tuple[int, ...], src_ranks: list[
     me = rank()
     my_start = 0 if isinstance(s, Broadcast) or me not in src_ranks else \
         src_ranks.index(me) * shape[dim] // len(src_ranks)
-    pending, pieces = [], {}
+    sends, recvs, pieces = [], [], {}
     for m in plan:
         if m.src == me:
             # m.start is a global row: subtract where this rank's piece begins; contiguous, as
@@ -83,17 +83,15 @@ def reshard(local: torch.Tensor | None, shape: tuple[int, ...], src_ranks: list[
                 # a rank in both meshes keeps its overlap: no message to itself
                 pieces[m.start] = piece
             else:
-                # all sends go out before any blocking recv: a rank in both meshes must not wait in
-                # recv while its own sends are not yet posted
-                pending.append(collectives.isend(piece, m.dst))
+                sends.append((piece, m.dst))
     for m in plan:
         if m.dst == me and m.src != me:
             size = list(shape)
             size[dim] = m.stop - m.start
-            pieces[m.start] = collectives.recv(torch.empty(size, dtype=dtype, device=device()),
-                                               m.src)
-    for p in pending:
-        p.wait()
+            recvs.append((m.start, torch.empty(size, dtype=dtype, device=device()), m.src))
+    # every send and receive in one batch: a rank in both meshes sends while it receives
+    landed = collectives.post_together(sends, [(t, src) for _, t, src in recvs]).wait()
+    pieces.update({start: t for (start, _, _), t in zip(recvs, landed, strict=True)})
     if me not in dst_ranks:
         return None
     # keyed by global start row: sorting puts the pieces back in order

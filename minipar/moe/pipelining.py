@@ -43,15 +43,12 @@ def start_exchange(rows: torch.Tensor, send_counts: list[int], recv_counts: list
     pieces = torch.split(rows, send_counts)
     buffers = [pieces[s].clone() if s == me else rows.new_empty(recv_counts[s], *rows.shape[1:])
                for s in range(k)]
-    requests = []
-    for peer in range(k):
-        if peer == me:
-            continue
-        if send_counts[peer]:
-            requests.append(collectives.isend(pieces[peer].contiguous(), peer, group))
-        if recv_counts[peer]:
-            requests.append(collectives.irecv(buffers[peer], peer, group))
-    return buffers, requests
+    others = [peer for peer in range(k) if peer != me]
+    # one batch: every rank sends first, so the sends must progress with the receives
+    pending = collectives.post_together(
+        [(pieces[p].contiguous(), p) for p in others if send_counts[p]],
+        [(buffers[p], p) for p in others if recv_counts[p]], group)
+    return buffers, [pending]
 
 
 class _Arrive(torch.autograd.Function):

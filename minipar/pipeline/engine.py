@@ -135,11 +135,10 @@ class Pipeline:
     The schedule's family makes each Stage (`lr` is for families whose stages update
     their weights themselves, as PipeDream's); `make_stage(module, index)` replaces it
     (e.g. a Stage subclass wrapping forward for recomputation). Messages: see
-    messages.py; `post_receives_ahead` posts receives ahead once shapes are known."""
+    messages.py: the messages between two compute actions go as one batch."""
 
     def __init__(self, stage_modules: Sequence[nn.Module], plan: Schedule,
                  lr: float | None = None, group: dist.ProcessGroup | None = None,
-                 post_receives_ahead: bool = True,
                  make_stage: Callable[[nn.Module, int], Stage] | None = None,
                  measure_activations: bool = False) -> None:
         if len(stage_modules) != plan.stages:
@@ -162,7 +161,6 @@ class Pipeline:
         # opt-in: the meter's hooks run on every tensor autograd saves, a cost each timed
         # step would pay (the trainer turns it on for its memory step alone)
         self.measure_activations = measure_activations
-        self.post_ahead = post_receives_ahead
         self.extra_work: ExtraWork | None = None
         self.gradient_sync: GradientSync | None = None
         self._shapes: dict = {}  # (batch shape, dtype, sizes) -> message shapes (Messages)
@@ -230,27 +228,44 @@ class Pipeline:
         # the message shapes learnt depend on the batch and on which actions run
         key = (tuple(batch.shape), batch.dtype, tuple(sizes) if sizes else None, forward_only)
         messages = Messages(self.plan, self.group, self.dtype, self._shapes.get(key))
+        gap: list[Action] = []  # the messages since the last compute action
         for index, action in enumerate(actions):
-            if self.post_ahead:
-                messages.post_ahead(actions, index)
             if self.extra_work is not None and not forward_only:
                 self.extra_work.before(index, action)
-            self._run(index, action, state, messages, loss_fn)
+            if not action.kind.is_compute:
+                gap.append(action)
+                continue
+            self._exchange(gap, state, messages)
+            gap = []
+            self._run(index, action, state, loss_fn)
+        self._exchange(gap, state, messages)
         self._shapes[key] = messages.finish()
         return sum(state.loss_values) if state.loss_values else None
 
-    def _run(self, index: int, a: Action, st: StepState, messages: Messages,
+    @staticmethod
+    def _exchange(gap: list[Action], st: StepState, messages: Messages) -> None:
+        """A gap's messages, one batch: what it sends, taken from the step's state, and
+        what it receives, filed there for the compute actions that follow."""
+        if not gap:
+            return
+        outgoing, likes = {}, {}
+        for a in gap:
+            key = (a.stage, a.microbatch)
+            if a.kind == ActionKind.SEND_F:
+                outgoing[a] = st.outputs[key].detach()
+            elif a.kind == ActionKind.SEND_B:
+                outgoing[a] = st.grads_to_send.pop(key)
+            elif a.kind == ActionKind.RECV_B:
+                likes[a] = st.outputs[key]
+        for a, tensor in messages.exchange(gap, outgoing, likes).items():
+            key = (a.stage, a.microbatch)
+            store = st.activations_in if a.kind == ActionKind.RECV_F else st.output_grads
+            store[key] = tensor
+
+    def _run(self, index: int, a: Action, st: StepState,
              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
         key = (a.stage, a.microbatch)
-        if a.kind == ActionKind.RECV_F:
-            st.activations_in[key] = messages.receive(a)
-        elif a.kind == ActionKind.RECV_B:
-            st.output_grads[key] = messages.receive(a, like=st.outputs[key])
-        elif a.kind == ActionKind.SEND_F:
-            messages.send(a, st.outputs[key].detach())
-        elif a.kind == ActionKind.SEND_B:
-            messages.send(a, st.grads_to_send.pop(key))
-        elif a.kind == ActionKind.F:
+        if a.kind == ActionKind.F:
             with record(a.kind.value, str(a), stage=a.stage, microbatch=a.microbatch):
                 self._forward(a, st, loss_fn)
         else:

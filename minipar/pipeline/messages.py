@@ -1,10 +1,16 @@
 """A pipeline step's messages on this rank: activations and gradients to and from the
 neighbouring stages' ranks, over minipar's metered point-to-point.
 
+The messages between two compute actions (a gap of the plan: 1F1B's "send B0, receive
+F1") are posted as one batch and its receives waited for before the next compute
+action, as Megatron's `send_forward_recv_backward` pairs them. NCCL runs one batch's
+messages at once but a rank's batches one after another, on one stream: posted one by
+one, rank 0's "send F1" and rank 1's "send B0" would each wait for a receive queued
+behind the other's send (docs/gpus.md shows the replay of that crossing).
+
 The first step with a given batch shape sends each activation's shape ahead of it (a
-header); the receiver learns every message's shape, so later steps send no headers and
-can post each receive (irecv) before the compute action it follows, letting the data
-land while the rank computes instead of while it waits.
+header), in a batch of its own before the gap's data; the receiver learns every
+message's shape, so later steps send no headers.
 """
 
 from __future__ import annotations
@@ -33,9 +39,7 @@ class Messages:
     dtype: torch.dtype  # activations' dtype: the stages' parameters'
     shapes: Shapes | None
     learnt: Shapes = field(default_factory=dict)  # every receive's shape, for later steps
-    posted: dict[Action, collectives.PendingRecv] = field(default_factory=dict)
-    posted_upto: int = 0  # actions before this index have had their receives posted
-    sends: list[collectives.PendingSend] = field(default_factory=list)
+    sends: list[collectives.Pending] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.shapes is not None:
@@ -45,59 +49,56 @@ class Messages:
     def headers(self) -> bool:
         return self.shapes is None
 
-    def _tag(self, a: Action) -> dict:
+    def _peer(self, a: Action) -> int:
+        return self.plan.rank_of(a.peer_stage)
+
+    @staticmethod
+    def _names(a: Action) -> dict:
         # messages are labelled as the plan and the simulator label them ("1SEND_F0")
         return {"label": str(a), "stage": a.stage, "microbatch": a.microbatch}
 
-    def post_ahead(self, actions: Sequence[Action], index: int) -> None:
-        """Post (irecv) every receive up to the second compute action from `index`, so each
-        message lands while this rank computes the action before it. Receives are posted in
-        plan order, the order the peer sends in, so messages match as they did blocking."""
-        if self.headers:  # shapes unknown: receives wait for their headers
+    def exchange(self, gap: Sequence[Action], outgoing: dict[Action, torch.Tensor],
+                 likes: dict[Action, torch.Tensor]) -> dict[Action, torch.Tensor]:
+        """Post the gap's sends (`outgoing`: SEND_F/SEND_B -> tensor) and receives as one
+        batch, wait for the receives and return them (RECV_F/RECV_B -> tensor). `likes`
+        holds the output each RECV_B's gradient belongs to (its shape and dtype)."""
+        receives = [a for a in gap if a.kind.is_recv]
+        if self.headers:
+            self._exchange_headers(gap, outgoing)
+        for a in receives:
+            if a.kind == ActionKind.RECV_B:  # a gradient has its output's shape
+                self.learnt[a] = (likes[a].shape, likes[a].dtype)
+        buffers = [torch.empty(self.learnt[a][0], dtype=self.learnt[a][1], device=device())
+                   for a in receives]
+        pending = collectives.post_together(
+            [(outgoing[a], self._peer(a), self._names(a)) for a in gap if a.kind.is_send],
+            [(b, self._peer(a), self._names(a)) for a, b in zip(receives, buffers, strict=True)],
+            self.group)
+        self.sends.append(pending)
+        return dict(zip(receives, pending.received(), strict=True))
+
+    def _exchange_headers(self, gap: Sequence[Action], outgoing: dict) -> None:
+        """The first step: each activation's shape, in a batch before the data's."""
+        sends = [(a, outgoing[a]) for a in gap if a.kind == ActionKind.SEND_F]
+        recvs = [a for a in gap if a.kind == ActionKind.RECV_F]
+        if not sends and not recvs:
             return
-        computes, end = 0, index
-        while end < len(actions) and computes < 2:
-            computes += actions[end].is_compute
-            end += 1
-        for a in actions[self.posted_upto:end]:
-            if a.kind.is_recv:
-                self._post(a)
-        self.posted_upto = max(self.posted_upto, end)
-
-    def _post(self, a: Action) -> None:
-        shape, dtype = self.learnt[a]
-        self.posted[a] = collectives.irecv(torch.empty(shape, dtype=dtype, device=device()),
-                                           self.plan.rank_of(a.peer_stage), self.group,
-                                           **self._tag(a))
-
-    def receive(self, a: Action, like: torch.Tensor | None = None) -> torch.Tensor:
-        """The tensor `a` (RECV_F or RECV_B) receives; `like` is the output a gradient
-        belongs to (its shape and dtype), for the first step's RECV_B."""
-        if not self.headers:  # shape known: no header
-            if a not in self.posted:  # not posted ahead
-                self._post(a)
-            return self.posted.pop(a).wait()
-        src = self.plan.rank_of(a.peer_stage)
-        if a.kind == ActionKind.RECV_F:  # first step with this batch shape: the shape first
-            header = torch.zeros(HEADER, dtype=torch.int64, device=device())
-            header = collectives.recv(header, src, self.group, **self._tag(a))
-            shape = header[1:1 + int(header[0])].tolist()
-            self.learnt[a] = (shape, self.dtype)
-            buffer = torch.empty(shape, dtype=self.dtype, device=device())
-            return collectives.recv(buffer, src, self.group, **self._tag(a))
-        grad = torch.empty_like(like)  # a gradient has its output's shape: no header needed
-        self.learnt[a] = (grad.shape, grad.dtype)
-        return collectives.recv(grad, src, self.group, **self._tag(a))
-
-    def send(self, a: Action, tensor: torch.Tensor) -> None:
-        """Start sending `tensor` for `a` (SEND_F or SEND_B); `finish` waits for it."""
-        dst = self.plan.rank_of(a.peer_stage)
-        if self.headers and a.kind == ActionKind.SEND_F:
+        headers = []
+        for _, tensor in sends:
             header = torch.zeros(HEADER, dtype=torch.int64, device=tensor.device)
             header[0] = tensor.dim()
             header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, device=tensor.device)
-            self.sends.append(collectives.isend(header, dst, self.group, **self._tag(a)))
-        self.sends.append(collectives.isend(tensor, dst, self.group, **self._tag(a)))
+            headers.append(header)
+        pending = collectives.post_together(
+            [(h, self._peer(a), self._names(a)) for (a, _), h in zip(sends, headers,
+                                                                    strict=True)],
+            [(torch.zeros(HEADER, dtype=torch.int64, device=device()), self._peer(a),
+              self._names(a)) for a in recvs], self.group)
+        self.sends.append(pending)
+        landed = pending.received()
+        for a, header in zip(recvs, landed, strict=True):
+            shape = header.tolist()  # the receiver needs the shape on the host to allocate
+            self.learnt[a] = (shape[1:1 + shape[0]], self.dtype)
 
     def finish(self) -> Shapes:
         """Wait for every send (gloo has hung on a dropped request) and return the shapes

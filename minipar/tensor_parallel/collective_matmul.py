@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import trace
-from ..collectives import isend, recv
+from ..collectives import sendrecv
 from ..collectives.background import CommThread
 from .layers import ColumnParallelLinear, RowParallelLinear
 from .mappings import SEQUENCE_DIM, _tp
@@ -47,11 +47,8 @@ _SHIFTS = CommThread("minipar-tp-overlap")
 
 def _shift(chunk: torch.Tensor, to: int, frm: int, group) -> torch.Tensor:
     """Send `chunk` to rank `to` and receive one of the same shape from `frm` (group ranks):
-    one step of a ring. The send is posted first, so no two ranks wait on each other."""
-    pending = isend(chunk, to, group, label="tp overlap")
-    incoming = recv(torch.empty_like(chunk), frm, group, label="tp overlap")
-    pending.wait()
-    return incoming
+    one step of a ring, the send and the receive in one batch."""
+    return sendrecv(chunk, to, torch.empty_like(chunk), frm, group, label="tp overlap")
 
 
 def _waited(future, step: int) -> torch.Tensor:
