@@ -38,8 +38,9 @@ def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None)
 class Pending:
     """Messages posted together and not yet waited for. `wait()` blocks until every one
     has left or landed, meters each and returns the received tensors, in order
-    (`received()` waits for the receives alone). A send's Timeline event spans from posting to the wait; a receive's only the time `wait()` was
-    blocked, so a receive whose data is already there costs (nearly) nothing."""
+    (`received()` waits for the receives alone). A send's Timeline event spans from
+    posting to the wait; a receive's only the time `wait()` was blocked, so a receive
+    whose data is already there costs (nearly) nothing."""
 
     def __init__(self, sends: list, recvs: list, start: float) -> None:
         # (tensor, peer, requests, the Timeline's names for it)

@@ -264,7 +264,6 @@ class Pipeline:
 
     def _run(self, index: int, a: Action, st: StepState,
              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
-        key = (a.stage, a.microbatch)
         if a.kind == ActionKind.F:
             with record(a.kind.value, str(a), stage=a.stage, microbatch=a.microbatch):
                 self._forward(a, st, loss_fn)
