@@ -25,8 +25,6 @@ from ..runtime.placement import host_allocations
 
 _forced = False
 staged_messages = 0  # messages this process has staged so far (tests read it)
-# called with (ops, requests) after each batch is posted: the message log of the NCCL rehearsal
-post_hooks: list = []
 
 
 @contextmanager
@@ -90,7 +88,7 @@ def post(ops: list[dist.P2POp]) -> list:
     included: under NCCL a batch goes on the group's communicator, while a lone
     `dist.isend` goes on a communicator of its own for that pair, and the two never
     meet (ProcessGroupNCCL's pointToPoint, "for single P2P, preserve the old two-rank
-    behavior"). The rehearsal in runtime/nccl_replay.py holds the library to it."""
+    behavior"). The replay in collectives/nccl_replay.py holds the library to it."""
     posted, targets = [], []
     for op in ops:
         if not stages(op.tensor, op.group):
@@ -102,8 +100,6 @@ def post(ops: list[dist.P2POp]) -> list:
         posted.append(dist.P2POp(op.op, host, op.peer, op.group, op.tag))
         targets.append((host, op.tensor if receiving else None))
     works = dist.batch_isend_irecv(posted) if posted else []
-    for hook in post_hooks:
-        hook(ops, works)
     if len(works) == 1 < len(posted):
         # NCCL coalesces a batch into one request for all of it: each op waits on that one
         works = works * len(posted)

@@ -30,6 +30,7 @@ gradients, both from the same retained graph.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -42,9 +43,15 @@ from torch import nn
 from ..runtime import rank, world_size
 from ..trace import record
 from .family import SCHEDULES, ScheduleFamily
+from .message_plan import gaps, message_batches
 from .messages import Messages
 from .plan import Action, ActionKind, Schedule
 from .stage import SavedActivationMeter, Stage
+
+_BATCHES: dict = {}  # every rank's actions -> message_plan's grouping of their messages
+# Pipelines this process has built: with the group's ranks, the same name on every rank
+# of one pipeline (each builds the same ones, in the same order), where shapes are published
+_BUILT = itertools.count()
 
 Key = tuple[int, int]  # (stage, micro-batch)
 
@@ -124,7 +131,7 @@ class StepState:
     losses: dict[Key, torch.Tensor] = field(default_factory=dict)  # last stage: B's root
     output_grads: dict[Key, torch.Tensor] = field(default_factory=dict)  # d loss / d output
     grads_to_send: dict[Key, torch.Tensor] = field(default_factory=dict)  # d loss / d input
-    loss_values: list[float] = field(default_factory=list)
+    loss_values: list[torch.Tensor] = field(default_factory=list)  # read after the step
     reduce_at: set[int] = field(default_factory=set)  # actions whose backward reduces (dp)
 
 
@@ -164,6 +171,9 @@ class Pipeline:
         self.extra_work: ExtraWork | None = None
         self.gradient_sync: GradientSync | None = None
         self._shapes: dict = {}  # (batch shape, dtype, sizes) -> message shapes (Messages)
+        ranks = dist.get_process_group_ranks(group or dist.group.WORLD) \
+            if dist.is_initialized() else [0]
+        self.serial = f"{next(_BUILT)}@{'-'.join(map(str, ranks))}"
 
     def fill_bubbles(self, work: ExtraWork | None) -> None:
         """Run `work.before(index, action)` before each of this rank's actions: extra work
@@ -216,10 +226,12 @@ class Pipeline:
         inputs = torch.split(batch, list(sizes)) if sizes else torch.tensor_split(batch, m)
         targets = torch.split(target, list(sizes)) if sizes else torch.tensor_split(target, m)
         state = StepState(inputs, targets, [len(x) / len(batch) for x in inputs])
-        actions = self.plan.actions[self.rank]
+        every = self.plan.actions
         if forward_only:
-            actions = [a for a in actions if a.kind in (ActionKind.F, ActionKind.SEND_F,
-                                                        ActionKind.RECV_F)]
+            every = [[a for a in mine if a.kind in (ActionKind.F, ActionKind.SEND_F,
+                                                    ActionKind.RECV_F)] for mine in every]
+        actions = every[self.rank]
+        batches = self._message_batches(every)
         if sync and self.gradient_sync is not None:
             # each stage's last weight-gradient action: where its reduction starts
             last = {a.stage: i for i, a in enumerate(actions)
@@ -227,27 +239,42 @@ class Pipeline:
             state.reduce_at = set(last.values())
         # the message shapes learnt depend on the batch and on which actions run
         key = (tuple(batch.shape), batch.dtype, tuple(sizes) if sizes else None, forward_only)
-        messages = Messages(self.plan, self.group, self.dtype, self._shapes.get(key))
-        gap: list[Action] = []  # the messages since the last compute action
+        messages = Messages(self.plan, self.group, self.dtype, self._shapes.get(key),
+                            f"{self.serial}/{len(self._shapes)}")
         for index, action in enumerate(actions):
             if self.extra_work is not None and not forward_only:
                 self.extra_work.before(index, action)
-            if not action.kind.is_compute:
-                gap.append(action)
-                continue
-            self._exchange(gap, state, messages)
-            gap = []
-            self._run(index, action, state, loss_fn)
-        self._exchange(gap, state, messages)
+            if index in batches:
+                self._exchange(batches[index], state, messages)
+            if action.kind.is_compute:
+                self._run(index, action, state, loss_fn, messages)
+        if len(actions) in batches:
+            self._exchange(batches[len(actions)], state, messages)
         self._shapes[key] = messages.finish()
-        return sum(state.loss_values) if state.loss_values else None
+        # read on the host once the step's messages are done: an .item() per micro-batch
+        # would stop the host mid-step until the device caught up
+        return sum(v.item() for v in state.loss_values) if state.loss_values else None
+
+    def _message_batches(self, every: list[list[Action]]) -> dict[int, list[Action]]:
+        """This rank's messages to post together before each compute action (its index;
+        the step's last ones at len(actions)): message_plan.py's grouping for NCCL, found
+        once per plan and kept."""
+        key = tuple(tuple(map(str, mine)) for mine in every)
+        if key not in _BATCHES:
+            found = message_batches(self.plan, every)
+            if found is None and dist.is_initialized() and \
+                    dist.get_backend(self.group) == "nccl":
+                raise ValueError(f"no grouping of schedule {self.plan.name!r}'s messages "
+                                 f"on {self.plan.ranks} ranks with {self.plan.microbatches} "
+                                 "micro-batches that NCCL can run was found; run it on gloo "
+                                 "or pick another schedule")
+            _BATCHES[key] = found or [gaps(mine) for mine in every]  # gloo runs any order
+        return _BATCHES[key][self.rank]
 
     @staticmethod
     def _exchange(gap: list[Action], st: StepState, messages: Messages) -> None:
-        """A gap's messages, one batch: what it sends, taken from the step's state, and
-        what it receives, filed there for the compute actions that follow."""
-        if not gap:
-            return
+        """One batch of messages: what it sends, taken from the step's state, and what
+        it receives, filed there for the compute actions that follow."""
         outgoing, likes = {}, {}
         for a in gap:
             key = (a.stage, a.microbatch)
@@ -263,10 +290,13 @@ class Pipeline:
             store[key] = tensor
 
     def _run(self, index: int, a: Action, st: StepState,
-             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+             messages: Messages) -> None:
         if a.kind == ActionKind.F:
             with record(a.kind.value, str(a), stage=a.stage, microbatch=a.microbatch):
                 self._forward(a, st, loss_fn)
+            if a.stage < self.plan.stages - 1 and self.plan.rank_of(a.stage + 1) != self.rank:
+                messages.publish(a, st.outputs[(a.stage, a.microbatch)])
         else:
             hold = (self.gradient_sync.no_sync(a.stage)
                     if self.gradient_sync is not None and index not in st.reduce_at
@@ -285,7 +315,7 @@ class Pipeline:
             out = self.stages[a.stage].forward(x, a.microbatch)
             if a.stage == last:
                 loss = loss_fn(out, st.targets[a.microbatch]) * st.loss_weights[a.microbatch]
-                st.loss_values.append(loss.item())
+                st.loss_values.append(loss.detach())
                 st.losses[key] = loss
         st.stage_inputs[key], st.outputs[key] = x, out
         if a.stage < last and self.plan.rank_of(a.stage + 1) == self.rank:

@@ -1,16 +1,17 @@
 """A pipeline step's messages on this rank: activations and gradients to and from the
 neighbouring stages' ranks, over minipar's metered point-to-point.
 
-The messages between two compute actions (a gap of the plan: 1F1B's "send B0, receive
-F1") are posted as one batch and its receives waited for before the next compute
-action, as Megatron's `send_forward_recv_backward` pairs them. NCCL runs one batch's
-messages at once but a rank's batches one after another, on one stream: posted one by
-one, rank 0's "send F1" and rank 1's "send B0" would each wait for a receive queued
-behind the other's send (docs/gpus.md shows the replay of that crossing).
+The engine posts them in the batches message_plan.py chose: each batch's sends and
+receives together, as Megatron's `send_forward_recv_backward` pairs them, and its
+receives waited for before the next compute action. NCCL runs one batch's messages at
+once but a rank's batches one after another, on one stream; posted one by one, rank 0's
+"send F1" and rank 1's "send B0" would each wait for a receive queued behind the
+other's (docs/gpus.md shows the replay of that crossing).
 
-The first step with a given batch shape sends each activation's shape ahead of it (a
-header), in a batch of its own before the gap's data; the receiver learns every
-message's shape, so later steps send no headers.
+A receiver must know a message's shape before it posts the receive. A gradient has its
+output's shape; an activation's shape is published in the rendezvous store by its
+sender on the first step with a batch shape, and read there by its receiver: a side
+channel, so no header queues on the data's stream. Later steps use the shapes learnt.
 """
 
 from __future__ import annotations
@@ -22,22 +23,25 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
+from ..collectives import message_log
 from ..runtime import device
+from .message_plan import shape_key
 from .plan import Action, ActionKind, Schedule
 
-HEADER = 9  # ndim + up to 8 dimensions, sent before an activation of unknown shape
 Shapes = dict[Action, tuple[Sequence[int], torch.dtype]]
 
 
 @dataclass
 class Messages:
     """One step's sends and receives. `shapes` is None on the first step with a batch
-    shape (headers go with the activations) and the shapes learnt then afterwards."""
+    shape (each activation's shape goes through the rendezvous store, under names that
+    begin with `name`) and the shapes learnt then afterwards."""
 
     plan: Schedule
     group: dist.ProcessGroup | None
     dtype: torch.dtype  # activations' dtype: the stages' parameters'
     shapes: Shapes | None
+    name: str = ""  # the pipeline and step, the same on every rank of the pipeline
     learnt: Shapes = field(default_factory=dict)  # every receive's shape, for later steps
     sends: list[collectives.Pending] = field(default_factory=list)
 
@@ -57,48 +61,41 @@ class Messages:
         # messages are labelled as the plan and the simulator label them ("1SEND_F0")
         return {"label": str(a), "stage": a.stage, "microbatch": a.microbatch}
 
-    def exchange(self, gap: Sequence[Action], outgoing: dict[Action, torch.Tensor],
-                 likes: dict[Action, torch.Tensor]) -> dict[Action, torch.Tensor]:
-        """Post the gap's sends (`outgoing`: SEND_F/SEND_B -> tensor) and receives as one
-        batch, wait for the receives and return them (RECV_F/RECV_B -> tensor). `likes`
-        holds the output each RECV_B's gradient belongs to (its shape and dtype)."""
-        receives = [a for a in gap if a.kind.is_recv]
+    def _key(self, a: Action) -> str:
+        return f"minipar/pipeline/{self.name}/{shape_key(a)}"
+
+    def publish(self, a: Action, out: torch.Tensor) -> None:
+        """After F `a` (whose output goes to another rank): on the first step, its shape
+        in the store, for the receiver to size its buffer before it posts."""
         if self.headers:
-            self._exchange_headers(gap, outgoing)
+            key = self._key(Action(a.stage, ActionKind.SEND_F, a.microbatch))
+            message_log.note("publish", key)
+            _store().set(key, ",".join(map(str, out.shape)))
+
+    def exchange(self, batch: Sequence[Action], outgoing: dict[Action, torch.Tensor],
+                 likes: dict[Action, torch.Tensor]) -> dict[Action, torch.Tensor]:
+        """Post the batch's sends (`outgoing`: SEND_F/SEND_B -> tensor) and receives
+        together, wait for the receives and return them (RECV_F/RECV_B -> tensor).
+        `likes` holds the output each RECV_B's gradient belongs to (its shape, dtype)."""
+        receives = [a for a in batch if a.kind.is_recv]
         for a in receives:
             if a.kind == ActionKind.RECV_B:  # a gradient has its output's shape
                 self.learnt[a] = (likes[a].shape, likes[a].dtype)
+            elif self.headers:
+                key = self._key(a)
+                message_log.note("await", key)
+                # blocks until the sender has published it; each name is read once
+                text = _store().get(key).decode()
+                _store().delete_key(key)
+                self.learnt[a] = ([int(n) for n in text.split(",")], self.dtype)
         buffers = [torch.empty(self.learnt[a][0], dtype=self.learnt[a][1], device=device())
                    for a in receives]
         pending = collectives.post_together(
-            [(outgoing[a], self._peer(a), self._names(a)) for a in gap if a.kind.is_send],
+            [(outgoing[a], self._peer(a), self._names(a)) for a in batch if a.kind.is_send],
             [(b, self._peer(a), self._names(a)) for a, b in zip(receives, buffers, strict=True)],
             self.group)
         self.sends.append(pending)
         return dict(zip(receives, pending.received(), strict=True))
-
-    def _exchange_headers(self, gap: Sequence[Action], outgoing: dict) -> None:
-        """The first step: each activation's shape, in a batch before the data's."""
-        sends = [(a, outgoing[a]) for a in gap if a.kind == ActionKind.SEND_F]
-        recvs = [a for a in gap if a.kind == ActionKind.RECV_F]
-        if not sends and not recvs:
-            return
-        headers = []
-        for _, tensor in sends:
-            header = torch.zeros(HEADER, dtype=torch.int64, device=tensor.device)
-            header[0] = tensor.dim()
-            header[1:1 + tensor.dim()] = torch.tensor(tensor.shape, device=tensor.device)
-            headers.append(header)
-        pending = collectives.post_together(
-            [(h, self._peer(a), self._names(a)) for (a, _), h in zip(sends, headers,
-                                                                    strict=True)],
-            [(torch.zeros(HEADER, dtype=torch.int64, device=device()), self._peer(a),
-              self._names(a)) for a in recvs], self.group)
-        self.sends.append(pending)
-        landed = pending.received()
-        for a, header in zip(recvs, landed, strict=True):
-            shape = header.tolist()  # the receiver needs the shape on the host to allocate
-            self.learnt[a] = (shape[1:1 + shape[0]], self.dtype)
 
     def finish(self) -> Shapes:
         """Wait for every send (gloo has hung on a dropped request) and return the shapes
@@ -106,3 +103,10 @@ class Messages:
         for pending in self.sends:
             pending.wait()
         return self.learnt
+
+
+def _store() -> dist.Store:
+    # the rendezvous store every rank joined through: a side channel that no NCCL stream
+    # orders (a private accessor; torch.distributed.pipelining's shape inference sends
+    # objects over the group instead, before the first step)
+    return dist.distributed_c10d._get_default_store()
