@@ -1,7 +1,8 @@
 """The NCCL rehearsal: minipar's own messages, logged on gloo ranks, replayed under NCCL's
 rules (collectives/message_log.py records, collectives/nccl_replay.py replays).
 
-Every case runs its real code on CPU ranks with the log on, then replays the logs in
+Every case runs its real code on CPU ranks with the log on (on the faked device too,
+under MINIPAR_FAKED_DEVICE=1, as the tests run it), then replays the logs in
 both of the replay's modes: "lazy" (communicators made at first use, as
 `init_process_group` without `device_id` leaves them) and "eager" (with `device_id`,
 as minipar starts NCCL ranks). A row says whether each would complete, and if not,
@@ -40,6 +41,7 @@ class Case:
     ranks: int
     task: Callable
     args: tuple = ()
+    slow: bool = False  # the test suite's slow tier runs it
 
 
 @dataclass
@@ -152,13 +154,15 @@ def _schedule_cases(pp: int) -> list[Case]:
                     "microbatches": 1 if name == "naive" else pp * virtual}
         # a layer per virtual stage, untied when the two ends' copies would share a rank
         model = {"layers": pp * virtual, "tied": virtual == 1}
-        cases.append(Case(f"trainer pp{pp} {name}", pp, trainer, (parallel, model)))
+        slow = pp > 2 and name not in ("1f1b", "zb_v")
+        cases.append(Case(f"trainer pp{pp} {name}", pp, trainer, (parallel, model), slow))
     return cases
 
 
 def cases() -> list[Case]:
     """Every rehearsal, in the order the table lists them."""
-    out = [Case(f"every collective, K={k}", k, every_collective) for k in (2, 3, 4, 8)]
+    out = [Case(f"every collective, K={k}", k, every_collective, slow=k > 3)
+           for k in (2, 3, 4, 8)]
     out += _schedule_cases(2) + _schedule_cases(4)
     out += [Case("trainer cp2 ring", 2, trainer, ({"cp": 2},)),
             Case("trainer cp2 ulysses", 2, trainer, ({"cp": 2, "cp_kind": "ulysses"},)),

@@ -8,8 +8,9 @@ Inside `recording()` a rank notes, as it runs on gloo:
 - each `wait()` on a request;
 - torch's own collectives (`all_reduce`, `barrier`, the object collectives, ...);
 - host syncs: `.item()`, `.tolist()`, `bool()`, `int()`, `float()`, `.numpy()` and copies
-  to the host. On a GPU these block the host until the rank's stream has done its work;
-  on a CPU every tensor is on the host, so every such call counts (the safe side).
+  to the host. On a GPU these block the host until the rank's stream has done its work.
+  On the faked device (runtime/faked_device.py) only its tensors count; on a CPU every
+  tensor is on the host, so every such call counts (the safe side).
 
 Each entry carries the thread that made it (a communication thread stands for a CUDA
 stream of its own) and the minipar line that asked for it: the first frame outside
@@ -31,6 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.overrides import TorchFunctionMode
+
+from ..runtime.device import on_accelerator
 
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # the messaging layer: a line here says less than the line that called it
@@ -129,10 +132,10 @@ class MessageLog(TorchFunctionMode):
         return getattr(self._depth, "n", 0) > 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _SYNCS and not self.inside():
+        if func in _SYNCS and not self.inside() and _on_device(args):
             self.add("sync", name=func.__name__)
         elif func is torch.Tensor.cpu or (func is torch.Tensor.to and _to_host(args, kwargs)):
-            if not self.inside():
+            if not self.inside() and _on_device(args):
                 self.add("sync", name="copy to host")
         return func(*args, **(kwargs or {}))
 
@@ -204,6 +207,14 @@ def note(kind: str, key: str) -> None:
     "await" (this rank's host waits until some rank has published `key`)."""
     for log in _active:
         log.add(kind, name=key)
+
+
+def _on_device(args) -> bool:
+    """Whether the call reads a tensor off the rank's device: with an accelerator (or the
+    faked one) only its tensors sync; on a CPU every tensor counts (the safe side)."""
+    if not on_accelerator():
+        return True
+    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu"
 
 
 def _to_host(args, kwargs) -> bool:

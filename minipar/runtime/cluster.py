@@ -11,10 +11,9 @@ from typing import Any
 import cloudpickle
 
 from .. import trace
-from .device import resolve_backend, resolve_device
+from .device import faked_requested, resolve_backend, resolve_device
 from .errors import Results
 from .group import RankGroup, replay
-from .placement import trap_requested
 from .torchrun import run_under_torchrun, under_torchrun
 from .worker import in_rank
 
@@ -44,8 +43,8 @@ def _serialize(fn: Callable, args: tuple, kwargs: dict) -> bytes:
     try:
         # importable functions and modules travel by name, not by value: the ranks get this
         # process's sys.path so that they can import them too; and whether to run under
-        # the placement trap, read now (the ranks' environment was fixed when they started)
-        return cloudpickle.dumps((fn, args, kwargs, list(sys.path), trap_requested()))
+        # the faked device, asked for now (the ranks' environment was fixed when they started)
+        return cloudpickle.dumps((fn, args, kwargs, list(sys.path), faked_requested()))
     except Exception as err:
         raise TypeError(
             f"cannot send {getattr(fn, '__name__', fn)!r} and its arguments to the ranks: "

@@ -3,6 +3,7 @@ touches torch.cuda; everything else asks these functions."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -10,11 +11,13 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from . import faked_device
 from .cpu_kind import cpu_kind, cpu_model
-from .placement import host_allocations
 
 BACKENDS = ("auto", "gloo", "nccl")
-DEVICES = ("auto", "cpu", "cuda")  # auto: a GPU per rank under NCCL, else the CPU
+# auto: a GPU per rank under NCCL, else the CPU; fakegpu: runtime/faked_device.py
+DEVICES = ("auto", "cpu", "cuda", "fakegpu")
+FAKED_ENV = "MINIPAR_FAKED_DEVICE"  # =1: each task's ranks compute on the faked device
 
 _device = torch.device("cpu")
 _copy_stream = None  # this rank's second CUDA stream for host<->device copies, made on first use
@@ -70,6 +73,9 @@ def resolve_device(device_: str, backend: str) -> str:
     if device_ == "cpu" and backend == "nccl":
         raise ValueError("device='cpu' with backend='nccl': NCCL moves GPU memory only; use "
                          "backend='gloo' for CPU ranks")
+    if device_ == "fakegpu" and backend != "gloo":
+        raise ValueError("device='fakegpu' is a rehearsal on CPU processes: use it with "
+                         "backend='gloo'")
     if device_ == "cuda" and gpu_count() == 0:
         raise ValueError("device='cuda' but torch sees no GPU here (a CPU-only build, or no "
                          "driver): use device='cpu'; `minipar doctor` says what this machine has")
@@ -78,7 +84,10 @@ def resolve_device(device_: str, backend: str) -> str:
 
 def _bind_device(backend: str, local_rank: int, device_: str = "auto") -> None:
     global _device
-    if resolve_device(device_, backend) == "cuda":
+    if resolve_device(device_, backend) == "fakegpu":
+        _device = _faked(local_rank)
+        faked_device.HostTags().__enter__()  # for the process's life, on its main thread
+    elif resolve_device(device_, backend) == "cuda":
         # NCCL wants each rank bound to its own GPU before its first collective; under gloo
         # ranks may share a card, so they wrap around the ones there are
         index = local_rank if backend == "nccl" else local_rank % gpu_count()
@@ -86,6 +95,55 @@ def _bind_device(backend: str, local_rank: int, device_: str = "auto") -> None:
         _device = torch.device("cuda", index)
     else:
         _device = torch.device("cpu")
+
+
+def _faked(local_rank: int) -> torch.device:
+    faked_device.install()
+    # Module.to() swaps each parameter's contents in place, so a Parameter stays the
+    # object optimizers and hooks hold, now a faked-device tensor
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    faked_device.set_device(local_rank)
+    return torch.device(faked_device.NAME, local_rank)
+
+
+@contextmanager
+def faked_for_task(on: bool, local_rank: int) -> Iterator[None]:
+    """Inside the block, a rank that computes on the CPU computes on the faked device
+    instead (the launcher's FAKED_ENV, read per task: ranks outlive one test)."""
+    global _device
+    if not on or _device.type != "cpu":
+        yield
+        return
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    previous, _device = _device, _faked(local_rank)
+    try:
+        with faked_device.HostTags():
+            yield
+    finally:
+        _device = previous
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+
+
+def faked_requested() -> bool:
+    """Whether the launcher's environment asks for the faked device (FAKED_ENV=1)."""
+    return os.environ.get(FAKED_ENV) == "1"
+
+
+def on_accelerator() -> bool:
+    """Whether this rank computes on a device that is not the host (a GPU, or the faked
+    one): where copies to the host are syncs and host tensors cannot join device ops."""
+    return _device.type in ("cuda", faked_device.NAME)
+
+
+def _accelerator():
+    """torch.cuda, or the faked device's module: the same calls on either."""
+    return faked_device if _device.type == faked_device.NAME else torch.cuda
+
+
+def autocast_device_type() -> str:
+    """What torch.autocast calls this rank's device ("cuda" or "cpu"; the faked device's
+    kernels are the host's)."""
+    return "cuda" if _device.type == "cuda" else "cpu"
 
 
 def device() -> torch.device:
@@ -108,24 +166,22 @@ def building_on(where: torch.device) -> Iterator[None]:
 
 def synchronize() -> None:
     """Wait for queued GPU work on this rank's device (a no-op on CPU); use before timing."""
-    if _device.type == "cuda":
-        torch.cuda.synchronize(_device)
+    if on_accelerator():
+        _accelerator().synchronize(_device)
 
 
 def host_empty_like(t: torch.Tensor) -> torch.Tensor:
     """An uninitialized tensor shaped like `t` in host memory: page-locked (pinned) when the
     rank computes on a GPU, so copies to and from it can run while the GPU computes."""
-    with host_allocations():  # host memory on purpose: the other end of an offload copy
-        return torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                           pin_memory=_device.type == "cuda")
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=_device.type == "cuda")
 
 
 def compute_ready() -> object | None:
     """A mark after the work queued so far on this rank's compute stream (a CUDA event) for
     a copy to wait for; None on CPU, where that work is done when the call returns."""
-    if _device.type != "cuda":
+    if not on_accelerator():
         return None
-    event = torch.cuda.Event()
+    event = _accelerator().Event()
     event.record()
     return event
 
@@ -137,12 +193,16 @@ def on_copy_stream(ready: object | None = None) -> Iterator[None]:
     thread waits, not the compute stream). On CPU there is no stream to pick: the block
     just runs, and the thread that runs it (a copy thread) stands for the stream."""
     global _copy_stream
-    if _device.type != "cuda":
+    if not on_accelerator():
         yield
         return
-    if _copy_stream is None:
-        _copy_stream = torch.cuda.Stream(_device)
-    with torch.cuda.stream(_copy_stream):
+    accelerator = _accelerator()
+    if _copy_stream is None or _copy_stream.device != _device:
+        _copy_stream = accelerator.Stream(_device)
+    # the thread's current device first: entering a stream on a thread that never set one
+    # would make device 0 current there, and CUDA would open a context on GPU 0
+    accelerator.set_device(_device)
+    with accelerator.stream(_copy_stream):
         if ready is not None:
             # the copy reads what compute wrote, or writes memory compute freed: wait for it
             _copy_stream.wait_event(ready)
@@ -153,8 +213,8 @@ def on_copy_stream(ready: object | None = None) -> Iterator[None]:
 def device_name() -> str:
     """What this rank computes on, as its maker names it: the GPU's name ("NVIDIA H100
     80GB HBM3"), or the CPU's model on a CPU ("CPU (AMD EPYC 9R14)")."""
-    if _device.type == "cuda":
-        return torch.cuda.get_device_name(_device)
+    if on_accelerator():
+        return _accelerator().get_device_name(_device)
     return f"CPU ({cpu_model()})"
 
 
@@ -186,6 +246,35 @@ def allocator_history(path: str | os.PathLike) -> Iterator[None]:
     finally:
         torch.cuda.memory._dump_snapshot(os.fspath(path))
         torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def nccl_device_id(backend: str) -> torch.device | None:
+    """What `init_process_group(device_id=)` gets: the rank's GPU under NCCL, else None.
+    With it, NCCL makes the group's communicator at once ("eager") and every message,
+    batched or not, goes on it; without it, a message posted on its own would go on a
+    communicator made for that pair at first use (collectives/nccl_replay.py). minipar
+    posts every message in a batch either way; binding the device also makes the first
+    collective on each group cheap and silences torch's barrier warning."""
+    return _device if backend == "nccl" else None
+
+
+def on_the_host(value):
+    """`value` with every tensor on a device copied to host memory: a rank's answer is
+    unpickled by the launcher (or, under torchrun, by every rank), which must not open a
+    context on the sender's GPU. Lists, tuples, dicts and dataclasses are walked."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device.type in ("cpu", "meta") else value.cpu()
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(on_the_host(v) for v in value)
+    if type(value) is dict:
+        return {k: on_the_host(v) for k, v in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        try:
+            return dataclasses.replace(value, **{f.name: on_the_host(getattr(value, f.name))
+                                                 for f in dataclasses.fields(value) if f.init})
+        except (TypeError, ValueError):  # a dataclass that cannot be rebuilt: as it is
+            return value
+    return value
 
 
 def rank(group: dist.ProcessGroup | None = None) -> int:

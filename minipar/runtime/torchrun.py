@@ -8,16 +8,23 @@ import datetime
 import os
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 
 from .. import trace
-from .device import _bind_device, rank, resolve_backend, world_size
+from .device import (
+    _bind_device,
+    faked_for_task,
+    faked_requested,
+    nccl_device_id,
+    on_the_host,
+    rank,
+    resolve_backend,
+    world_size,
+)
 from .errors import Results
 from .gloo_threads import calm_from_birth
-from .placement import placement_trap, trap_requested
 from .worker import in_rank
 
 
@@ -105,14 +112,15 @@ def run_under_torchrun(fn: Callable, size: int, args: tuple, kwargs: dict, backe
         with calm_from_birth():  # as worker.py's init (gloo_threads.py)
             dist.init_process_group(backend,
                                     timeout=datetime.timedelta(seconds=max(timeout, 60)),
+                                    device_id=nccl_device_id(backend),
                                     **_attempt_store(max(timeout, 60)))
         atexit.register(_leave_process_group)
     started = time.perf_counter()
     dist.barrier()  # a common t=0 for every rank's events, as in worker._run_task
-    mode = trap_requested()  # the placement trap, as launch's ranks run it (placement.py)
-    trap = placement_trap(strict=mode == "1") if mode else nullcontext()
-    with trace.capture(rank()) as captured, trap:
-        result = fn(*args, **kwargs)
+    # the faked device, as launch's ranks run it (faked_device.py)
+    with trace.capture(rank()) as captured, faked_for_task(faked_requested(),
+                                                            int(os.environ.get("LOCAL_RANK", 0))):
+        result = on_the_host(fn(*args, **kwargs))
     gathered: list = [None] * size
     # every process gets every rank's result, as launch() returns them on one machine
     dist.all_gather_object(gathered, (result, captured.events))

@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 import traceback
-from contextlib import nullcontext
 from typing import Any
 
 import cloudpickle
@@ -25,9 +24,8 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from .. import trace
-from .device import _bind_device, rank
+from .device import _bind_device, faked_for_task, nccl_device_id, on_the_host, rank
 from .gloo_threads import calm_from_birth
-from .placement import placement_trap
 
 STARTUP_TIMEOUT = 60.0
 IN_RANK_ENV = "MINIPAR_IN_RANK"  # set in every process minipar starts
@@ -103,17 +101,17 @@ def _user_traceback(err: BaseException) -> str:
 
 
 def _run_task(task: bytes) -> tuple:
-    fn, args, kwargs, path, mode = cloudpickle.loads(task)
+    fn, args, kwargs, path, faked = cloudpickle.loads(task)
     for entry in path:
         if entry not in sys.path:
             sys.path.append(entry)
     _end_groups_of_the_last_task()
     dist.barrier()  # a common t=0 for every rank's events
-    trap = placement_trap(strict=mode == "1") if mode else nullcontext()  # the caller's choice
-    with trace.capture(rank()) as captured, trap:
+    # the caller's choice: on a CPU, compute on the faked device (runtime/faked_device.py)
+    with trace.capture(rank()) as captured, faked_for_task(faked, rank()):
         with open(_entered_file, "w") as f:
             f.write(repr(time.monotonic()))
-        result = fn(*args, **kwargs)
+        result = on_the_host(fn(*args, **kwargs))
     return result, captured.events
 
 
@@ -168,7 +166,8 @@ def _worker_main(rank_: int, size: int, backend: str, device: str, io_dir: str,
         # its loop thread must not preempt a lock holder (gloo_threads.py)
         with calm_from_birth():
             dist.init_process_group(backend, store=store, rank=rank_, world_size=size,
-                                    timeout=datetime.timedelta(hours=1))
+                                    timeout=datetime.timedelta(hours=1),
+                                    device_id=nccl_device_id(backend))
         conn.send_bytes(cloudpickle.dumps(("ready", None)))
     except BaseException:
         # the launcher reports a failed start with this traceback, not just an exit code

@@ -27,6 +27,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ..runtime import device
+
 CACHE_DIR_ENV = "MINIPAR_CACHE"
 CACHE_FORMAT = 1  # bump when the cache's layout changes, so old caches are never trusted
 SKIPPED_FOLDERS = {"site-packages", "dist-packages", "__pycache__"}
@@ -264,12 +266,19 @@ class BatchSampler:
         return rng.integers(0, len(self.tokens) - self.seq_len, size=self.batch_size)
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's (inputs, targets) of the current step; then moves to the next step."""
+        """This rank's (inputs, targets) of the current step, on the rank's device; then
+        moves to the next step."""
         starts = torch.from_numpy(self.global_starts(self.step))
         # tensor_split: the first batch_size mod dp ranks get one sequence more (see ddp.shard)
         local = torch.tensor_split(starts, self.dp_size)[self.dp_rank].tolist()
         windows = np.stack([self.tokens[s:s + self.seq_len + 1] for s in local])
+        # drawn on the host, then copied once to where the model is (a GPU's embedding
+        # refuses host ids); pinned, so the copy does not wait on pageable memory
         windows = torch.from_numpy(windows.astype(np.int64))
+        if device().type == "cuda":
+            windows = windows.pin_memory().to(device(), non_blocking=True)
+        else:
+            windows = windows.to(device())
         self.step += 1
         return windows[:, :-1], windows[:, 1:]
 
