@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from .runtime.device import device
-from .runtime.placement import host_allocations
 
 BALANCES = ("none", "aux", "bias")  # moe/balance.py: what each does
 
@@ -364,8 +363,8 @@ class Decoder(nn.Module):
                 param.zero_()
                 continue
             std = residual_std if name.endswith(("o_proj.weight", "down.weight")) else 0.02
-            with host_allocations():  # the same draws on any device: made here, copied over
-                draw = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+            # the same draws on any device: made here, copied over
+            draw = torch.randn(param.shape, generator=generator, dtype=torch.float32)
             param.copy_(draw * std)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None,

@@ -10,7 +10,6 @@ import torch
 from torch import nn
 
 from .runtime.device import device
-from .runtime.placement import host_allocations
 
 
 def mlp(sizes: list[int], seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Sequential:
@@ -21,11 +20,10 @@ def mlp(sizes: list[int], seed: int = 0, dtype: torch.dtype = torch.float32) -> 
     # drawn on the host and moved, so a GPU rank holds the CPU's numbers
     torch.manual_seed(seed)
     layers: list[nn.Module] = []
-    with host_allocations():
-        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
-            layers.append(nn.Linear(a, b, dtype=dtype))
-            if i < len(sizes) - 2:
-                layers.append(nn.Tanh())
+    for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        layers.append(nn.Linear(a, b, dtype=dtype))
+        if i < len(sizes) - 2:
+            layers.append(nn.Tanh())
     return nn.Sequential(*layers).to(device())
 
 
@@ -39,9 +37,9 @@ def linear_stack(width: int, blocks: int, seed: int = 0,
     """`blocks` blocks of Linear(width, width) then tanh, initialized from `seed`: the
     model pipelines split into stages (one block is the smallest piece a stage holds)."""
     torch.manual_seed(seed)
-    with host_allocations():  # seeded on the host, then moved (as mlp)
-        stack = nn.Sequential(*[nn.Sequential(nn.Linear(width, width, dtype=dtype), nn.Tanh())
-                                for _ in range(blocks)])
+    # seeded on the host, then moved (as mlp)
+    stack = nn.Sequential(*[nn.Sequential(nn.Linear(width, width, dtype=dtype), nn.Tanh())
+                            for _ in range(blocks)])
     return stack.to(device())
 
 
@@ -88,10 +86,10 @@ def regression_data(samples: int, features: int, outputs: int = 1, seed: int = 0
     """(x, y) with y a fixed random nonlinear function of x plus noise."""
     # a generator of its own: the data does not depend on, nor disturb, the global RNG
     generator = torch.Generator().manual_seed(seed)
-    with host_allocations():  # drawn on the host: the same data on any device
-        x = torch.randn(samples, features, generator=generator, dtype=dtype)
-        # / sqrt(features): x @ w has variance about 1, so tanh is not saturated
-        w = torch.randn(features, outputs, generator=generator, dtype=dtype) / features**0.5
-        y = torch.tanh(x @ w) + noise * torch.randn(samples, outputs, generator=generator,
-                                                    dtype=dtype)
+    # drawn on the host: the same data on any device
+    x = torch.randn(samples, features, generator=generator, dtype=dtype)
+    # / sqrt(features): x @ w has variance about 1, so tanh is not saturated
+    w = torch.randn(features, outputs, generator=generator, dtype=dtype) / features**0.5
+    y = torch.tanh(x @ w) + noise * torch.randn(samples, outputs, generator=generator,
+                                                dtype=dtype)
     return x.to(device()), y.to(device())

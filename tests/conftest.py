@@ -66,11 +66,11 @@ def cluster2():
 
 
 @pytest.fixture
-def placement_trap_on(monkeypatch):
-    """Ranks launched from the test run under the placement trap (issue 43): a tensor the
-    library makes off the rank's device fails the test with its file and line. Modules
-    whose ranks cover the tour and the trainer's compositions use it for every test."""
-    monkeypatch.setenv("MINIPAR_PLACEMENT_TRAP", "1")
+def faked_device_on(monkeypatch):
+    """Ranks launched from the test compute on the faked device (issue 69,
+    runtime/faked_device.py): an op of the library's that mixes a host tensor with a
+    device tensor fails there, naming its line, as it would on a GPU."""
+    monkeypatch.setenv("MINIPAR_FAKED_DEVICE", "1")
 
 
 def process_gone(pid: int) -> bool:

@@ -15,8 +15,8 @@ from minipar.sharded import demo as sharded
 from minipar.slow_networks import demo as slow_networks
 from minipar.tensor_parallel import demo as tensor_parallel
 
-# every rank of these tests runs under the placement trap (issue 43, conftest.py)
-pytestmark = pytest.mark.usefixtures("placement_trap_on")
+# every rank of these tests computes on the faked device (issue 69, conftest.py)
+pytestmark = pytest.mark.usefixtures("faked_device_on")
 
 
 @pytest.mark.parametrize("technique, args", [

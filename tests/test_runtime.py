@@ -334,9 +334,9 @@ def test_where_waiting_reads_a_stack_dump():
                                     "minipar.tensor_parallel", "minipar.moe"])
 def test_torchrun_mode_joins_the_process_group(module):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    # under the placement trap, as spawned ranks are in the demos' tests (issue 43)
+    # on the faked device, as spawned ranks are in the demos' tests (issue 69)
     env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
-               MINIPAR_PLACEMENT_TRAP="1")
+               MINIPAR_FAKED_DEVICE="1")
     done = subprocess.run(
         [torchrun, "--standalone", "--nproc-per-node", "2", "-m", module],
         capture_output=True, text=True, timeout=120, env=env)

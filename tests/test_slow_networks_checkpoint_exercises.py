@@ -11,9 +11,9 @@ from minipar.runtime import rank
 from minipar.slow_networks.checkpoint_restart import load_checkpoint
 from minipar.slow_networks.exercises import check_resume
 
-# the exercise checks' ranks run under the placement trap (issue 43, conftest.py)
+# the exercise checks' ranks compute on the faked device (issue 69, conftest.py)
 # slow: each check trains, kills and resumes a run
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("placement_trap_on")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("faked_device_on")]
 
 
 def right(directory, model, optimizer):

@@ -12,16 +12,16 @@ import torch
 from test_train import corpus, tiny  # noqa: F401  (corpus is a fixture)
 
 import minipar
-from minipar.runtime.placement import placement_trap
+from minipar.runtime.device import faked_for_task
 from minipar.slow_networks.checkpoint_restart import latest_step
 from minipar.tensor_parallel import twin_slice
 from minipar.train.loop import train
 from minipar.train.model_part import trainer_mesh
 from minipar.train.sharded_checkpoint import checkpoint_dir, verify_checkpoint
 
-# every rank of these tests runs under the placement trap (issue 43, conftest.py)
+# every rank of these tests computes on the faked device (issue 69, conftest.py)
 # slow: trainer jobs that stop and resume on other meshes
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("placement_trap_on")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("faked_device_on")]
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,8 @@ def test_an_export_loads_into_the_one_process_twin_with_plain_torch(cluster4, co
 
     config = _with(tiny(corpus), pp=2, tp=2)
     cluster4.run(train, config, tmp_path / "run", False, False, 10)
-    with placement_trap():  # export and sampling run here, not in a rank: trap them here
+    # export and sampling run here, not in a rank: on the faked device here too
+    with faked_for_task(True, 0):
         written = export(tmp_path / "run", tmp_path / "model.pt")
         text = sample(written, "def ", 30, seed=3)
     meta = json.loads((tmp_path / "model.pt.json").read_text())
@@ -172,7 +173,7 @@ def test_an_export_loads_into_the_one_process_twin_with_plain_torch(cluster4, co
     # the same weights as safetensors (the tied head a copy of its own), the same numbers
     from safetensors.torch import load_file
 
-    with placement_trap():
+    with faked_for_task(True, 0):
         other = export(tmp_path / "run", tmp_path / "model.safetensors")
     twin = decoder(from_dict(meta["config"]).model, dtype=torch.float64)
     twin.load_state_dict(load_file(other))

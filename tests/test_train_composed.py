@@ -26,9 +26,9 @@ from minipar.train.loop import build_part, train
 from minipar.train.model_part import trainer_mesh
 from minipar.train.optim import global_norm
 
-# every rank of these tests runs under the placement trap (issue 43, conftest.py)
+# every rank of these tests computes on the faked device (issue 69, conftest.py)
 # slow: every test starts a trainer job on 4 to 8 fresh ranks
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("placement_trap_on")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("faked_device_on")]
 
 # (parallel degrees and techniques, train.recompute)
 FOUR_RANKS = [

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import device, rank, world_size
-from ..runtime.placement import host_allocations
 from ..trace import record
 
 
@@ -28,9 +27,9 @@ def busy_work(units: int, size: int = 96) -> float:
     """Deterministic work on this rank's device: `units` small matrix products; returns a
     checksum."""
     generator = torch.Generator().manual_seed(0)
-    with host_allocations():  # the same seeded draw on any device
-        # / sqrt(size): x @ a keeps its scale, so tanh neither saturates nor vanishes
-        a = (torch.randn(size, size, generator=generator) / size**0.5).to(device())
+    # the same seeded draw on any device
+    # / sqrt(size): x @ a keeps its scale, so tanh neither saturates nor vanishes
+    a = (torch.randn(size, size, generator=generator) / size**0.5).to(device())
     x = torch.eye(size, device=device())
     for _ in range(units):
         # each product depends on the last: the work cannot be skipped or reordered

@@ -11,7 +11,6 @@ import torch.distributed as dist
 
 from ..demo import Check, Context, Row, start_clock
 from ..runtime import device, rank, world_size
-from ..runtime.placement import host_allocations
 from .all_reduce import ALL_REDUCE_ALGORITHMS, all_reduce
 from .comm import meter
 
@@ -19,8 +18,8 @@ from .comm import meter
 def rank_data(r: int, numel: int) -> torch.Tensor:
     """Rank r's tensor: random integers in float64, so every order of summing is exact."""
     generator = torch.Generator().manual_seed(1000 + r)
-    with host_allocations():  # drawn on the host: the same data for a rank on any device
-        return torch.randint(-1000, 1000, (numel,), generator=generator).to(torch.float64)
+    # drawn on the host: the same data for a rank on any device
+    return torch.randint(-1000, 1000, (numel,), generator=generator).to(torch.float64)
 
 
 def _timed_all_reduce(algorithm: str, numel: int) -> tuple[torch.Tensor, int, float]:

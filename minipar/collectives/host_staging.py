@@ -21,8 +21,6 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from ..runtime.placement import host_allocations
-
 _forced = False
 staged_messages = 0  # messages this process has staged so far (tests read it)
 
@@ -56,8 +54,8 @@ def host_buffer(tensor: torch.Tensor, copy: bool = True) -> torch.Tensor:
     send reads), or not yet written (what a receive lands in)."""
     global staged_messages
     staged_messages += 1
-    with host_allocations():  # host memory on purpose: what gloo reads and writes
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+    # what gloo reads and writes
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
     return host.copy_(tensor) if copy else host
 
 

@@ -12,7 +12,6 @@ import torch
 
 from ..report import format_table, progress, ratio_cell, save_results
 from ..runtime import Cluster, device, rank, world_size
-from ..runtime.placement import host_allocations
 from .attention import attention, blocked_attention, positions
 from .hetero import (
     assign_balanced,
@@ -44,9 +43,9 @@ def _step_seconds(method: str, seq_len: int, steps: int) -> tuple[float, int]:
     pos = positions(me, k, seq_len, balanced)
     # one seed on every rank: each draws the same whole sequence and keeps its own positions
     gen = torch.Generator().manual_seed(0)
-    with host_allocations():  # a CPU generator draws on the host: moved just below
-        q, kk, v = (torch.randn(1, HEADS, seq_len, HEAD_DIM, generator=gen)[..., pos, :]
-                    .to(device()).requires_grad_() for _ in range(3))
+    # a CPU generator draws on the host: moved just below
+    q, kk, v = (torch.randn(1, HEADS, seq_len, HEAD_DIM, generator=gen)[..., pos, :]
+                .to(device()).requires_grad_() for _ in range(3))
     times, work = [], RingWork()
     for step in range(steps + 1):
         if k > 1:

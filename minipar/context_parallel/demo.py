@@ -12,7 +12,6 @@ import torch
 from .. import collectives
 from ..demo import Check, Context, Row, start_clock
 from ..runtime import device, rank, world_size
-from ..runtime.placement import host_allocations
 from .attention import attention, positions
 from .ring import RingWork, ring_attention
 from .ulysses import ulysses_attention
@@ -25,9 +24,9 @@ def _case(method: str, seq_len: int) -> Check:
     balanced = method == "ring"
     # the same seed on every rank: each draws the whole sequence, then keeps its own tokens
     gen = torch.Generator().manual_seed(21)
-    with host_allocations():  # the same seeded draws on any device, moved just below
-        q, kk, v, w = [torch.randn(BATCH, HEADS, seq_len, HEAD_DIM, generator=gen,
-                                   dtype=torch.float64).to(device()) for _ in range(4)]
+    # the same seeded draws on any device, moved just below
+    q, kk, v, w = [torch.randn(BATCH, HEADS, seq_len, HEAD_DIM, generator=gen,
+                               dtype=torch.float64).to(device()) for _ in range(4)]
     # clones as fresh leaves: the reference's gradients must not land on q, kk, v themselves
     full = [t.clone().requires_grad_() for t in (q, kk, v)]
     # a random weight w, not a plain sum: every output entry gets its own upstream gradient,

@@ -8,7 +8,6 @@ import torch
 
 from ..grading import ExerciseError, refuse_library, run_on_ranks
 from ..runtime import device, rank, world_size
-from ..runtime.placement import host_allocations
 from .attention import attention, block_attention, positions
 
 _B, _H, _S, _D = 1, 2, 12, 4
@@ -68,9 +67,9 @@ def check_merge(merge_partial: Callable) -> str:
 def _blocks(k: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The whole q, and every rank's [2, B, H, S/K, D] key/value block."""
     gen = torch.Generator().manual_seed(81)
-    with host_allocations():  # a CPU generator draws on the host: moved just below
-        q, keys, values = (torch.randn(_B, _H, _S, _D, generator=gen, dtype=torch.float64
-                                       ).to(device()) for _ in range(3))
+    # a CPU generator draws on the host: moved just below
+    q, keys, values = (torch.randn(_B, _H, _S, _D, generator=gen, dtype=torch.float64
+                                   ).to(device()) for _ in range(3))
     return q, [torch.stack([keys, values])[..., positions(r, k, _S, False), :]
                for r in range(k)]
 

@@ -23,7 +23,6 @@ import torch
 from .. import collectives
 from ..decoder import DecoderConfig, decoder, rope_tables
 from ..runtime import device, rank, world_size
-from ..runtime.placement import host_allocations
 
 
 def sequence_cost(length: int, per_token: float = 1.0, per_pair: float = 0.01) -> float:
@@ -77,9 +76,9 @@ def variable_lengths(count: int, seed: int = 0, shortest: int = 16, longest: int
     """A batch of sequence lengths with a long tail (log-uniform), as real corpora have."""
     gen = torch.Generator().manual_seed(seed)
     # uniform in log(length), then exp: many short sequences, a few long ones
-    with host_allocations():  # lengths, read at once as Python ints
-        logs = torch.empty(count).uniform_(float(torch.tensor(shortest).log()),
-                                           float(torch.tensor(longest).log()), generator=gen)
+    # lengths, read at once as Python ints
+    logs = torch.empty(count).uniform_(float(torch.tensor(shortest).log()),
+                                       float(torch.tensor(longest).log()), generator=gen)
     return [int(v) for v in logs.exp().round()]
 
 
@@ -98,8 +97,8 @@ def run_assignment(assignment: list[list[int]], lengths: list[int], speeds: list
                            seq_len=max(lengths, default=1))
     block = decoder(config, seed, dtype).blocks[0]
     gen = torch.Generator().manual_seed(seed + 1)
-    with host_allocations():  # a CPU generator draws on the host: moved just below
-        data = [torch.randn(1, n, hidden, generator=gen, dtype=dtype) for n in lengths]
+    # a CPU generator draws on the host: moved just below
+    data = [torch.randn(1, n, hidden, generator=gen, dtype=dtype) for n in lengths]
     data = [x.to(device()) for x in data]
     # each sequence's rotary tables, by length (positions 0..n-1)
     rope = {n: rope_tables(config.head_dim, torch.arange(n, device=device()), config.rope_base,

@@ -29,7 +29,6 @@ from ..decoder import (
     rope_tables,
 )
 from ..runtime import device
-from ..runtime.placement import host_allocations
 
 
 class TokenStage(nn.Module):
@@ -210,8 +209,8 @@ def check_terapipe_against_twin(sizes: list[int], batch: int = 2, seed: int = 7)
     stages = token_stages(twin, world_size())  # copies: the twin stays the reference
     pipe = Pipeline(stages, schedule("terapipe", world_size(), len(sizes)))
     gen = torch.Generator().manual_seed(seed)
-    with host_allocations():  # a CPU generator draws on the host: moved just below
-        ids, targets = (torch.randint(0, 32, (seq_len, batch), generator=gen) for _ in range(2))
+    # a CPU generator draws on the host: moved just below
+    ids, targets = (torch.randint(0, 32, (seq_len, batch), generator=gen) for _ in range(2))
     ids, targets = ids.to(device()), targets.to(device())
     stage = stages[rank()]
     stage.reset()

@@ -38,7 +38,6 @@ from torch import nn
 
 from .. import collectives
 from ..runtime import rank, world_size
-from ..runtime.placement import host_allocations
 from .ddp import shard, shard_weight
 
 
@@ -129,8 +128,8 @@ class RandK(TopK):
         if self._generator is None:  # seeded on first use, inside the rank
             self._generator = torch.Generator().manual_seed(self.seed * 1_000_003 + rank())
         k = self._k(flat)
-        with host_allocations():  # a CPU generator draws on the host, moved just below
-            indices = torch.randperm(flat.numel(), generator=self._generator)[:k]
+        # a CPU generator draws on the host, moved just below
+        indices = torch.randperm(flat.numel(), generator=self._generator)[:k]
         indices = indices.to(device=flat.device, dtype=torch.int32)
         # the n/k scale makes the compressor unbiased: each entry survives with probability k/n
         values = flat[indices.long()] * (flat.numel() / k)
@@ -187,8 +186,8 @@ class PowerSGD(Compressor):
         q = self._q.get(key)
         if q is None or q.shape != (m, r):
             generator = torch.Generator().manual_seed(zlib.crc32(key.encode()))  # same everywhere
-            with host_allocations():  # a CPU generator draws on the host: moved just below
-                q = torch.randn(m, r, generator=generator, dtype=like.dtype).to(like.device)
+            # a CPU generator draws on the host: moved just below
+            q = torch.randn(m, r, generator=generator, dtype=like.dtype).to(like.device)
         return q
 
     def _approximate(self, matrix: torch.Tensor, key: str, reduce: bool) -> torch.Tensor:

@@ -31,7 +31,6 @@ from ..collectives import fit_machine
 from ..decoder import Decoder, DecoderConfig, decoder
 from ..report import format_table, progress, save_results
 from ..runtime import Cluster, device
-from ..runtime.placement import host_allocations
 from .planner import OPTIMIZER_BYTES_PER_PARAM, Hardware, Layout, estimate
 from .twin_check import MeshDecoder, connect
 
@@ -53,9 +52,9 @@ def _config() -> cost.TransformerConfig:
 
 def _data(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    with host_allocations():  # a CPU generator draws on the host: moved just below
-        ids, targets = (torch.randint(0, SHAPE["vocab"], (BATCH, SHAPE["seq_len"]),
-                                      generator=gen) for _ in range(2))
+    # a CPU generator draws on the host: moved just below
+    ids, targets = (torch.randint(0, SHAPE["vocab"], (BATCH, SHAPE["seq_len"]),
+                                  generator=gen) for _ in range(2))
     return ids.to(device()), targets.to(device())
 
 

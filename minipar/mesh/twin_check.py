@@ -26,7 +26,6 @@ from .. import collectives
 from ..data_parallel import shard
 from ..decoder import Decoder, DecoderConfig, decoder
 from ..runtime import device, rank, world_size
-from ..runtime.placement import host_allocations
 from ..tensor_parallel import twin_slice
 from .decoder_layers import decoder_layers, decoder_loss
 from .mesh import Mesh, MeshGroups
@@ -110,9 +109,9 @@ def check_against_twin(mesh_dims: dict[str, int], zero: int = 0, steps: int = 2,
     twin_params = dict(twin.named_parameters())
     gap, wrong_grads, losses = 0.0, [], []
     for step in range(steps):
-        with host_allocations():  # the same seeded batch on any device
-            ids, targets = [torch.randint(0, config.vocab_size, (ROWS, config.seq_len),
-                                          generator=gen).to(device()) for _ in range(2)]
+        # the same seeded batch on any device
+        ids, targets = [torch.randint(0, config.vocab_size, (ROWS, config.seq_len),
+                                      generator=gen).to(device()) for _ in range(2)]
         loss = mesh.forward_backward(ids, targets)
         ref_loss = twin.loss(ids, targets)
         ref_loss.backward()

@@ -10,7 +10,6 @@ import torch
 from ..collectives import fit_machine
 from ..report import format_table, progress
 from ..runtime import Cluster, device, rank
-from ..runtime.placement import host_allocations
 from .adaptive import AdaptiveMoE, degree_costs, time_degrees
 from .layer import MoELayer
 
@@ -20,10 +19,10 @@ NAMES = {0: "r=0 (weights move)", 1: "r=1 (EP + data)", 2: "r=2 (EP + tensor)"}
 
 def _degrees(tokens: int, alpha: float, beta: float, repeats: int) -> dict:
     """On one rank: measured seconds per degree, and the model's costs for this capacity."""
-    with host_allocations():  # seeded on the host, then moved: the same layer on any device
-        twin = MoELayer(SHAPE["hidden"], SHAPE["ffn"], SHAPE["experts"], SHAPE["k"],
-                        capacity_factor=1.25)
-        x = torch.randn(tokens, SHAPE["hidden"], generator=torch.Generator().manual_seed(rank()))
+    # seeded on the host, then moved: the same layer on any device
+    twin = MoELayer(SHAPE["hidden"], SHAPE["ffn"], SHAPE["experts"], SHAPE["k"],
+                    capacity_factor=1.25)
+    x = torch.randn(tokens, SHAPE["hidden"], generator=torch.Generator().manual_seed(rank()))
     layer, x = AdaptiveMoE(twin.to(device()), alpha=alpha, beta=beta), x.to(device())
     measured = time_degrees(layer, x, repeats)
     capacity = layer.last_routing.capacity

@@ -13,7 +13,6 @@ from .. import trace
 from ..models import FFN
 from ..report import format_table, progress, ratio_cell, save_results
 from ..runtime import Cluster, device, rank, world_size
-from ..runtime.placement import host_allocations
 from .expert_parallel import ExpertParallelMoE
 from .layer import MoELayer
 
@@ -24,10 +23,10 @@ def _moe_step(model: str, tokens: int, hidden: int, ffn: int, experts: int, k: i
     on more than one rank), and the share spent in all-to-all (EP only)."""
 
     torch.manual_seed(0)
-    with host_allocations():  # seeded on the host, then moved: the same layer on any device
-        # a dense FFN has the same active parameters as k experts
-        layer = FFN(hidden, k * ffn) if model == "dense" else \
-            MoELayer(hidden, ffn, experts, k, capacity_factor=1.25)
+    # seeded on the host, then moved: the same layer on any device
+    # a dense FFN has the same active parameters as k experts
+    layer = FFN(hidden, k * ffn) if model == "dense" else \
+        MoELayer(hidden, ffn, experts, k, capacity_factor=1.25)
     layer = layer.to(device())
     if model != "dense" and world_size() > 1:
         layer = ExpertParallelMoE(layer)

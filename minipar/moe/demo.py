@@ -12,7 +12,6 @@ import torch
 from .. import collectives
 from ..demo import Check, Context, Row, skip, start_clock
 from ..runtime import device, rank, under_torchrun, world_size
-from ..runtime.placement import host_allocations
 from .adaptive import AdaptiveMoE
 from .expert_choice import ExpertChoiceMoE
 from .expert_parallel import ExpertParallelMoE
@@ -25,9 +24,9 @@ EXPERTS, TOKENS_PER_RANK, HIDDEN = 4, 8, 16
 
 
 def _twin() -> MoELayer:
-    with host_allocations():  # the one-process twin: seeded on the host, the reference
-        return MoELayer(HIDDEN, 32, num_experts=EXPERTS, k=2, capacity_factor=1.0,
-                        shared_expert=True, seed=11, dtype=torch.float64)
+    # the one-process twin: seeded on the host, the reference
+    return MoELayer(HIDDEN, 32, num_experts=EXPERTS, k=2, capacity_factor=1.0,
+                    shared_expert=True, seed=11, dtype=torch.float64)
 
 
 def demo() -> list[Check]:
@@ -110,15 +109,15 @@ def _pipeline_moe() -> Check:
 
 
 def _tokens() -> torch.Tensor:
-    with host_allocations():  # the twin's input, on the host beside it
-        return torch.randn(TOKENS_PER_RANK * world_size(), HIDDEN, dtype=torch.float64,
-                           generator=torch.Generator().manual_seed(12))
+    # the twin's input, on the host beside it
+    return torch.randn(TOKENS_PER_RANK * world_size(), HIDDEN, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(12))
 
 
 def _adaptive() -> Check:
     """2 experts on the ranks, each split over K/2 of them: every degree from one layout."""
-    with host_allocations():  # the one-process twin: the reference, on the host
-        twin = MoELayer(HIDDEN, 32, num_experts=2, k=1, seed=11, dtype=torch.float64)
+    # the one-process twin: the reference, on the host
+    twin = MoELayer(HIDDEN, 32, num_experts=2, k=1, seed=11, dtype=torch.float64)
     me, tokens = rank(), _tokens()
     mine = slice(me * TOKENS_PER_RANK, (me + 1) * TOKENS_PER_RANK)
     reference = twin(tokens)[mine]
@@ -138,9 +137,9 @@ def _adaptive() -> Check:
 def _expert_choice() -> Check:
     """Experts pick their top tokens of the whole batch, each on its owner rank."""
     me, tokens = rank(), _tokens()
-    with host_allocations():  # the one-process twin: the reference, on the host
-        twin = ExpertChoiceMoE(HIDDEN, 32, num_experts=EXPERTS, k=2, capacity_factor=0.75,
-                               seed=11, dtype=torch.float64)
+    # the one-process twin: the reference, on the host
+    twin = ExpertChoiceMoE(HIDDEN, 32, num_experts=EXPERTS, k=2, capacity_factor=0.75,
+                           seed=11, dtype=torch.float64)
     reference = twin(tokens)[me * TOKENS_PER_RANK:(me + 1) * TOKENS_PER_RANK]
     layer = ExpertParallelMoE(twin).to(device())
     start = start_clock()

@@ -8,7 +8,6 @@ import torch
 
 from .. import runtime
 from ..grading import ExerciseError, refuse_library, run_on_ranks
-from ..runtime.placement import host_allocations
 from .routing import route
 
 _ROUTING_CASES = [
@@ -60,8 +59,8 @@ def _dispatch_experts(rank: int, world_size: int, experts_per_rank: int) -> torc
     sends zero rows to one peer (send_counts must still have an entry for it)."""
     gen = torch.Generator().manual_seed(50 + rank)
     owners = world_size - 1 if rank == 0 and world_size > 1 else world_size
-    with host_allocations():  # a CPU generator draws on the host: moved just below
-        experts = torch.randint(0, experts_per_rank * owners, (_DISPATCH_ROWS,), generator=gen)
+    # a CPU generator draws on the host: moved just below
+    experts = torch.randint(0, experts_per_rank * owners, (_DISPATCH_ROWS,), generator=gen)
     return experts.to(runtime.device())
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from ..runtime.placement import host_allocations
 from .layer import MoELayer
 from .rule import Choices, RoutingRule
 from .top_k import TopKCapacity
@@ -31,9 +30,9 @@ def lsh_buckets(x: torch.Tensor, bits: int, seed: int = 0) -> torch.Tensor:
         raise ValueError(f"bits must be between 1 and 62; got {bits}")
     # SimHash (random hyperplanes), not the paper's cross-polytope hashing: simpler, and
     # similar tokens still share buckets
-    with host_allocations():  # a CPU generator draws on the host: moved just below
-        planes = torch.randn(bits, x.shape[-1], generator=torch.Generator().manual_seed(seed),
-                             dtype=x.dtype).t()  # row by row: plane i is the same for any bits
+    # a CPU generator draws on the host: moved just below
+    planes = torch.randn(bits, x.shape[-1], generator=torch.Generator().manual_seed(seed),
+                         dtype=x.dtype).t()  # row by row: plane i is the same for any bits
     signs = (x @ planes.to(x.device) > 0).long()
     return (signs * (2 ** torch.arange(bits, device=x.device))).sum(-1)
 

@@ -26,7 +26,6 @@ from .. import collectives
 from ..mesh import Mesh
 from ..mesh.stage_data_parallel import StageDataParallel
 from ..runtime import device, rank
-from ..runtime.placement import host_allocations
 from .expert_parallel import ExpertParallelMoE, average_experts_over_ep
 from .layer import MoELayer
 
@@ -34,17 +33,17 @@ _HIDDEN, _TOKENS = 8, 6  # per rank
 
 
 def _twin(seed: int) -> MoELayer:
-    with host_allocations():  # seeded on the host, then moved: the same layer on any device
-        twin = MoELayer(_HIDDEN, 16, num_experts=4, k=2, capacity_factor=1.0,
-                        shared_expert=True, seed=seed, dtype=torch.float64)
+    # seeded on the host, then moved: the same layer on any device
+    twin = MoELayer(_HIDDEN, 16, num_experts=4, k=2, capacity_factor=1.0,
+                    shared_expert=True, seed=seed, dtype=torch.float64)
     return twin.to(device())
 
 
 def _batch(step: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 * step + r)
-    with host_allocations():  # the same seeded batch on any device
-        x, y = (torch.randn(_TOKENS, _HIDDEN, generator=gen, dtype=torch.float64)
-                for _ in range(2))
+    # the same seeded batch on any device
+    x, y = (torch.randn(_TOKENS, _HIDDEN, generator=gen, dtype=torch.float64)
+            for _ in range(2))
     return x.to(device()), y.to(device())
 
 

@@ -21,7 +21,6 @@ from .. import collectives
 from ..mesh import Mesh
 from ..report import format_table, progress, spread
 from ..runtime import Cluster, device, rank, world_size
-from ..runtime.placement import host_allocations
 from .adaptive import AdaptiveMoE
 from .dropless import DroplessMoE
 from .exchange import Exchange, FlatAllToAll
@@ -81,19 +80,19 @@ TWINS = {"top-k": MoELayer, "dropless": DroplessMoE, "expert choice": ExpertChoi
 def _tokens(total: int, hidden: int) -> torch.Tensor:
     """Tokens that cluster, as real ones do (LSH needs similar tokens to compress)."""
     gen = torch.Generator().manual_seed(0)
-    with host_allocations():  # a CPU generator draws on the host: moved just below
-        centres = 2 * torch.randn(32, hidden, generator=gen)
-        tokens = centres[torch.randint(0, 32, (total,), generator=gen)] + \
-            0.3 * torch.randn(total, hidden, generator=gen)
+    # a CPU generator draws on the host: moved just below
+    centres = 2 * torch.randn(32, hidden, generator=gen)
+    tokens = centres[torch.randint(0, 32, (total,), generator=gen)] + \
+        0.3 * torch.randn(total, hidden, generator=gen)
     return tokens.to(device())
 
 
 def _layer(rule: str) -> torch.nn.Module:
     """The one-process twin of a routing rule, on SHAPE (LSH-MoE with 4 bits)."""
     extra = {"bits": 4} if rule == "lsh" else {}
-    with host_allocations():  # seeded on the host, then moved: the same layer on any device
-        layer = TWINS[rule](SHAPE["hidden"], SHAPE["ffn"], SHAPE["experts"], SHAPE["k"],
-                            capacity_factor=1.25, **extra)
+    # seeded on the host, then moved: the same layer on any device
+    layer = TWINS[rule](SHAPE["hidden"], SHAPE["ffn"], SHAPE["experts"], SHAPE["k"],
+                        capacity_factor=1.25, **extra)
     return layer.to(device())
 
 

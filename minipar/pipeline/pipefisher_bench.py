@@ -13,7 +13,6 @@ from torch import nn
 
 from ..report import format_table, progress, save_results, spread
 from ..runtime import Cluster, device
-from ..runtime.placement import host_allocations
 from .pipefisher import kfac_one_process, train_pipefisher
 
 LEARNING_RATES = {"sgd": (0.1, 0.3, 1.0), "adam": (0.003, 0.01, 0.03),
@@ -25,10 +24,10 @@ REFRESH_EVERY = 4  # steps per curvature refresh in the timing runs: one step's 
 def regression_model(width: int = 64, inputs: int = 16, outputs: int = 4) -> nn.Sequential:
     """Four linear layers with tanh between them (two per stage on 2 ranks), seeded."""
     torch.manual_seed(0)
-    with host_allocations():  # seeded on the host, then moved: the same model on any device
-        model = nn.Sequential(nn.Linear(inputs, width), nn.Tanh(), nn.Linear(width, width),
-                              nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
-                              nn.Linear(width, outputs))
+    # seeded on the host, then moved: the same model on any device
+    model = nn.Sequential(nn.Linear(inputs, width), nn.Tanh(), nn.Linear(width, width),
+                          nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+                          nn.Linear(width, outputs))
     return model.to(device())
 
 

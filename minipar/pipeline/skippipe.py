@@ -25,7 +25,6 @@ from torch.nn.utils import parameters_to_vector
 
 from .. import collectives
 from ..runtime import device, rank, world_size
-from ..runtime.placement import host_allocations
 from ..trace import Event, Timeline, record
 
 Path = tuple[int, ...]
@@ -49,11 +48,11 @@ def skip_model(features: int, width: int, stages: int, seed: int = 0,
     if stages < 3:
         raise ValueError(f"stages must be >= 3 (input, at least one middle, head); got {stages}")
     torch.manual_seed(seed)
-    with host_allocations():  # seeded on the host, then moved: the same model on any device
-        stages_ = nn.ModuleList([nn.Sequential(nn.Linear(features, width, dtype=dtype),
-                                               nn.Tanh()),
-                                 *[Residual(width, dtype) for _ in range(stages - 2)],
-                                 nn.Linear(width, 1, dtype=dtype)])
+    # seeded on the host, then moved: the same model on any device
+    stages_ = nn.ModuleList([nn.Sequential(nn.Linear(features, width, dtype=dtype),
+                                           nn.Tanh()),
+                             *[Residual(width, dtype) for _ in range(stages - 2)],
+                             nn.Linear(width, 1, dtype=dtype)])
     return stages_.to(device())
 
 

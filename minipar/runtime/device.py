@@ -99,6 +99,13 @@ def _bind_device(backend: str, local_rank: int, device_: str = "auto") -> None:
 
 def _faked(local_rank: int) -> torch.device:
     faked_device.install()
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        # the default group's gloo serves the faked device as it serves the host (its
+        # tensors' storage is the host's): a learner's own dist.batch_isend_irecv runs
+        world = dist.distributed_c10d._get_default_group()
+        world._register_backend(torch.device(faked_device.NAME),
+                                dist.ProcessGroup.BackendType.GLOO,
+                                world._get_backend(torch.device("cpu")))
     # Module.to() swaps each parameter's contents in place, so a Parameter stays the
     # object optimizers and hooks hold, now a faked-device tensor
     torch.__future__.set_swap_module_params_on_conversion(True)

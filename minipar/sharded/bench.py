@@ -17,7 +17,6 @@ from ..models import mlp, mlp_parameters
 from ..plots import stack_memory
 from ..report import format_table, progress, save_results, spread
 from ..runtime import Cluster, calm_from_birth, device, world_size
-from ..runtime.placement import host_allocations
 from .fsdp import FullyShardedDataParallel, default_units
 from .memory_tracker import MemoryTracker, recompute
 from .zero import ZeroDataParallel
@@ -72,8 +71,8 @@ def _run(variant: str, steps: int, sizes: list[int] = ZERO_SIZES,
          param_dtype: torch.dtype | None = None) -> dict:
     run, step, opt, shards = _wrap(variant, mlp(sizes, seed=0), param_dtype)
     tracker = MemoryTracker(getattr(run, "module", run), opt, shards)
-    with host_allocations():  # a CPU generator draws on the host: moved just below
-        x = torch.randn(BATCH, sizes[0], generator=torch.Generator().manual_seed(1))
+    # a CPU generator draws on the host: moved just below
+    x = torch.randn(BATCH, sizes[0], generator=torch.Generator().manual_seed(1))
     x = x.to(device())
     times, held = [], None
     for i in range(steps + 2):  # step 0 warms up, step 1 is measured for memory, the rest timed

@@ -9,15 +9,14 @@ from torch import nn
 
 from .. import collectives, runtime
 from ..grading import ExerciseError, refuse_library, run_on_ranks
-from ..runtime.placement import host_allocations
 
 _NUMEL, _STEPS, _LR, _BETA = 12, 3, 0.1, 0.9
 
 
 def _gradient(rank: int, step: int) -> torch.Tensor:
-    with host_allocations():  # a CPU generator draws on the host: moved just below
-        grad = torch.randn(_NUMEL, dtype=torch.float64,
-                           generator=torch.Generator().manual_seed(100 * step + rank))
+    # a CPU generator draws on the host: moved just below
+    grad = torch.randn(_NUMEL, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(100 * step + rank))
     return grad.to(runtime.device())
 
 
@@ -81,8 +80,8 @@ def check_zero1_step(zero1_step: Callable, world_sizes: tuple[int, ...] = (2, 4)
 
 def _unit_twin() -> nn.Linear:
     torch.manual_seed(61)
-    with host_allocations():  # seeded on the host, then moved: the same unit anywhere
-        unit = nn.Linear(5, 3, dtype=torch.float64)  # 18 numbers: padded for 4 ranks
+    # seeded on the host, then moved: the same unit anywhere
+    unit = nn.Linear(5, 3, dtype=torch.float64)  # 18 numbers: padded for 4 ranks
     return unit.to(runtime.device())
 
 
@@ -131,8 +130,8 @@ def _run_fsdp_forward(fn: Callable) -> tuple[torch.Tensor, int, int, dict[str, i
 
 
 def _unit_input() -> torch.Tensor:
-    with host_allocations():  # a CPU generator draws on the host: moved just below
-        x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(62))
+    # a CPU generator draws on the host: moved just below
+    x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(62))
     return x.to(runtime.device())
 
 

@@ -14,7 +14,6 @@ from torch import nn
 from ..models import mse
 from ..report import format_table, progress, save_results, spread
 from ..runtime import Cluster, device
-from ..runtime.placement import host_allocations
 from ..trace import Timeline, capture
 from . import karma
 from .memory_tracker import MemoryTracker
@@ -29,20 +28,20 @@ def offload_model(width: int = WIDTH, blocks: int = BLOCKS, dtype: torch.dtype =
     """Blocks that alternate a matmul (Linear then tanh: many FLOPs per byte it saves) and a
     normalization (LayerNorm then tanh: almost none), the two kinds of layer KARMA weighs."""
     torch.manual_seed(seed)
-    with host_allocations():  # seeded on the host, then moved: the same weights anywhere
-        model = nn.Sequential(*[
-            nn.Sequential(nn.Linear(width, width, dtype=dtype) if i % 2 == 0
-                          else nn.LayerNorm(width, dtype=dtype), nn.Tanh())
-            for i in range(blocks)])
+    # seeded on the host, then moved: the same weights anywhere
+    model = nn.Sequential(*[
+        nn.Sequential(nn.Linear(width, width, dtype=dtype) if i % 2 == 0
+                      else nn.LayerNorm(width, dtype=dtype), nn.Tanh())
+        for i in range(blocks)])
     return model.to(device())
 
 
 def batch(rows: int = BATCH, width: int = WIDTH, dtype: torch.dtype = torch.float32,
           seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    with host_allocations():  # drawn on the host: the same batch on any device
-        x = torch.randn(rows, width, generator=g, dtype=dtype)
-        y = torch.randn(rows, width, generator=g, dtype=dtype)
+    # drawn on the host: the same batch on any device
+    x = torch.randn(rows, width, generator=g, dtype=dtype)
+    y = torch.randn(rows, width, generator=g, dtype=dtype)
     return x.to(device()), y.to(device())
 
 

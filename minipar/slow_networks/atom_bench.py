@@ -24,7 +24,6 @@ from ..pipeline.engine import split_model
 from ..pipeline.swarm import swarm
 from ..report import format_table, progress, save_results, spread
 from ..runtime import Cluster, device, rank
-from ..runtime.placement import host_allocations
 from .atom import SwarmTraffic, atom_seconds, crossover, swarm_seconds, swarm_traffic, train_atom
 
 WIDTH, BLOCKS, BATCH, MICRO, LOCAL_STEPS, PEERS, LR = 128, 8, 64, 4, 4, 2, 0.05
@@ -39,9 +38,9 @@ def bench_model() -> torch.nn.Sequential:
 
 def bench_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
-    with host_allocations():  # a CPU generator draws on the host: moved just below
-        drawn = [(torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g))
-                 for _ in range(steps)]
+    # a CPU generator draws on the host: moved just below
+    drawn = [(torch.randn(BATCH, WIDTH, generator=g), torch.randn(BATCH, WIDTH, generator=g))
+             for _ in range(steps)]
     return [(x.to(device()), y.to(device())) for x, y in drawn]
 
 

@@ -30,7 +30,6 @@ import torch
 from .. import collectives
 from ..data_parallel.compression import Compressor, ErrorFeedback, RandK, TopK
 from ..runtime import device
-from ..runtime.placement import host_allocations
 from .saddle import (
     SaddleProblem,
     SaddleRun,
@@ -113,8 +112,8 @@ def masha(problem: SaddleProblem, method: str, gamma: float, steps: int, k: int,
             sent = (feedback.average(squeeze, delta, "delta") if feedback is not None
                     else squeeze.average(delta))
             z = z_bar - gamma * (F_w + sent)
-            with host_allocations():  # a coin flip from a CPU generator, read at once
-                flip = torch.rand(1, generator=coin).item()
+            # a coin flip from a CPU generator, read at once
+            flip = torch.rand(1, generator=coin).item()
             if flip < p:
                 w = z
                 mine_w, F_w = _full_operator(problem, m, w)

@@ -27,7 +27,6 @@ import torch
 
 from .. import collectives
 from ..runtime import device, rank, world_size
-from ..runtime.placement import host_allocations
 
 
 @dataclass
@@ -89,8 +88,8 @@ def bilinear_problem(n: int = 50, parts: int = 4, lam: float = 1.0, spread: floa
     g = torch.Generator().manual_seed(seed)
 
     def randn(*shape: int) -> torch.Tensor:
-        with host_allocations():  # the same seeded problem on any device
-            return torch.randn(*shape, generator=g, dtype=torch.float64).to(device())
+        # the same seeded problem on any device
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(device())
 
     # 1/sqrt(n): singular values of order 1 whatever n is
     shared = randn(n, n) / n ** 0.5

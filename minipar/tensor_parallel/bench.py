@@ -14,7 +14,6 @@ from .. import trace
 from ..decoder import DecoderBlock, DecoderConfig, SwiGLU, rope_tables
 from ..report import format_table, progress, ratio_cell, save_results
 from ..runtime import Cluster, device, world_size
-from ..runtime.placement import host_allocations
 from .parallel_block import ParallelDecoderBlock, ParallelSwiGLU
 
 TP_HIDDEN = (256, 512, 1024, 1536)
@@ -28,8 +27,8 @@ def _tp_step_seconds(kind: str, hidden: int, tokens: int, steps: int) -> float:
     config = DecoderConfig(hidden=hidden, heads=hidden // 64, kv_heads=hidden // 128,
                            seq_len=tokens // 4)
     rope: tuple = ()
-    with host_allocations():  # seeded on the host, then moved: the same twin on any device
-        twin = SwiGLU(hidden, config.ffn) if kind == "mlp" else DecoderBlock(config)
+    # seeded on the host, then moved: the same twin on any device
+    twin = SwiGLU(hidden, config.ffn) if kind == "mlp" else DecoderBlock(config)
     twin = twin.to(device())
     if kind == "mlp":
         block = ParallelSwiGLU(twin) if world_size() > 1 else twin

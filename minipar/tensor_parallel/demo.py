@@ -13,7 +13,6 @@ from .. import collectives
 from ..decoder import DecoderBlock, DecoderConfig, SwiGLU, rope_tables
 from ..demo import Check, Context, Row, start_clock
 from ..runtime import device, rank, world_size
-from ..runtime.placement import host_allocations
 from .parallel_block import ParallelDecoderBlock, ParallelSwiGLU
 
 CASES = (("mlp", False), ("block", False), ("block", True))
@@ -38,11 +37,11 @@ def _case(kind: str, sequence_parallel: bool) -> Check:
     title += ", sequence parallel" if sequence_parallel else ""
     c = shape_for(k)
     torch.manual_seed(0)  # nn.Linear's default init
-    with host_allocations():  # seeded on the host, then moved: the same twin on any device
-        twin = (SwiGLU(c.hidden, c.ffn, torch.float64) if kind == "mlp" else
-                DecoderBlock(c, torch.float64))
-        x = torch.randn(2, c.seq_len, c.hidden, dtype=torch.float64,
-                        generator=torch.Generator().manual_seed(1))
+    # seeded on the host, then moved: the same twin on any device
+    twin = (SwiGLU(c.hidden, c.ffn, torch.float64) if kind == "mlp" else
+            DecoderBlock(c, torch.float64))
+    x = torch.randn(2, c.seq_len, c.hidden, dtype=torch.float64,
+                    generator=torch.Generator().manual_seed(1))
     twin, x = twin.to(device()), x.to(device())
     # the rotary tables cover the whole sequence on every rank (per position, not per token)
     rope = rope_tables(c.head_dim, torch.arange(c.seq_len, device=device()), c.rope_base,

@@ -9,7 +9,6 @@ import torch
 
 from .. import runtime
 from ..grading import ExerciseError, refuse_library, run_on_ranks
-from ..runtime.placement import host_allocations
 
 
 def _call_g(g_class: type) -> tuple[list[float], list[float], bool]:
@@ -59,10 +58,10 @@ H, FFN, TOKENS = 8, 16, 5  # the MLP the check splits: hidden 8, inner width 16,
 def _mlp_twin() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [tokens, h], W_up [ffn, h], W_down [h, ffn]: nn.Linear's layout, float64."""
     g = torch.Generator().manual_seed(41)
-    with host_allocations():  # a CPU generator draws on the host: moved just below
-        drawn = (torch.randn(TOKENS, H, dtype=torch.float64, generator=g),
-                 torch.randn(FFN, H, dtype=torch.float64, generator=g) / H**0.5,
-                 torch.randn(H, FFN, dtype=torch.float64, generator=g) / FFN**0.5)
+    # a CPU generator draws on the host: moved just below
+    drawn = (torch.randn(TOKENS, H, dtype=torch.float64, generator=g),
+             torch.randn(FFN, H, dtype=torch.float64, generator=g) / H**0.5,
+             torch.randn(H, FFN, dtype=torch.float64, generator=g) / FFN**0.5)
     return tuple(t.to(runtime.device()) for t in drawn)
 
 

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..runtime.placement import host_allocations
-
 KINDS = ("param", "exp_avg", "exp_avg_sq")  # a parameter and Adam's two moments
 
 
@@ -41,8 +39,8 @@ class Piece:
 
     def global_indices(self) -> torch.Tensor:
         """The global row-major index of each of the piece's entries, increasing."""
-        with host_allocations():  # index bookkeeping, on the host like the files' pieces
-            local = torch.arange(self.start, self.stop)
+        # index bookkeeping, on the host like the files' pieces
+        local = torch.arange(self.start, self.stop)
         index = torch.zeros_like(local)
         for dim in range(len(self.shape)):
             inner = math.prod(self.lengths[dim + 1:])
@@ -79,8 +77,8 @@ def _adam_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, 
     about to be loaded)."""
     state = optimizer.state[p]
     if "exp_avg" not in state:
-        with host_allocations():  # torch's Adam keeps its step count on the host
-            step = torch.tensor(0.0)
+        # torch's Adam keeps its step count on the host
+        step = torch.tensor(0.0)
         state.update(step=step, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
     return state
 
@@ -121,8 +119,7 @@ def fill(target: Holding, sources: list[tuple[Piece, dict[str, torch.Tensor]]]) 
     """Write into `target`'s values every entry the `sources` (pieces of a checkpoint and
     their values) hold of it; one line naming the tensor when some entry is in none."""
     wanted = target.piece.global_indices()
-    with host_allocations():
-        found = torch.zeros(len(wanted), dtype=torch.bool)
+    found = torch.zeros(len(wanted), dtype=torch.bool)
     for piece, values in sources:
         have = piece.global_indices()
         at = torch.searchsorted(wanted, have).clamp(max=len(wanted) - 1)

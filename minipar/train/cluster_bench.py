@@ -37,7 +37,6 @@ from ..mesh.planner import MEGATRON_ORDER, Layout, estimate
 from ..moe.hierarchical import all_to_all_time, hierarchical_all_to_all, node_mesh
 from ..report import format_table, progress, ratio_cell, save_results, spread
 from ..runtime import Cluster, device, rank, world_size
-from ..runtime.placement import host_allocations
 
 ACROSS = Link(latency=2e-3, bandwidth=100e6)  # between the nodes: 2 ms, 100 MB/s
 PER_NODE, ROW_FLOATS = 2, 64
@@ -60,9 +59,9 @@ def exchanges(rows_per_peer: int, rounds: int, across: Link = ACROSS) -> list[di
     round and kind, the seconds it took and what this rank sent across nodes (`_traffic`)."""
     groups = node_mesh(PER_NODE).connect()
     k = world_size()
-    with host_allocations():  # a CPU generator draws on the host: moved just below
-        x = torch.randn(rows_per_peer * k, ROW_FLOATS,
-                        generator=torch.Generator().manual_seed(rank())).to(device())
+    # a CPU generator draws on the host: moved just below
+    x = torch.randn(rows_per_peer * k, ROW_FLOATS,
+                    generator=torch.Generator().manual_seed(rank())).to(device())
     counts = [rows_per_peer] * k
     out = []
     for i in range(rounds):

@@ -13,7 +13,6 @@ import torch
 from .. import runtime
 from ..grading import ExerciseError, refuse_library, run_on_ranks
 from ..mesh import Mesh
-from ..runtime.placement import host_allocations
 from .precision import LossScaler
 
 # one stage's gradients: a column shard, a norm's gain (replicated over tp), a row shard,
@@ -28,9 +27,9 @@ _LAYOUTS = ((2, 2), (2, 1), (1, 2))  # (tp, pp): the 4-rank layout first catches
 
 
 def _gradient(shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    with host_allocations():  # a CPU generator draws on the host: moved just below
-        grad = torch.randn(shape, dtype=torch.float64,
-                           generator=torch.Generator().manual_seed(seed))
+    # a CPU generator draws on the host: moved just below
+    grad = torch.randn(shape, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(seed))
     return grad.to(runtime.device())
 
 
@@ -177,9 +176,9 @@ def _dp_gradients(rank: int, scenario: int) -> list[torch.Tensor]:
     """A data-parallel rank's fp16 gradients in one scenario, with its inf or nan if any."""
     _, bad_ranks, value = _SCENARIOS[scenario]
     generator = torch.Generator().manual_seed(10 * scenario + rank)
-    with host_allocations():  # a CPU generator draws on the host: moved just below
-        grads = [torch.randn(shape, generator=generator, dtype=torch.float32).half()
-                 .to(runtime.device()) for shape in ((4, 3), (3,))]
+    # a CPU generator draws on the host: moved just below
+    grads = [torch.randn(shape, generator=generator, dtype=torch.float32).half()
+             .to(runtime.device()) for shape in ((4, 3), (3,))]
     if value and (bad_ranks is None or rank in bad_ranks):
         grads[1][2] = float(value)  # one entry is enough: the whole step is spoiled
     return grads

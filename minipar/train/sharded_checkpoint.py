@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from ..moe.moe_decoder import moe_decoder
 from ..runtime import rank, world_size
-from ..runtime.placement import host_allocations
 from ..slow_networks.checkpoint_restart import commit, latest_step, write_whole
 from .checkpoint_pieces import Holding, Piece, fill, holdings
 from .config import TrainConfig, from_dict, to_dict
@@ -215,8 +214,8 @@ def load_checkpoint(part: ModelPart, config: TrainConfig, out: str | Path,
             sources.append((saved, files[r][saved.key]))
         with torch.no_grad():
             fill(holding, sources)
-    with host_allocations():  # torch's Adam keeps its step count on the host
-        adam_step = torch.tensor(float(manifest["adam_step"]))
+    # torch's Adam keeps its step count on the host
+    adam_step = torch.tensor(float(manifest["adam_step"]))
     for state in part.optimizer.state.values():
         state["step"] = adam_step.clone()
     if part.sharded is not None and config.parallel.zero in (1, 2):
@@ -263,8 +262,8 @@ def consolidate(out: str | Path) -> tuple[TrainConfig, int, dict[str, torch.Tens
     state = {}
     for name, entry in manifest["tensors"].items():
         shape = tuple(entry["shape"])
-        with host_allocations():  # one process's state_dict, in host memory for the file
-            whole = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
+        # one process's state_dict, in host memory for the file
+        whole = torch.empty(shape, dtype=getattr(torch, entry["dtype"]))
         target = Holding(Piece(name, shape, (0,) * len(shape), shape, 0, whole.numel()),
                          {"param": whole.view(-1)})
         sources = [(_saved(name, shape, p), files[p["rank"]][_saved(name, shape, p).key])
