@@ -57,14 +57,20 @@ def output_folder(text: str) -> str:
 
 
 def run_command(prog: str, body: Callable[[], int]) -> int:
-    """Run a command's body: a ValueError becomes one line and exit status 2, Ctrl-C one
-    line and 130 (the ranks are cleaned up by their Cluster on the way out)."""
+    """Run a command's body: a ValueError becomes one line and exit status 2, a run whose
+    ranks stopped making progress (RankTimeout) one line and 1, Ctrl-C one line and 130
+    (the ranks are cleaned up by their Cluster on the way out)."""
     try:
         hand_ctrl_c_back()  # ranks may start now: their Cluster stops them on Ctrl-C
         return body()
     except ValueError as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return 2
+    except TimeoutError as err:
+        if not hasattr(err, "one_line"):  # not the launcher's RankTimeout
+            raise
+        print(f"{prog}: {err.one_line()}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130

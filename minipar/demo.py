@@ -184,8 +184,9 @@ def demo_parser(description: str, default_ranks: int = 2, prog: str | None = Non
                         help="auto: nccl with one GPU per rank, else gloo (CPU processes)")
     parser.add_argument("--timeout", type=positive_int, default=int(DEFAULT_TIMEOUT),
                         metavar="SECONDS",
-                        help=f"end the run with an error saying where each rank waits if it "
-                             f"takes longer (default {DEFAULT_TIMEOUT:g})")
+                        help=f"end the run with an error saying where each rank waits if "
+                             f"no rank makes progress for this long (default "
+                             f"{DEFAULT_TIMEOUT:g})")
     return parser
 
 

@@ -45,7 +45,7 @@ class Case:
 
 
 @dataclass
-class Row:
+class RehearsalRow:
     case: str
     ranks: int
     outcomes: list[Outcome] = field(default_factory=list)
@@ -178,16 +178,17 @@ def cases() -> list[Case]:
     return out
 
 
-def rehearse(selected: Sequence[Case], cluster: Callable[[int], object]) -> list[Row]:
+def rehearse(selected: Sequence[Case], cluster: Callable[[int], object]) -> list[RehearsalRow]:
     """Run each case on `cluster(ranks)` (a minipar.Cluster) and replay it both ways."""
     rows = []
     for case in selected:
         logs = list(cluster(case.ranks).run(recorded, case.task, *case.args))
-        rows.append(Row(case.name, case.ranks, [replay(logs, m) for m in ("lazy", "eager")]))
+        outcomes = [replay(logs, m) for m in ("lazy", "eager")]
+        rows.append(RehearsalRow(case.name, case.ranks, outcomes))
     return rows
 
 
-def table(rows: Sequence[Row]) -> str:
+def table(rows: Sequence[RehearsalRow]) -> str:
     """The rows as a markdown table: case, ranks, and each mode's outcome."""
     lines = ["| case | ranks | lazy (no device_id) | eager (device_id) |",
              "|---|---|---|---|"]

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import minipar
 from minipar import collectives as C
 from minipar import nccl_rehearsal
-from minipar.collectives.message_log import Entry, Message, recording
+from minipar.collectives.message_log import Entry, LoggedMessage, recording
 from minipar.collectives.nccl_replay import replay
 from minipar.pipeline import schedule
 from minipar.pipeline.message_plan import _logs, gaps, message_batches
@@ -194,7 +194,7 @@ def test_the_plans_own_gaps_cross_on_zb_v_and_looped_schedules():
 
 def _post(where, peer, direction, batched=True, group=(0, 1)):
     return Entry("post", "main", where, group=group,
-                 messages=(Message(direction, peer, 8),), batched=batched)
+                 messages=(LoggedMessage(direction, peer, 8),), batched=batched)
 
 
 def test_wait_does_not_block_the_host_but_a_sync_does():
@@ -209,7 +209,7 @@ def test_wait_does_not_block_the_host_but_a_sync_does():
     synced = [[*log[:2], Entry("sync", "main", "item", name="item"), log[2]] for log in logs]
     assert replay(synced, "eager").pattern == "deadlock"
     together = [[Entry("post", "main", "x", group=(0, 1),
-                       messages=(Message("recv", 1 - r, 8), Message("send", 1 - r, 8)))]
+                       messages=(LoggedMessage("recv", 1 - r, 8), LoggedMessage("send", 1 - r, 8)))]
                 for r in range(2)]
     assert replay(together, "eager").completes
 

@@ -197,6 +197,37 @@ def test_deadlock_times_out_naming_waiting_ranks():
     cluster.close()
 
 
+def _steps_for(seconds: float) -> int:
+    """Small all-reduces, one every 0.1 s, for `seconds`: a healthy run that makes
+    progress all along and lasts longer than its watchdog's window."""
+    steps, end = 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        minipar.collectives.all_reduce(torch.ones(2))
+        time.sleep(0.1)
+        steps += 1
+    return steps
+
+
+def test_the_timeout_is_a_watchdog_on_progress_not_a_budget_for_the_run(cluster2):
+    # 4 s of steps under a 1.5 s timeout: before issue 69 this was a RankTimeout
+    steps = cluster2.run(_steps_for, 4.0, timeout=1.5)
+    assert min(steps) > 15
+
+
+def test_a_timeout_in_a_command_is_one_line_naming_the_rank_and_the_flag(capsys):
+    from minipar.cli import run_command
+    from minipar.runtime.errors import RankTimeout
+
+    def body():
+        raise RankTimeout(120, {1: "in recv() at p2p.py:40", 0: "in wait() at p2p.py:55"})
+
+    assert run_command("minipar train", body) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Traceback" not in err
+    assert err.startswith("minipar train: no rank made progress for 120s: rank 0 waited in "
+                          "wait() at p2p.py:55") and err.endswith("pass a larger --timeout")
+
+
 class SlowToUnpickle:
     """An argument that takes 3 s to arrive on a rank, as a task can on a busy machine."""
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .. import trace
+from ..runtime.progress import beat
 from .host_staging import post, wire_device
 from .network import pay_for_sends
 
@@ -181,6 +182,7 @@ def _account(transfer: Transfer, start: float, end: float, messages: int = 1,
              label: str | None = None, **fields: int) -> None:
     """Every message minipar moves: into every open meter, and into the Timeline (labelled
     "collective phase" unless the caller names it, as the pipeline engine does: 1SEND_F0)."""
+    beat()  # progress, for the launcher's watchdog (runtime/progress.py)
     for m in _meters:
         if transfer.direction == "send":
             m.sent_bytes += transfer.bytes

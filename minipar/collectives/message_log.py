@@ -54,7 +54,7 @@ _SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__,
 
 
 @dataclass(frozen=True)
-class Message:
+class LoggedMessage:
     """One message of a posting: "send" or "recv", the peer's global rank, bytes."""
 
     direction: str
@@ -72,7 +72,7 @@ class Entry:
     thread: str
     where: str
     group: tuple[int, ...] = ()  # the group's global ranks
-    messages: tuple[Message, ...] = ()
+    messages: tuple[LoggedMessage, ...] = ()
     batched: bool = True
     name: str = ""
     request: int = -1  # a post's or collective's id; a wait's target
@@ -164,7 +164,7 @@ class MessageLog(TorchFunctionMode):
         def logged(ops):
             if self.inside() or not ops:
                 return fn(ops)
-            messages = tuple(Message("send" if op.op.__name__ == "isend" else "recv", op.peer,
+            messages = tuple(LoggedMessage("send" if op.op.__name__ == "isend" else "recv", op.peer,
                                      op.tensor.numel() * op.tensor.element_size())
                              for op in ops)
             request = self.add("post", group=_ranks(ops[0].group), messages=messages)
@@ -184,7 +184,7 @@ class MessageLog(TorchFunctionMode):
             group = args[2] if len(args) > 2 else kwargs.get("group")
             if self.inside() or peer is None:  # recv from any rank: gloo only, not replayed
                 return fn(*args, **kwargs)
-            message = Message(_UNBATCHED[name], peer, tensor.numel() * tensor.element_size())
+            message = LoggedMessage(_UNBATCHED[name], peer, tensor.numel() * tensor.element_size())
             request = self.add("post", group=_ranks(group), messages=(message,), batched=False)
             self._depth.n = getattr(self._depth, "n", 0) + 1
             try:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..collectives.message_log import Entry, Message
+from ..collectives.message_log import Entry, LoggedMessage
 from ..collectives.nccl_replay import replay
 from .plan import Action, ActionKind, Schedule
 
@@ -66,7 +66,7 @@ def _logs(plan: Schedule, actions: Sequence[Sequence[Action]], batches: list[Bat
                 if not shapes_known:
                     log += [Entry("await", "main", "", name=shape_key(a))
                             for a in batch if a.kind == ActionKind.RECV_F]
-                messages = tuple(Message("send" if a.kind.is_send else "recv",
+                messages = tuple(LoggedMessage("send" if a.kind.is_send else "recv",
                                          plan.rank_of(a.peer_stage), 1) for a in batch)
                 log.append(Entry("post", "main", f"{r}:{i}", group=group, messages=messages))
                 if any(a.kind.is_recv for a in batch):  # the receives, before the compute

@@ -18,7 +18,9 @@ from .torchrun import run_under_torchrun, under_torchrun
 from .worker import in_rank
 
 START_METHODS = ("forkserver", "spawn")  # no plain fork: forking a threaded process can deadlock
-DEFAULT_TIMEOUT = 120.0  # seconds per run; RankTimeout then says where each rank waits
+# seconds with no progress on any rank (runtime/progress.py); RankTimeout then says where
+# each rank waits. No healthy operation of any preset comes near it, on CPU or GPU
+DEFAULT_TIMEOUT = 120.0
 
 
 def _check_world_size(world_size: Any) -> int:

@@ -17,15 +17,26 @@ class RankError(RuntimeError):
 
 
 class RankTimeout(TimeoutError):
-    """A run passed its timeout; `waiting` maps each unfinished rank to where it was."""
+    """No rank made progress for `timeout` seconds (runtime/progress.py: no message,
+    collective, recorded computation or step); `waiting` maps each unfinished rank to
+    where it was."""
 
     def __init__(self, timeout: float, waiting: dict[int, str]) -> None:
-        self.waiting = waiting
-        lines = [f"run did not finish within timeout={timeout:g}s; "
-                 f"{len(waiting)} rank(s) were still waiting (a deadlock or a slow rank):"]
+        self.timeout, self.waiting = timeout, waiting
+        lines = [f"no rank made progress for {timeout:g}s (timeout={timeout:g}); "
+                 f"{len(waiting)} rank(s) were still waiting (a deadlock, or one operation "
+                 "longer than that):"]
         lines += [f"  rank {r}: {where}" for r, where in sorted(waiting.items())]
-        lines.append("If the run is just slow, pass a larger timeout=.")
+        lines.append("If one step is just that slow, pass a larger timeout=.")
         super().__init__("\n".join(lines))
+
+    def one_line(self, flag: str = "--timeout") -> str:
+        """The command line's form: the first rank, where it waited, the flag to change."""
+        r = min(self.waiting) if self.waiting else 0
+        where = self.waiting.get(r, "still running")
+        return (f"no rank made progress for {self.timeout:g}s: rank {r} waited {where} "
+                f"({len(self.waiting)} rank(s) stuck); a deadlock, or one operation longer "
+                f"than that: pass a larger {flag}")
 
 
 class RankDied:

@@ -250,7 +250,7 @@ def get_device_name(device=None) -> str:
     return "minipar faked device"
 
 
-class Event:
+class FakedEvent:
     """A mark in a stream: on the faked device, done when recorded."""
 
     def __init__(self, enable_timing: bool = False) -> None:
@@ -266,34 +266,34 @@ class Event:
     def query(self) -> bool:
         return True
 
-    def elapsed_time(self, end: Event) -> float:
+    def elapsed_time(self, end: FakedEvent) -> float:
         return (end.time - self.time) * 1e3
 
 
-class Stream:
+class FakedStream:
     """A queue of work on one device: on the faked device, run as it is queued."""
 
     def __init__(self, device=None, priority: int = 0) -> None:
         self.device = torch.device(NAME, current_device() if device is None else
                                    torch.device(device).index)
 
-    def wait_event(self, event: Event) -> None:
+    def wait_event(self, event: FakedEvent) -> None:
         pass
 
-    def wait_stream(self, stream: Stream) -> None:
+    def wait_stream(self, stream: FakedStream) -> None:
         pass
 
     def synchronize(self) -> None:
         pass
 
-    def record_event(self, event: Event | None = None) -> Event:
-        event = event or Event()
+    def record_event(self, event: FakedEvent | None = None) -> FakedEvent:
+        event = event or FakedEvent()
         event.record()
         return event
 
 
 @contextmanager
-def stream(s: Stream | None) -> Iterator[None]:
+def stream(s: FakedStream | None) -> Iterator[None]:
     """Make `s` current in the block. As CUDA does, entering a stream of device i makes i
     the thread's current device: a thread that never set its device touches device 0."""
     previous = current_device()
@@ -305,8 +305,11 @@ def stream(s: Stream | None) -> Iterator[None]:
         set_device(previous)
 
 
-def current_stream(device=None) -> Stream:
-    return Stream(device)
+def current_stream(device=None) -> FakedStream:
+    return FakedStream(device)
+
+
+Event, Stream = FakedEvent, FakedStream  # the names torch's device modules use
 
 
 def memory_allocated(device=None) -> int:

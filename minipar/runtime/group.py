@@ -20,6 +20,7 @@ from typing import Any
 
 import cloudpickle
 
+from . import progress
 from .errors import RankDied, RankError, RankTimeout
 from .worker import STARTUP_TIMEOUT, _worker_main, entered_path, where_waiting
 
@@ -57,6 +58,7 @@ class RankGroup:
                  device: str = "cpu") -> None:
         self.size, self.backend, self.device = size, backend, device
         self.io_dir = tempfile.mkdtemp(prefix="minipar-")
+        progress.create(self.io_dir, size)
         ctx = mp.get_context(start_method)
         if start_method == "forkserver":
             # imported once in the forkserver; every rank forked from it starts with torch loaded
@@ -110,12 +112,13 @@ class RankGroup:
         return at if at >= sent else None  # an older time is the last task's
 
     def _budget_end(self, pending: set[int], timeout: float, sent: float) -> float:
-        """The timeout counts from when each rank entered the function, not from when the
+        """The timeout is a watchdog on progress: it counts from the last time any rank
+        made progress (runtime/progress.py), or entered the function, not from when the
         task was sent: on a busy machine unpickling it and the barrier before it may take
         seconds. A rank that never enters gets STARTUP_TIMEOUT more before it is called stuck."""
         entered = [self._entered(r, sent) for r in pending]
         if None not in entered:
-            return max(entered) + timeout
+            return max(*entered, progress.latest(self.io_dir, self.size)) + timeout
         if time.monotonic() < sent + timeout + STARTUP_TIMEOUT:
             return time.monotonic() + 0.5  # not in the function yet: look again soon
         return sent + timeout  # stuck before the function: time out now

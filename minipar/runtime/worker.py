@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from .. import trace
+from . import progress
 from .device import _bind_device, faked_for_task, nccl_device_id, on_the_host, rank
 from .gloo_threads import calm_from_birth
 
@@ -111,6 +112,7 @@ def _run_task(task: bytes) -> tuple:
     with trace.capture(rank()) as captured, faked_for_task(faked, rank()):
         with open(_entered_file, "w") as f:
             f.write(repr(time.monotonic()))
+        progress.beat()
         result = on_the_host(fn(*args, **kwargs))
     return result, captured.events
 
@@ -133,6 +135,7 @@ def _worker_main(rank_: int, size: int, backend: str, device: str, io_dir: str,
     global _entered_file
     _die_with_parent(lifeline)
     _entered_file = entered_path(io_dir, rank_)
+    progress.attach(io_dir, rank_)
     try:
         _redirect_output(os.path.join(io_dir, f"{rank_}.out"),
                          os.path.join(io_dir, f"{rank_}.err"))

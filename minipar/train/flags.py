@@ -142,5 +142,6 @@ def add_launch_flags(parser: argparse.ArgumentParser) -> None:
                              "--backend gloo: every rank on the GPUs there are (several "
                              "ranks may share one)")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                        help=f"seconds a rank may wait in one operation (default "
-                             f"{DEFAULT_TIMEOUT})")
+                        help=f"seconds with no progress on any rank (no message, step or "
+                             f"computation ending) before the run is called stuck (default "
+                             f"{DEFAULT_TIMEOUT:g})")
