@@ -30,37 +30,69 @@ from .metrics import cores_in_use
 
 TFLOPS = 1e12
 
-# dense (no 2:4 sparsity) peaks, TFLOP/s, from NVIDIA's data sheets. float32 is the CUDA
-# cores' figure: torch multiplies float32 without TF32 unless told to
+# dense (no 2:4 sparsity) peaks, TFLOP/s, from NVIDIA's data sheets (each row names its
+# sheet; where a sheet gives "with sparsity", half of it). float32 is the CUDA cores'
+# figure: torch multiplies float32 without TF32 unless told to
 # (torch.backends.cuda.matmul.allow_tf32); float64 is the tensor cores' where they have it.
-# Matched by the first fragment found in torch's name for the card, so "A100" comes
-# before "A10", "L40S" before "L4" and the H100 PCIe and NVL before the H100 (SXM5).
-DATASHEET: tuple[tuple[str, dict[torch.dtype, float]], ...] = (
-    ("H100 PCIe", {torch.bfloat16: 756.5, torch.float16: 756.5, torch.float32: 51.2,
-                   torch.float64: 51.2}),
-    ("H100 NVL", {torch.bfloat16: 835.5, torch.float16: 835.5, torch.float32: 60.0,
-                  torch.float64: 60.0}),
-    ("H100", {torch.bfloat16: 989.4, torch.float16: 989.4, torch.float32: 66.9,
-              torch.float64: 66.9}),  # SXM5
-    ("H200", {torch.bfloat16: 989.4, torch.float16: 989.4, torch.float32: 66.9,
-              torch.float64: 66.9}),  # SXM
-    ("A100", {torch.bfloat16: 312.0, torch.float16: 312.0, torch.float32: 19.5,
-              torch.float64: 19.5}),  # SXM4 and PCIe alike
-    ("A10", {torch.bfloat16: 125.0, torch.float16: 125.0, torch.float32: 31.2}),
-    ("L40S", {torch.bfloat16: 362.05, torch.float16: 362.05, torch.float32: 91.6}),
-    ("L4", {torch.bfloat16: 121.0, torch.float16: 121.0, torch.float32: 30.3}),
-    ("T4", {torch.float16: 65.0, torch.float32: 8.1}),  # no bf16 units
-    ("V100", {torch.float16: 125.0, torch.float32: 15.7, torch.float64: 7.8}),  # SXM2
-)
+# Keyed by (model, form factor) as `card` reads them from torch's name for the card: a
+# whole word, so an L40 never gets the L4's row, nor an H200 NVL the H200 SXM's.
+BF, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+DATASHEET: dict[tuple[str, str], tuple[dict[torch.dtype, float], str]] = {
+    ("H100", "SXM"): ({BF: 989.4, FP16: 989.4, FP32: 66.9, FP64: 66.9},
+                      "H100 Tensor Core GPU datasheet, SXM column"),
+    ("H100", "PCIe"): ({BF: 756.5, FP16: 756.5, FP32: 51.2, FP64: 51.2},
+                       "H100 Tensor Core GPU datasheet, PCIe column"),
+    ("H100", "NVL"): ({BF: 835.5, FP16: 835.5, FP32: 60.0, FP64: 60.0},
+                      "H100 Tensor Core GPU datasheet, H100 NVL column"),
+    ("H200", "SXM"): ({BF: 989.4, FP16: 989.4, FP32: 66.9, FP64: 66.9},
+                      "H200 Tensor Core GPU datasheet, H200 SXM column"),
+    ("H200", "NVL"): ({BF: 835.5, FP16: 835.5, FP32: 60.0, FP64: 60.0},
+                      "H200 Tensor Core GPU datasheet, H200 NVL column"),
+    ("A100", "SXM"): ({BF: 312.0, FP16: 312.0, FP32: 19.5, FP64: 19.5},
+                      "A100 Tensor Core GPU datasheet (SXM and PCIe alike)"),
+    ("A100", "PCIe"): ({BF: 312.0, FP16: 312.0, FP32: 19.5, FP64: 19.5},
+                       "A100 Tensor Core GPU datasheet (SXM and PCIe alike)"),
+    ("A10", "PCIe"): ({BF: 125.0, FP16: 125.0, FP32: 31.2}, "NVIDIA A10 datasheet"),
+    ("L40S", "PCIe"): ({BF: 362.05, FP16: 362.05, FP32: 91.6}, "NVIDIA L40S datasheet"),
+    ("L40", "PCIe"): ({BF: 181.05, FP16: 181.05, FP32: 90.5}, "NVIDIA L40 datasheet"),
+    ("L4", "PCIe"): ({BF: 121.0, FP16: 121.0, FP32: 30.3}, "NVIDIA L4 datasheet"),
+    ("T4", "PCIe"): ({FP16: 65.0, FP32: 8.1}, "NVIDIA T4 datasheet (no bf16 units)"),
+    ("V100", "SXM"): ({FP16: 125.0, FP32: 15.7, FP64: 7.8}, "V100 datasheet, SXM2 column"),
+    ("V100", "PCIe"): ({FP16: 112.0, FP32: 14.0, FP64: 7.0}, "V100 datasheet, PCIe column"),
+}
+# the form factor a card's name implies when it names none: NVIDIA's names for the SXM
+# boards carry no "SXM" ("NVIDIA H100 80GB HBM3", "NVIDIA H200"); the others are PCIe cards
+_PLAIN_FORM = {"H100": "SXM", "H200": "SXM", "A100": "SXM", "V100": "SXM"}
+
+
+def card(name: str) -> tuple[str, str] | None:
+    """(model, form factor) of a card as torch names it ("NVIDIA H200 NVL" -> ("H200",
+    "NVL"), "NVIDIA A100-SXM4-80GB" -> ("A100", "SXM")), or None for a name with no
+    model from DATASHEET as a whole word."""
+    words = name.upper().replace("-", " ").split()
+    models = {m for m, _ in DATASHEET}
+    model = next((w for w in words if w in models), None)
+    if model is None:
+        return None
+    if "NVL" in words:
+        form = "NVL"
+    elif "PCIE" in words:
+        form = "PCIe"
+    elif any(w.startswith("SXM") for w in words):
+        form = "SXM"
+    else:
+        form = _PLAIN_FORM.get(model, "PCIe")
+    return model, form
 
 
 def datasheet_peak(name: str, dtype: torch.dtype) -> float | None:
     """The data sheet's dense FLOP/s of the card `name` (as torch names it) in `dtype`;
-    None for a card not in `DATASHEET`, or a dtype its sheet gives no figure for."""
-    for fragment, peaks in DATASHEET:
-        if fragment in name:
-            return peaks[dtype] * TFLOPS if dtype in peaks else None
-    return None
+    None for a card not in `DATASHEET` (MFU then divides by the timed matmul, and the run
+    says so), or a dtype its sheet gives no figure for."""
+    row = DATASHEET.get(card(name) or ("", ""))
+    if row is None or dtype not in row[0]:
+        return None
+    return row[0][dtype] * TFLOPS
 
 
 @dataclass
