@@ -84,7 +84,7 @@ def every_collective() -> None:
     C.all_to_all(torch.ones(sum(send), 2, device=device()), send, recv)
 
 
-def trainer(parallel: dict, model: dict | None = None) -> None:
+def trainer(parallel: dict, model: dict | None = None, train_: dict | None = None) -> None:
     """Two steps of a small decoder on this parallel layout, with an evaluation between
     them and the trainer's memory step after: every message a run sends."""
     from .train.config import load_config
@@ -95,6 +95,7 @@ def trainer(parallel: dict, model: dict | None = None) -> None:
                  "optim.warmup_steps": 1}
     overrides.update({f"parallel.{k}": v for k, v in parallel.items()})
     overrides.update({f"model.{k}": v for k, v in (model or {}).items()})
+    overrides.update({f"train.{k}": v for k, v in (train_ or {}).items()})
     train(load_config("tiny", overrides))
 
 

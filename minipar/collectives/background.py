@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from ..runtime.device import thread_checks
+
 
 class CommThread:
     """A FIFO of communication jobs run by one daemon thread, started on first use."""
@@ -44,6 +46,9 @@ class CommThread:
             raise failure
 
     def _run(self) -> None:
+        # on the faked device, this thread's host reads are checked too (runtime/
+        # faked_device.py: its checks of Python-level ops live in a per-thread mode)
+        thread_checks().__enter__()
         while True:
             future, fn, args = self._queue.get()
             try:

@@ -37,6 +37,7 @@ from .device import (
     DEVICES,
     allocator_history,
     compute_ready,
+    copies_landed,
     cpu_cores,
     device,
     device_name,
@@ -59,7 +60,8 @@ from .torchrun import ranks_per_node, under_torchrun
 __all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "DEVICES", "START_METHODS", "Cluster", "RankDied",
            "RankError", "RankTimeout", "Results", "allocator_history", "calm_from_birth",
            "calm_gloo_threads",
-           "compute_ready", "cpu_cores", "cpu_kind", "cpu_model", "device", "device_name",
+           "compute_ready", "copies_landed", "cpu_cores", "cpu_kind", "cpu_model", "device",
+           "device_name",
            "gpu_count", "host_empty_like", "launch", "machine_line", "memory_peak",
            "new_groups", "on_copy_stream", "rank", "ranks_per_node", "reset_memory_peak",
            "resolve_backend", "resolve_device", "synchronize", "under_torchrun", "world_size"]

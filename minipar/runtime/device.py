@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -131,6 +131,12 @@ def faked_for_task(on: bool, local_rank: int) -> Iterator[None]:
         torch.__future__.set_swap_module_params_on_conversion(swap)
 
 
+def thread_checks() -> AbstractContextManager:
+    """What a thread of this rank enters first: on the faked device its per-thread checks
+    (faked_device.HostTags), elsewhere nothing."""
+    return faked_device.HostTags() if _device.type == faked_device.NAME else nullcontext()
+
+
 def faked_requested() -> bool:
     """Whether the launcher's environment asks for the faked device (FAKED_ENV=1)."""
     return os.environ.get(FAKED_ENV) == "1"
@@ -181,6 +187,14 @@ def host_empty_like(t: torch.Tensor) -> torch.Tensor:
     """An uninitialized tensor shaped like `t` in host memory: page-locked (pinned) when the
     rank computes on a GPU, so copies to and from it can run while the GPU computes."""
     return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=_device.type == "cuda")
+
+
+def copies_landed() -> None:
+    """Wait until the copies this thread's current stream has queued have landed: a host
+    buffer a non-blocking copy from the device writes may be read after this (a no-op on
+    a CPU, where a copy is done when it returns)."""
+    if on_accelerator():
+        _accelerator().current_stream(_device).synchronize()
 
 
 def compute_ready() -> object | None:

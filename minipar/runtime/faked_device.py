@@ -37,6 +37,8 @@ NAME = "fakegpu"
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _TORCH = os.path.dirname(torch.__file__) + os.sep
 _installed = False
+_in_flight: set[int] = set()  # host storages a non-blocking copy from the device still writes
+_lock = threading.Lock()
 # frames that are not where an op was asked for: this file, and the NCCL rehearsal's log
 _SKIPPED = {__file__, os.path.join(PACKAGE, "collectives", "message_log.py")}
 _current = threading.local()  # this thread's current device index, as CUDA keeps one
@@ -119,12 +121,20 @@ class DeviceTensor(torch.Tensor):
         with _unwrapped():
             out = func(*args, **kwargs)
         name = func._schema.name
+        if name == "aten::copy_" and type(args[0]) is not DeviceTensor and \
+                (kwargs.get("non_blocking") or (len(args) > 2 and args[2])):
+            # a copy to the host that returns at once: its buffer is not to be read until
+            # a synchronize (on a GPU the copy engine may still be writing it)
+            with _lock:
+                _in_flight.add(args[0].untyped_storage().data_ptr())
         if name == "aten::_local_scalar_dense":
             _host_sync()
             return out
-        if name == "aten::_to_copy" and _device_of(kwargs.get("device")) == "cpu":
-            _host_sync()
+        if args and out is args[0]:  # in place (copy_ into a host buffer too): as it was
             return out
+        # a `_to_copy` that names the host here comes from torch's own kernels, which read a
+        # DeviceTensor's options as the host's (ToCopyBackward casting a gradient back): it
+        # stays on the device. Copies to the host go through DeviceTensor.to/.cpu above.
         return tree_map(lambda t: DeviceTensor.wrap(t, index)
                         if type(t) is torch.Tensor else t, out)
 
@@ -141,10 +151,6 @@ def _target_device(args, kwargs) -> torch.device | None:
         if isinstance(a, torch.Tensor):
             return a.device
     return None
-
-
-def _device_of(d) -> str | None:
-    return None if d is None else torch.device(d).type
 
 
 def _host_sync() -> None:
@@ -189,8 +195,13 @@ class HostTags(TorchFunctionMode):
     device op (one_hot's classes, say: they follow the storage, which is the host's)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
         flat, _ = tree_flatten((args, kwargs))
+        if _in_flight and func is not torch.Tensor.copy_:
+            for t in flat:
+                if type(t) is torch.Tensor and t.untyped_storage().data_ptr() in _in_flight:
+                    _refuse("a host buffer is read while a non-blocking copy from the device "
+                            "may still be writing it (wait for it: runtime.copies_landed())")
+        out = func(*args, **(kwargs or {}))
         if not any(type(t) is DeviceTensor for t in flat) or func in _TO_HOST:
             for t in tree_flatten(out)[0]:
                 if type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
@@ -242,8 +253,29 @@ def manual_seed_all(seed: int) -> None:
     """Its random numbers are the host's: torch.manual_seed seeds them already."""
 
 
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    """What autocast may cast to here (torch.utils.checkpoint asks, to replay a region)."""
+    return [torch.float16, torch.bfloat16]
+
+
+def get_rng_state(device=None) -> torch.Tensor:
+    """Its random numbers are the host's (recomputation saves and restores them)."""
+    return torch.get_rng_state()
+
+
+def set_rng_state(state: torch.Tensor, device=None) -> None:
+    torch.set_rng_state(state)
+
+
 def synchronize(device=None) -> None:
-    """Work on the faked device is done when its op returns."""
+    """Work on the faked device is done when its op returns; copies to the host may be
+    read from here on."""
+    _landed()
+
+
+def _landed() -> None:
+    with _lock:
+        _in_flight.clear()
 
 
 def get_device_name(device=None) -> str:
@@ -261,7 +293,7 @@ class FakedEvent:
         self.time = time.perf_counter()
 
     def synchronize(self) -> None:
-        pass
+        _landed()
 
     def query(self) -> bool:
         return True
@@ -284,7 +316,7 @@ class FakedStream:
         pass
 
     def synchronize(self) -> None:
-        pass
+        _landed()
 
     def record_event(self, event: FakedEvent | None = None) -> FakedEvent:
         event = event or FakedEvent()

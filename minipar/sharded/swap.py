@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from ..collectives.background import CommThread
-from ..runtime import compute_ready, host_empty_like, on_copy_stream
+from ..runtime import compute_ready, copies_landed, host_empty_like, on_copy_stream
 from ..trace import record
 
 
@@ -142,12 +142,15 @@ class SwappedLayer:
         return stream.submit(f"grads L{self.index}", self.nbytes, self._add_grads, grads)
 
     def _add_grads(self, grads: list[torch.Tensor | None]) -> None:
+        # into host buffers first, then added: a host add never reads device memory. The
+        # copies are non-blocking, so the adds wait until they have landed (the audit's
+        # finding 5: added at once, they read buffers the copy engine was still writing)
+        landed = [None if g is None else copy_into(host_empty_like(g), g) for g in grads]
+        copies_landed()
         start = 0
-        for p, g in zip(self.params, grads, strict=True):
+        for p, g in zip(self.params, landed, strict=True):
             if g is not None:
-                piece = self.host_grad[start:start + p.numel()]
-                # into a host buffer first, then added: a host add never reads device memory
-                piece.add_(copy_into(host_empty_like(g), g).reshape(-1))
+                self.host_grad[start:start + p.numel()].add_(g.reshape(-1))
             start += p.numel()
 
     def hand_gradient_to_optimizer(self) -> None:

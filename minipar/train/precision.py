@@ -22,6 +22,7 @@ from torch import nn
 from .. import collectives
 from ..pipeline import Stage
 from ..runtime import device, world_size
+from ..runtime.device import autocast_device_type
 
 # what the model's parameters are built in; bf16, fp16 and fp8 keep float32 masters
 PARAM_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.float32,
@@ -34,7 +35,7 @@ COMPUTE_DTYPES = {"fp32": torch.float32, "fp64": torch.float64, "bf16": torch.bf
 def autocast(precision: str):
     """The context a forward runs in: autocast to 16 bits for bf16 and fp16, else nothing."""
     if precision in ("bf16", "fp16"):
-        return torch.autocast(device().type, dtype=COMPUTE_DTYPES[precision])
+        return torch.autocast(autocast_device_type(), dtype=COMPUTE_DTYPES[precision])
     return nullcontext()
 
 
