@@ -389,3 +389,26 @@ def test_tolerate_deaths_keeps_the_survivors_results():
     assert isinstance(results[1], minipar.RankDied) and results[1].exitcode == -9
     with pytest.raises(minipar.RankError, match="rank 1 exited with code -9"):
         minipar.launch(_one_dies, 3, backend="gloo", timeout=30)
+
+
+def test_auto_never_falls_back_quietly_when_there_are_gpus_but_too_few(monkeypatch):
+    from minipar.runtime import device as device_module
+
+    module = sys.modules["minipar.runtime.device"]  # the package's `device` is the function
+    assert device_module is not module
+    monkeypatch.setattr(module, "gpu_count", lambda: 0)
+    assert module.resolve_backend("auto", 4) == "gloo"  # no GPU: CPU processes, as asked
+    monkeypatch.setattr(module, "gpu_count", lambda: 2)
+    monkeypatch.setattr(module.dist, "is_nccl_available", lambda: True)
+    assert module.resolve_backend("auto", 2) == "nccl"
+    with pytest.raises(ValueError, match=r"4 ranks per machine and 2 GPU\(s\).*"
+                                         r"backend='gloo', device='cuda'"):
+        module.resolve_backend("auto", 4)
+    monkeypatch.setattr(module, "gpu_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match="sees one GPU .*CUDA_VISIBLE_DEVICES"):
+        module.resolve_backend("auto", 8)
+    monkeypatch.setattr(module, "exclusive_process_gpus", lambda: [0])
+    with pytest.raises(ValueError, match="EXCLUSIVE_PROCESS"):
+        module.check_sharing("cuda", "gloo", 4)
+    module.check_sharing("cuda", "gloo", 1)  # one rank per GPU: nothing to share

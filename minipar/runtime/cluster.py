@@ -11,7 +11,7 @@ from typing import Any
 import cloudpickle
 
 from .. import trace
-from .device import faked_requested, resolve_backend, resolve_device
+from .device import check_sharing, faked_requested, resolve_backend, resolve_device
 from .errors import Results
 from .group import RankGroup, replay
 from .torchrun import run_under_torchrun, under_torchrun
@@ -82,7 +82,8 @@ class Cluster:
             raise ValueError(f"threads_per_rank must be an int >= 1; got {threads_per_rank!r}")
         self.start_method, self.threads_per_rank = start_method, threads_per_rank
         self.backend = resolve_backend(backend, self.world_size)
-        self.device = resolve_device(device, self.backend)  # "cpu" or "cuda"
+        self.device = resolve_device(device, self.backend)  # "cpu", "cuda" or "fakegpu"
+        check_sharing(self.device, self.backend, self.world_size)
         self.restarts = 0
         self._closed = False
         self._group: RankGroup | None = None

@@ -43,19 +43,52 @@ def machine_line() -> str:
 
 
 def resolve_backend(backend: str, ranks_per_machine: int) -> str:
-    """Turn "auto" into "nccl" (one GPU per rank available) or "gloo"; check the others."""
+    """Turn "auto" into "nccl" (one GPU per rank available) or "gloo" (no GPU: CPU
+    processes); check the others. "auto" never falls back quietly: with GPUs, but fewer
+    than ranks, it stops with one line that says what to pass instead."""
     if backend not in BACKENDS:
         allowed = ", ".join(map(repr, BACKENDS))
         raise ValueError(f"backend must be one of {allowed}; got {backend!r}")
     gpus = gpu_count()
     if backend == "auto":
-        return "nccl" if gpus >= ranks_per_machine and dist.is_nccl_available() else "gloo"
+        if gpus == 0 or not dist.is_nccl_available():
+            return "gloo"
+        if gpus < ranks_per_machine:
+            raise ValueError(_too_few_gpus(gpus, ranks_per_machine))
+        return "nccl"
     if backend == "nccl" and (gpus < ranks_per_machine or not dist.is_nccl_available()):
         raise ValueError(
             f"backend='nccl' needs one GPU per rank: {ranks_per_machine} ranks but {gpus} GPUs "
             "visible (or NCCL is missing from this torch build); use backend='gloo' to run on "
             "CPU processes, or backend='auto' to pick for you")
     return backend
+
+
+def _too_few_gpus(gpus: int, ranks: int) -> str:
+    if gpus == 1 and os.environ.get("LOCAL_WORLD_SIZE", "1") != "1":
+        return (f"each of torchrun's {ranks} processes on this node sees one GPU (its own "
+                "CUDA_VISIBLE_DEVICES?), while minipar gives LOCAL_RANK its GPU of those it "
+                "sees: let every process see all the node's GPUs, or pass --backend gloo")
+    return (f"backend='auto' with {ranks} ranks per machine and {gpus} GPU(s): NCCL needs "
+            "one GPU per rank. Pass backend='gloo', device='cuda' to share the GPUs (ranks "
+            "take turns on each), backend='gloo', device='cpu' for CPU processes, or at "
+            f"most {gpus} ranks")
+
+
+def exclusive_process_gpus() -> list[int]:
+    """The GPUs in EXCLUSIVE_PROCESS compute mode (one process each: ranks cannot share
+    them), as nvidia-smi reports; [] where it is absent or says nothing."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [i for i, mode in enumerate(out.splitlines()) if "exclusive_process" in mode.lower()]
 
 
 def resolve_device(device_: str, backend: str) -> str:
@@ -80,6 +113,20 @@ def resolve_device(device_: str, backend: str) -> str:
         raise ValueError("device='cuda' but torch sees no GPU here (a CPU-only build, or no "
                          "driver): use device='cpu'; `minipar doctor` says what this machine has")
     return device_
+
+
+def check_sharing(device_: str, backend: str, ranks_per_machine: int) -> None:
+    """Ranks that share a GPU (gloo, device='cuda', more ranks than GPUs) cannot on a GPU
+    in EXCLUSIVE_PROCESS compute mode: say so in one line, before any rank starts."""
+    gpus = gpu_count()
+    if device_ != "cuda" or backend != "gloo" or ranks_per_machine <= gpus:
+        return
+    exclusive = exclusive_process_gpus()
+    if exclusive:
+        raise ValueError(f"GPU(s) {exclusive} are in EXCLUSIVE_PROCESS compute mode: one "
+                         f"process each, so {ranks_per_machine} ranks cannot share {gpus} "
+                         "GPU(s); run at most one rank per GPU, or ask for DEFAULT mode "
+                         "(nvidia-smi -c DEFAULT)")
 
 
 def _bind_device(backend: str, local_rank: int, device_: str = "auto") -> None:
