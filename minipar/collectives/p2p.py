@@ -136,6 +136,11 @@ class PendingRecv(Pending):
     def wait(self) -> torch.Tensor:
         return super().wait()[0]
 
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The tensor the message lands in (read it after `wait()`)."""
+        return self.recvs[0][0] if self.recvs else self.recvs_done[0]
+
 
 def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None,
           label: str | None = None, **fields: int) -> PendingSend:
