@@ -223,3 +223,23 @@ def test_a_collective_needs_every_member_and_a_signal_blocks_only_its_waiter():
     assert replay(awaited, "eager").completes
     never = replay([[Entry("await", "main", "a", name="k")], []], "eager")
     assert not never.completes and "to be published" in never.lines[0]
+
+
+def _recv_any_as_if_nccl():
+    original = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl"
+    try:
+        C.recv_any(torch.zeros(2))
+    except ValueError as err:
+        return str(err)
+    finally:
+        dist.get_backend = original
+    return "no error"
+
+
+def test_what_only_gloo_can_do_refuses_nccl_in_one_line(cluster2, monkeypatch):
+    assert "recv_any needs backend='gloo'" in cluster2.run(_recv_any_as_if_nccl)[0]
+    # surviving a dead peer reads gloo's errors: refused before any process starts
+    monkeypatch.setattr(minipar.runtime.cluster, "resolve_backend", lambda b, n: "nccl")
+    with pytest.raises(ValueError, match="tolerate_deaths needs backend='gloo'"):
+        minipar.launch(abs, 2, 1, tolerate_deaths=True)

@@ -183,6 +183,9 @@ def recv_any(tensor: torch.Tensor) -> int:
     """Receive into `tensor` from whichever rank sends first; returns that rank (gloo only:
     NCCL has no receive-from-any). Metered as one message of tensor's size."""
     _check_tensor(tensor)
+    if dist.get_backend() == "nccl":
+        raise ValueError("recv_any needs backend='gloo': NCCL matches every receive to a "
+                         "named source rank")
     start = trace.now()
     # no src: gloo receives from any rank and returns which one it was
     landing = host_buffer(tensor, copy=False) if stages(tensor) else tensor

@@ -178,5 +178,10 @@ def launch(fn: Callable, world_size: int, *args: Any, backend: str = "auto",
     if under_torchrun():
         return run_under_torchrun(fn, world_size, args, kwargs, backend, timeout, device)
     task = _serialize(fn, args, kwargs)  # fail on bad input before starting processes
+    if tolerate_deaths and resolve_backend(backend, world_size) == "nccl":
+        # surviving a dead peer reads gloo's error on the broken connection; NCCL hangs or
+        # aborts the whole communicator instead
+        raise ValueError("tolerate_deaths needs backend='gloo': under NCCL a dead peer hangs "
+                         "or aborts every rank's communicator")
     with Cluster(world_size, backend, timeout=timeout, device=device) as cluster:
         return cluster._run(task, timeout, tolerate_deaths)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
@@ -330,15 +330,26 @@ def on_the_host(value):
     """`value` with every tensor on a device copied to host memory: a rank's answer is
     unpickled by the launcher (or, under torchrun, by every rank), which must not open a
     context on the sender's GPU. Lists, tuples, dicts and dataclasses are walked."""
+    return _moved(value, lambda t: t if t.device.type in ("cpu", "meta") else t.cpu())
+
+
+def on_this_device(value):
+    """`value` with every host tensor moved to this rank's `device()`: the launcher's
+    arguments were made on the host (its process computes nowhere else), and a rank
+    computes on its device; walked as `on_the_host` walks an answer."""
+    return _moved(value, lambda t: t.to(_device) if t.device.type == "cpu" else t)
+
+
+def _moved(value, move: Callable[[torch.Tensor], torch.Tensor]):
     if isinstance(value, torch.Tensor):
-        return value if value.device.type in ("cpu", "meta") else value.cpu()
+        return move(value)
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(on_the_host(v) for v in value)
+        return type(value)(_moved(v, move) for v in value)
     if type(value) is dict:
-        return {k: on_the_host(v) for k, v in value.items()}
+        return {k: _moved(v, move) for k, v in value.items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         try:
-            return dataclasses.replace(value, **{f.name: on_the_host(getattr(value, f.name))
+            return dataclasses.replace(value, **{f.name: _moved(getattr(value, f.name), move)
                                                  for f in dataclasses.fields(value) if f.init})
         except (TypeError, ValueError):  # a dataclass that cannot be rebuilt: as it is
             return value

@@ -196,7 +196,8 @@ class HostTags(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         flat, _ = tree_flatten((args, kwargs))
-        if _in_flight and func is not torch.Tensor.copy_:
+        # a copy into the buffer, or an attribute set to it (`.grad = buffer`), reads nothing
+        if _in_flight and func is not torch.Tensor.copy_ and func.__name__ != "__set__":
             for t in flat:
                 if type(t) is torch.Tensor and t.untyped_storage().data_ptr() in _in_flight:
                     _refuse("a host buffer is read while a non-blocking copy from the device "

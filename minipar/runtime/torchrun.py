@@ -19,6 +19,7 @@ from .device import (
     faked_requested,
     nccl_device_id,
     on_the_host,
+    on_this_device,
     rank,
     resolve_backend,
     world_size,
@@ -120,6 +121,7 @@ def run_under_torchrun(fn: Callable, size: int, args: tuple, kwargs: dict, backe
     # the faked device, as launch's ranks run it (faked_device.py)
     with trace.capture(rank()) as captured, faked_for_task(faked_requested(),
                                                             int(os.environ.get("LOCAL_RANK", 0))):
+        args, kwargs = on_this_device((args, kwargs))  # as worker._run_task
         result = on_the_host(fn(*args, **kwargs))
     gathered: list = [None] * size
     # every process gets every rank's result, as launch() returns them on one machine

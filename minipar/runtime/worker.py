@@ -25,7 +25,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from .. import trace
 from . import progress
-from .device import _bind_device, faked_for_task, nccl_device_id, on_the_host, rank
+from .device import _bind_device, faked_for_task, nccl_device_id, on_the_host, on_this_device, rank
 from .gloo_threads import calm_from_birth
 
 STARTUP_TIMEOUT = 60.0
@@ -113,6 +113,8 @@ def _run_task(task: bytes) -> tuple:
         with open(_entered_file, "w") as f:
             f.write(repr(time.monotonic()))
         progress.beat()
+        # the arguments arrive on this rank's device, the answer goes back on the host
+        args, kwargs = on_this_device((args, kwargs))
         result = on_the_host(fn(*args, **kwargs))
     return result, captured.events
 

@@ -79,8 +79,11 @@ def load_checkpoint(directory: str | Path, model: nn.Module,
         return 0
     folder = Path(directory) / f"step-{steps}"
     mine = folder / f"rank-{rank()}.pt"
-    # weights_only: load tensors and plain containers only, never unpickle arbitrary code
-    state = torch.load(mine if mine.exists() else folder / "rank-0.pt", weights_only=True)
+    # weights_only: load tensors and plain containers only, never unpickle arbitrary code;
+    # map_location: read onto the host (rank 0's file holds tensors saved on GPU 0, which
+    # is not this rank's); load_state_dict copies them into this rank's parameters
+    state = torch.load(mine if mine.exists() else folder / "rank-0.pt", weights_only=True,
+                       map_location="cpu")
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     return state["steps_done"]

@@ -123,11 +123,12 @@ def _probe(resume: Callable, directory: Path) -> dict:
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     start = resume(directory, model, optimizer)
-    saved = torch.load(directory / "step-4" / "rank-0.pt", weights_only=True)
-    same_model = all(torch.equal(v, saved["model"][k]) for k, v in model.state_dict().items())
+    saved = torch.load(directory / "step-4" / "rank-0.pt", weights_only=True, map_location="cpu")
+    same_model = all(torch.equal(v.cpu(), saved["model"][k])
+                     for k, v in model.state_dict().items())
     buffers = [optimizer.state[p].get("momentum_buffer") for p in model.parameters()]
     want = [s.get("momentum_buffer") for s in saved["optimizer"]["state"].values()]
-    same_momentum = all(b is not None and torch.equal(b, w)
+    same_momentum = all(b is not None and torch.equal(b.cpu(), w)
                         for b, w in zip(buffers, want, strict=True))
     return {"start": start if isinstance(start, int) else repr(start), "rank": rank(),
             "model": same_model, "momentum": same_momentum}

@@ -157,8 +157,10 @@ def hogwild(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor
             loss_fn: Callable, lr: float, shared_file: str) -> RelaxedReport:
     """Lock-free SGD on parameters every rank maps from `shared_file` (rank 0 writes the
     start values into it; the others wait at a barrier). Each rank trains on its own
-    shard of every batch and writes straight into the shared tensor."""
-    params = list(model.parameters())
+    shard of every batch and writes straight into the shared tensor. The pages shared are
+    the host's: on a GPU the parameters and batches move to the host, where every process
+    maps the same memory (device memory is each process's own)."""
+    params = list(model.cpu().parameters())  # host pages are what processes can share
     if any(p.dtype != torch.float32 for p in params):
         raise ValueError("hogwild shares float32 memory: build the model in float32")
     count = sum(p.numel() for p in params)
@@ -166,7 +168,7 @@ def hogwild(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor
         with torch.no_grad():
             start = parameters_to_vector(params).to(torch.float32).contiguous()
         # raw float32 bytes, no header: torch.from_file below reads them back as they are
-        start.numpy().tofile(shared_file)
+        start.cpu().numpy().tofile(shared_file)
     # the file exists and holds the start values before anyone maps it
     dist.barrier()
     # shared=True: a MAP_SHARED mapping, so every process's writes land in the same pages
@@ -177,7 +179,8 @@ def hogwild(model: nn.Module, batches: Sequence[tuple[torch.Tensor, torch.Tensor
         offset += p.numel()
     report = RelaxedReport()
     for step, (x, y) in enumerate(batches):
-        report.losses.append(_local_step(model, shard(x), shard(y), loss_fn, lr, step))
+        x, y = shard(x).cpu(), shard(y).cpu()
+        report.losses.append(_local_step(model, x, y, loss_fn, lr, step))
     # every rank's updates are in before anyone reads the final parameters
     dist.barrier()
     return report
