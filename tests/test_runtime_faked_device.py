@@ -113,3 +113,54 @@ def _layouts() -> list[str]:
 def test_trainer_layouts_run_on_the_faked_device(cluster2, monkeypatch):
     monkeypatch.setenv(FAKED_ENV, "1")
     assert all(len(r) == 5 for r in cluster2.run(_layouts))
+
+
+def _ddp_and_fsdp_streams(put_back: bool) -> dict:
+    """Finding 6: where DDP's bucket all-reduces and FSDP's prefetched all-gathers queue
+    their work, and what the streams waited for. Put back: a CommThread with no stream of
+    its own, whose results are read as they are."""
+    from minipar.collectives import background
+    from minipar.data_parallel import DataParallel
+    from minipar.models import mlp, mse, regression_data
+    from minipar.sharded.fsdp import FullyShardedDataParallel
+
+    made, handed = background.side_stream, background.handed_over
+    if put_back:
+        background.side_stream, background.handed_over = lambda: None, lambda v, e: v
+    try:
+        default = faked_device.current_stream()
+        waited_before, used_before = len(default.waited), len(faked_device.used_on)
+        ddp = DataParallel(mlp([32, 64, 64, 1], seed=1, dtype=torch.float64),
+                           bucket_bytes=1 << 14)
+        streams = []
+        launch = ddp._all_reduce
+        ddp._all_reduce = lambda bucket: (streams.append(faked_device.current_stream()),
+                                          launch(bucket))
+        x, y = regression_data(8, 32, seed=2, dtype=torch.float64)
+        mse(ddp(x), y).backward()
+        comm = {s for s in streams if not s.default}
+        fsdp = FullyShardedDataParallel(mlp([32, 64, 64, 1], seed=1, dtype=torch.float64),
+                                        lambda p: torch.optim.SGD(p, lr=0.1), prefetch=True)
+        mse(fsdp(x), y).backward()
+        fsdp.step()
+        return {
+            "buckets": len(streams),
+            "on a stream of their own": len(streams) > 1 and len(comm) == 1
+            and all(not s.default for s in streams),
+            "the side stream waited for compute": bool(comm) and all(
+                any(e.stream is default for e in s.waited) for s in comm),
+            "compute waited for the side stream": any(
+                e.stream in comm for e in default.waited[waited_before:]),
+            "gathered tensors recorded on compute": any(
+                s is default for _, s in faked_device.used_on[used_before:])}
+    finally:
+        background.side_stream, background.handed_over = made, handed
+
+
+def test_finding_6_communication_threads_queue_on_their_own_streams(cluster2, monkeypatch):
+    monkeypatch.setenv(FAKED_ENV, "1")
+    fixed, old = cluster2.run(_ddp_and_fsdp_streams, False)[0], \
+        cluster2.run(_ddp_and_fsdp_streams, True)[0]
+    assert fixed["buckets"] > 1 and all(fixed.values()), fixed
+    # put back, the all-reduces queue behind compute on its stream, and nothing is handed over
+    assert not any(v for k, v in old.items() if k != "buckets"), old

@@ -27,7 +27,8 @@ How ranks are started, and why:
 
 The files, in the order a run passes through them: `device` (backend, device, rank),
 `cluster` (Cluster, launch), `group` (the launcher's side of the processes),
-`worker` (the rank's side), `torchrun` (joining torchrun's group), `errors`.
+`worker` (the rank's side), `torchrun` (joining torchrun's group), `errors`; `streams`
+(where a rank's GPU work queues, and how background threads hand tensors over).
 """
 
 from .cluster import DEFAULT_TIMEOUT, START_METHODS, Cluster, launch
@@ -36,8 +37,6 @@ from .device import (
     BACKENDS,
     DEVICES,
     allocator_history,
-    compute_ready,
-    copies_landed,
     cpu_cores,
     device,
     device_name,
@@ -45,7 +44,6 @@ from .device import (
     host_empty_like,
     machine_line,
     memory_peak,
-    on_copy_stream,
     rank,
     reset_memory_peak,
     resolve_backend,
@@ -55,6 +53,14 @@ from .device import (
 )
 from .errors import RankDied, RankError, RankTimeout, Results
 from .gloo_threads import calm_from_birth, calm_gloo_threads, new_groups
+from .streams import (
+    compute_ready,
+    copies_landed,
+    handed_over,
+    on_copy_stream,
+    on_stream,
+    side_stream,
+)
 from .torchrun import ranks_per_node, under_torchrun
 
 __all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "DEVICES", "START_METHODS", "Cluster", "RankDied",
@@ -63,5 +69,6 @@ __all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "DEVICES", "START_METHODS", "Cluster",
            "compute_ready", "copies_landed", "cpu_cores", "cpu_kind", "cpu_model", "device",
            "device_name",
            "gpu_count", "host_empty_like", "launch", "machine_line", "memory_peak",
-           "new_groups", "on_copy_stream", "rank", "ranks_per_node", "reset_memory_peak",
+           "handed_over", "new_groups", "on_copy_stream", "on_stream", "side_stream", "rank",
+           "ranks_per_node", "reset_memory_peak",
            "resolve_backend", "resolve_device", "synchronize", "under_torchrun", "world_size"]

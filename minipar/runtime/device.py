@@ -20,7 +20,6 @@ DEVICES = ("auto", "cpu", "cuda", "fakegpu")
 FAKED_ENV = "MINIPAR_FAKED_DEVICE"  # =1: each task's ranks compute on the faked device
 
 _device = torch.device("cpu")
-_copy_stream = None  # this rank's second CUDA stream for host<->device copies, made on first use
 
 
 def cpu_cores() -> int:
@@ -234,48 +233,6 @@ def host_empty_like(t: torch.Tensor) -> torch.Tensor:
     """An uninitialized tensor shaped like `t` in host memory: page-locked (pinned) when the
     rank computes on a GPU, so copies to and from it can run while the GPU computes."""
     return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=_device.type == "cuda")
-
-
-def copies_landed() -> None:
-    """Wait until the copies this thread's current stream has queued have landed: a host
-    buffer a non-blocking copy from the device writes may be read after this (a no-op on
-    a CPU, where a copy is done when it returns)."""
-    if on_accelerator():
-        _accelerator().current_stream(_device).synchronize()
-
-
-def compute_ready() -> object | None:
-    """A mark after the work queued so far on this rank's compute stream (a CUDA event) for
-    a copy to wait for; None on CPU, where that work is done when the call returns."""
-    if not on_accelerator():
-        return None
-    event = _accelerator().Event()
-    event.record()
-    return event
-
-
-@contextmanager
-def on_copy_stream(ready: object | None = None) -> Iterator[None]:
-    """Run the block's copies on a second stream of this rank's GPU, after the compute
-    stream's work up to `ready` (from `compute_ready`), then wait for them (the calling
-    thread waits, not the compute stream). On CPU there is no stream to pick: the block
-    just runs, and the thread that runs it (a copy thread) stands for the stream."""
-    global _copy_stream
-    if not on_accelerator():
-        yield
-        return
-    accelerator = _accelerator()
-    if _copy_stream is None or _copy_stream.device != _device:
-        _copy_stream = accelerator.Stream(_device)
-    # the thread's current device first: entering a stream on a thread that never set one
-    # would make device 0 current there, and CUDA would open a context on GPU 0
-    accelerator.set_device(_device)
-    with accelerator.stream(_copy_stream):
-        if ready is not None:
-            # the copy reads what compute wrote, or writes memory compute freed: wait for it
-            _copy_stream.wait_event(ready)
-        yield
-    _copy_stream.synchronize()
 
 
 def device_name() -> str:

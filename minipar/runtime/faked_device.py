@@ -284,14 +284,17 @@ def get_device_name(device=None) -> str:
 
 
 class FakedEvent:
-    """A mark in a stream: on the faked device, done when recorded."""
+    """A mark in a stream: on the faked device, done when recorded. It keeps the stream
+    it was recorded on, so a test can ask which stream waited for which."""
 
     def __init__(self, enable_timing: bool = False) -> None:
         self.time = 0.0
+        self.stream: FakedStream | None = None
 
-    def record(self, stream=None) -> None:
+    def record(self, stream: FakedStream | None = None) -> None:
         import time
         self.time = time.perf_counter()
+        self.stream = stream if stream is not None else current_stream()
 
     def synchronize(self) -> None:
         _landed()
@@ -304,42 +307,65 @@ class FakedEvent:
 
 
 class FakedStream:
-    """A queue of work on one device: on the faked device, run as it is queued."""
+    """A queue of work on one device: on the faked device, run as it is queued. It keeps
+    the events it was told to wait for (`waited`), and each device has one default
+    stream, current on every thread until a `stream(...)` block picks another."""
 
-    def __init__(self, device=None, priority: int = 0) -> None:
+    def __init__(self, device=None, priority: int = 0, default: bool = False) -> None:
         self.device = torch.device(NAME, current_device() if device is None else
                                    torch.device(device).index)
+        self.default = default
+        self.waited: list[FakedEvent] = []
 
     def wait_event(self, event: FakedEvent) -> None:
-        pass
+        self.waited.append(event)
 
     def wait_stream(self, stream: FakedStream) -> None:
-        pass
+        self.waited.append(stream.record_event())
 
     def synchronize(self) -> None:
         _landed()
 
     def record_event(self, event: FakedEvent | None = None) -> FakedEvent:
         event = event or FakedEvent()
-        event.record()
+        event.record(self)
         return event
+
+
+_defaults: dict[int, FakedStream] = {}
+used_on: list[tuple[int, FakedStream]] = []  # (storage, stream) of each record_stream
 
 
 @contextmanager
 def stream(s: FakedStream | None) -> Iterator[None]:
     """Make `s` current in the block. As CUDA does, entering a stream of device i makes i
     the thread's current device: a thread that never set its device touches device 0."""
-    previous = current_device()
+    previous, previous_stream = current_device(), getattr(_current, "stream", None)
     if s is not None:
         set_device(s.device.index)
+        _current.stream = s
     try:
         yield
     finally:
         set_device(previous)
+        _current.stream = previous_stream
 
 
 def current_stream(device=None) -> FakedStream:
-    return FakedStream(device)
+    """This thread's current stream on `device`: the one its `stream` block picked, else
+    the device's default stream."""
+    index = current_device() if device is None else _index(device)
+    chosen = getattr(_current, "stream", None)
+    if chosen is not None and chosen.device.index == index:
+        return chosen
+    with _lock:
+        return _defaults.setdefault(index, FakedStream(torch.device(NAME, index), default=True))
+
+
+def record_stream(tensor: torch.Tensor, s: FakedStream) -> None:
+    """`tensor.record_stream(s)`: kept, so a test can see which tensors were handed over."""
+    with _lock:
+        used_on.append((tensor.untyped_storage().data_ptr(), s))
 
 
 Event, Stream = FakedEvent, FakedStream  # the names torch's device modules use
