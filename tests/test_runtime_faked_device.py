@@ -164,3 +164,38 @@ def test_finding_6_communication_threads_queue_on_their_own_streams(cluster2, mo
     assert fixed["buckets"] > 1 and all(fixed.values()), fixed
     # put back, the all-reduces queue behind compute on its stream, and nothing is handed over
     assert not any(v for k, v in old.items() if k != "buckets"), old
+
+
+def _devices_background_threads_open() -> list[int]:
+    from minipar.collectives.background import CommThread
+    from minipar.sharded.swap import CopyStream
+
+    faked_device.opened.clear()  # this process's earlier tasks are not this test's
+    CopyStream(background=True).submit("copy", 0, lambda: None).result()
+    CommThread().submit(lambda: None).result()
+    return sorted(faked_device.opened)
+
+
+def test_finding_10_background_threads_work_on_their_ranks_device(cluster2, monkeypatch):
+    """A thread that never set its device works on device 0: on a GPU, a context on GPU 0
+    for every rank that offloads or communicates in the background (the audit's finding
+    10). Put back (a copy thread entering its stream first), rank 1 opens device 0."""
+    monkeypatch.setenv(FAKED_ENV, "1")
+    assert cluster2.run(_devices_background_threads_open) == [[0], [1]]
+    assert cluster2.run(_stream_entered_first) == [[0], [0, 1]]
+
+
+def _stream_entered_first() -> list[int]:
+    import threading
+
+    faked_device.opened.clear()
+    stream = faked_device.Stream(minipar.device())
+
+    def copy_thread():
+        with faked_device.stream(stream):
+            pass
+
+    thread = threading.Thread(target=copy_thread)
+    thread.start()
+    thread.join()
+    return sorted(faked_device.opened)

@@ -255,3 +255,24 @@ def test_bench_trains_header_names_the_machine_and_the_peaks():
     line = peaks_line(rows)
     assert "bf16 16 GFLOP/s" in line and "bf16 matmuls run 20x slower than fp32" in line
     assert machine_line().startswith("machine: ") and f"({cpu_kind()})" in machine_line()
+
+
+def _order_of_peak_and_reset() -> list[str]:
+    from minipar.train import loop
+
+    order, timed, reset = [], loop.run_peak, loop.reset_memory_peak
+    loop.run_peak = lambda *a: (order.append("peak timed"), timed(*a))[1]
+    loop.reset_memory_peak = lambda: order.append("allocator peak reset")
+    try:
+        loop.train(load_config("tiny", {"train.steps": 1, "train.eval_every": 0,
+                                        "train.eval_batches": 1, "optim.warmup_steps": 0,
+                                        "parallel.dp": 2}))
+    finally:
+        loop.run_peak, loop.reset_memory_peak = timed, reset
+    return order
+
+
+def test_the_allocators_peak_counts_from_after_the_peak_timing_matmul(cluster2):
+    """The audit's finding 7: the peak-timing matmul's operands (8192^2 on a GPU) were in
+    the allocator's peak, so "the model is on the GPU" held for the matmul alone."""
+    assert cluster2.run(_order_of_peak_and_reset)[0] == ["peak timed", "allocator peak reset"]

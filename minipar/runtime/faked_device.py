@@ -43,6 +43,7 @@ _lock = threading.Lock()
 _SKIPPED = {__file__, os.path.join(PACKAGE, "collectives", "message_log.py")}
 _current = threading.local()  # this thread's current device index, as CUDA keeps one
 syncs = 0  # host syncs on device tensors so far in this process (tests read it)
+opened: set[int] = set()  # the devices a thread of this process has worked on (a context)
 
 # ops that take a host tensor beside a device one on CUDA too: copies, and indexing a
 # device tensor with host indices
@@ -226,12 +227,19 @@ def _refuse(what: str) -> None:
 # ------------------------------------------------------- the accelerator module ---
 
 def current_device() -> int:
-    return getattr(_current, "index", 0)
+    index = getattr(_current, "index", None)
+    if index is None:
+        # as CUDA does: a thread that never chose a device works on device 0, and the
+        # first touch opens a context there
+        opened.add(0)
+        return 0
+    return index
 
 
 def set_device(index) -> None:
     _current.index = torch.device(NAME, index).index if isinstance(index, str) else int(
         index.index if isinstance(index, torch.device) else index)
+    opened.add(_current.index)
 
 
 def device_count() -> int:
