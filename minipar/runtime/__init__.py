@@ -56,6 +56,7 @@ from .gloo_threads import calm_from_birth, calm_gloo_threads, new_groups
 from .streams import (
     compute_ready,
     copies_landed,
+    device_seconds,
     handed_over,
     on_copy_stream,
     on_stream,
@@ -63,12 +64,11 @@ from .streams import (
 )
 from .torchrun import ranks_per_node, under_torchrun
 
-__all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "DEVICES", "START_METHODS", "Cluster", "RankDied",
-           "RankError", "RankTimeout", "Results", "allocator_history", "calm_from_birth",
-           "calm_gloo_threads",
-           "compute_ready", "copies_landed", "cpu_cores", "cpu_kind", "cpu_model", "device",
-           "device_name",
-           "gpu_count", "host_empty_like", "launch", "machine_line", "memory_peak",
-           "handed_over", "new_groups", "on_copy_stream", "on_stream", "side_stream", "rank",
-           "ranks_per_node", "reset_memory_peak",
-           "resolve_backend", "resolve_device", "synchronize", "under_torchrun", "world_size"]
+__all__ = ["BACKENDS", "DEFAULT_TIMEOUT", "DEVICES", "START_METHODS", "allocator_history",
+           "calm_from_birth", "calm_gloo_threads", "Cluster", "compute_ready", "copies_landed",
+           "cpu_cores", "cpu_kind", "cpu_model", "device", "device_name", "device_seconds",
+           "gpu_count", "handed_over", "host_empty_like", "launch", "machine_line", "memory_peak",
+           "new_groups", "on_copy_stream", "on_stream", "rank", "RankDied", "RankError",
+           "ranks_per_node", "RankTimeout", "reset_memory_peak", "resolve_backend",
+           "resolve_device", "Results", "side_stream", "synchronize", "under_torchrun",
+           "world_size"]

@@ -74,20 +74,34 @@ def _too_few_gpus(gpus: int, ranks: int) -> str:
             f"most {gpus} ranks")
 
 
-def exclusive_process_gpus() -> list[int]:
-    """The GPUs in EXCLUSIVE_PROCESS compute mode (one process each: ranks cannot share
-    them), as nvidia-smi reports; [] where it is absent or says nothing."""
+def _nvidia_smi(field: str) -> list[str]:
+    """One `nvidia-smi --query-gpu` field, a line per GPU; [] where it is absent or fails."""
     import shutil
     import subprocess
 
     if shutil.which("nvidia-smi") is None:
         return []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"],
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=10).stdout
     except (OSError, subprocess.SubprocessError):
         return []
-    return [i for i, mode in enumerate(out.splitlines()) if "exclusive_process" in mode.lower()]
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def exclusive_process_gpus() -> list[int]:
+    """The GPUs in EXCLUSIVE_PROCESS compute mode (one process each: ranks cannot share
+    them), as nvidia-smi reports; [] where it is absent or says nothing."""
+    return [i for i, mode in enumerate(_nvidia_smi("compute_mode"))
+            if "exclusive_process" in mode.lower()]
+
+
+def gpu_facts() -> dict:
+    """The GPUs torch sees, as a report records them: names, the driver, CUDA's version."""
+    gpus = gpu_count()
+    return {"gpus": [torch.cuda.get_device_name(i) for i in range(gpus)],
+            "driver": (_nvidia_smi("driver_version") or [None])[0],
+            "cuda": torch.version.cuda, "torch": torch.__version__}
 
 
 def resolve_device(device_: str, backend: str) -> str:
