@@ -25,6 +25,10 @@ from minipar.train.loop import train
 transformers = pytest.importorskip("transformers")
 from test_train import write_corpus  # noqa: E402  (after the skip: the corpus helper)
 
+# the runs' ranks compute on the faked device (issue 69, conftest.py): --init-from and
+# export move weights between the host and the device as on a GPU
+pytestmark = pytest.mark.usefixtures("faked_device_on")
+
 SHAPE = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
              rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=64)
