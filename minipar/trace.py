@@ -8,6 +8,13 @@ in and out, so any run opens in Perfetto or chrome://tracing.
 Times are seconds from the run's t=0; inside `minipar.launch` every rank sets its
 t=0 right after a common barrier, so clocks agree to within that barrier's skew;
 `Timeline.aligned` removes the skew by lining up the ends of a collective every rank ran.
+
+On a GPU the host's clock says when a thread queued work, not when the GPU ran it. There
+a device clock is set (`set_device_clock`; runtime/streams.py's `DeviceClock`): each
+recorded block and each time from `now()` also leaves a mark in the device's work (an
+event on the calling thread's stream), and a capture reads the marks' device times when
+it ends, on the same axis as the host's. A "wait" is the host blocked, and stays on the
+host's clock.
 """
 
 from __future__ import annotations
@@ -304,13 +311,21 @@ class Timeline:
 class _Recorder:
     """This process's event buffer: a perf_counter pair and a list append per event."""
 
-    __slots__ = ("enabled", "t0", "rank", "buffer")
+    __slots__ = ("enabled", "t0", "rank", "buffer", "clock")
 
     def __init__(self) -> None:
         self.enabled = True
         self.t0 = perf_counter()
         self.rank = 0
         self.buffer: list[tuple] = []
+        self.clock: Any = None  # a device clock (runtime/streams.py), or None: the host's
+
+
+class Stamp(float):
+    """A time from `now()` that also holds a mark in the device's work (`mark`), where a
+    device clock is set: `add_event` then records the device's time for it."""
+
+    mark: Any = None
 
 
 _recorder = _Recorder()
@@ -324,12 +339,15 @@ class record:
     turns it into a no-op.
     """
 
-    __slots__ = ("kind", "label", "fields", "start")
+    __slots__ = ("kind", "label", "fields", "start", "mark")
 
     def __init__(self, kind: str, label: str = "", **fields: Any) -> None:
         self.kind, self.label, self.fields = kind, label, fields
 
     def __enter__(self) -> record:
+        clock = _recorder.clock
+        # a wait is the host blocked: the host's clock is its clock
+        self.mark = None if clock is None or self.kind == "wait" else clock.mark()
         self.start = perf_counter()
         return self
 
@@ -337,22 +355,41 @@ class record:
         if _recorder.enabled:
             # a plain tuple while recording: Events are built at capture's exit, off the hot path
             end = perf_counter()
+            marks = None if self.mark is None else (self.mark, _recorder.clock.mark())
             _recorder.buffer.append((self.kind, self.label, self.start, end, self.fields,
-                                     threading.get_ident()))
+                                     threading.get_ident(), marks))
 
 
 def add_event(kind: str, label: str, start: float, end: float, **fields: Any) -> None:
     """Record an event whose times (from `now()`) were taken elsewhere."""
     if _recorder.enabled:
         t0 = _recorder.t0
+        first, last = getattr(start, "mark", None), getattr(end, "mark", None)
+        marks = None if first is None or last is None else (first, last)
         # the buffer holds raw perf_counter times: add t0 back, capture subtracts it again
         _recorder.buffer.append((kind, label, start + t0, end + t0, fields,
-                                 threading.get_ident()))
+                                 threading.get_ident(), marks))
 
 
 def now() -> float:
-    """Seconds since this run's t=0 (the clock events are recorded on)."""
-    return perf_counter() - _recorder.t0
+    """Seconds since this run's t=0 (the clock events are recorded on); with a device
+    clock set, a `Stamp` that also marks this point of the device's work."""
+    t = perf_counter() - _recorder.t0
+    clock = _recorder.clock
+    mark = None if clock is None or not _recorder.enabled else clock.mark()
+    if mark is None:
+        return t
+    stamp = Stamp(t)
+    stamp.mark = mark
+    return stamp
+
+
+def set_device_clock(clock: Any) -> Any:
+    """Record device times with `clock` (an object with `mark()`, returning a mark of the
+    work queued so far on the calling thread's stream or None, and `seconds(marks)`, their
+    times on perf_counter's axis), or with the host's alone (None). Returns the previous."""
+    previous, _recorder.clock = _recorder.clock, clock
+    return previous
 
 
 def set_recording(enabled: bool) -> bool:
@@ -392,9 +429,21 @@ class capture:
     def __exit__(self, *exc: object) -> None:
         t0, rank = _recorder.t0, _recorder.rank
         threads = {threading.get_ident(): 0}  # the capturing thread (it enters and exits)
-        self.events = [_to_event(rank, t0, item, threads) for item in _recorder.buffer]
+        self.events = [_to_event(rank, t0, item[:6], threads)
+                       for item in _on_the_device_clock(_recorder.buffer)]
         _recorder.t0, _recorder.rank, _recorder.buffer = self._saved
 
     @property
     def timeline(self) -> Timeline:
         return Timeline(self.events)
+
+
+def _on_the_device_clock(buffer: list[tuple]) -> list[tuple]:
+    """The buffer with each marked item's times read from its device marks."""
+    marked = [item for item in buffer if item[6] is not None]
+    if not marked or _recorder.clock is None:
+        return buffer
+    seconds = iter(_recorder.clock.seconds([mark for item in marked for mark in item[6]]))
+    times = {id(item): (next(seconds), next(seconds)) for item in marked}
+    return [item if item[6] is None else (*item[:2], *times[id(item)], *item[4:])
+            for item in buffer]

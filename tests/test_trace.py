@@ -142,3 +142,53 @@ def test_aligned_puts_ranks_on_one_clock_at_a_collectives_end():
     with pytest.raises(ValueError, match="rank 1 has no event of kind 'barrier'"):
         Timeline([Event(0, "barrier", "", 0, 1), Event(1, "compute", "", 0, 1)]).aligned(
             "barrier")
+
+
+class _TenSecondsAMark:
+    """A device clock whose consecutive marks are 10 s apart on the device."""
+
+    def __init__(self):
+        self.n = 0
+
+    def mark(self):
+        self.n += 1
+        return self.n
+
+    def seconds(self, marks):
+        return [10.0 * m for m in marks]
+
+
+def test_with_a_device_clock_the_timeline_reads_the_devices_times_but_a_wait_the_hosts():
+    previous = trace.set_device_clock(_TenSecondsAMark())
+    try:
+        with trace.capture(rank=0) as captured:
+            with trace.record("compute", "kernel"):
+                pass
+            with trace.record("wait", "host blocked"):
+                pass
+            start = trace.now()
+            trace.add_event("send", "message", start, trace.now())
+    finally:
+        trace.set_device_clock(previous)
+    spans = {e.label: e.duration for e in captured.events}
+    assert spans["kernel"] == 10.0 and spans["message"] == 10.0
+    assert spans["host blocked"] < 1.0
+
+
+def test_on_the_faked_device_the_timeline_reads_its_events():
+    from minipar.runtime import faked_device
+    from minipar.runtime.device import faked_for_task
+
+    elapsed = faked_device.FakedEvent.elapsed_time
+    # the device runs every event 5 s after the host queued it
+    faked_device.FakedEvent.elapsed_time = lambda self, end: elapsed(self, end) + 5000.0
+    try:
+        with faked_for_task(True, 0), trace.capture(rank=0) as captured:
+            with trace.record("compute", "kernel"):
+                pass
+            with trace.record("wait", "host blocked"):
+                pass
+    finally:
+        faked_device.FakedEvent.elapsed_time = elapsed
+    at = {e.label: e.start for e in captured.events}
+    assert at["kernel"] > 4.0 > at["host blocked"]

@@ -29,6 +29,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils._pytree import tree_flatten
 
+from .. import trace
 from . import faked_device
 from .device import _accelerator, device, on_accelerator
 
@@ -137,3 +138,49 @@ def device_seconds(fn, repeats: int = 3) -> float:
             fn()
             best = min(best, time.perf_counter() - began)
     return best
+
+
+class DeviceClock:
+    """The Timeline's clock on a device (trace.set_device_clock): a mark is an event
+    recorded on the calling thread's current stream, read when the capture ends as a time
+    on the host's perf_counter axis. The axis is tied once per device: an event recorded
+    while the device is idle, at a known host time. Off the device, no marks."""
+
+    def __init__(self) -> None:
+        self._ref: dict[str, tuple[object, float]] = {}
+
+    def mark(self) -> tuple[str, object] | None:
+        if not on_accelerator():
+            return None
+        key = str(device())
+        if key not in self._ref:
+            self._ref[key] = self._tie()
+        event = _accelerator().Event(enable_timing=True)
+        event.record()
+        return key, event
+
+    @staticmethod
+    def _tie() -> tuple[object, float]:
+        import time
+
+        idle = device().type == "cuda"  # the faked device's work is done when queued
+        if idle:
+            torch.cuda.synchronize(device())
+        event = _accelerator().Event(enable_timing=True)
+        event.record()
+        if idle:
+            event.synchronize()
+        return event, time.perf_counter()
+
+    def seconds(self, marks: list[tuple[str, object]]) -> list[float]:
+        if any(key.startswith("cuda") for key, _ in marks):
+            torch.cuda.synchronize()  # every mark's work done: its time can be read
+        out = []
+        for key, event in marks:
+            ref, host = self._ref[key]
+            out.append(host + ref.elapsed_time(event) / 1e3)
+        return out
+
+
+# a rank on a device records the device's times; on a CPU, mark() is None and nothing changes
+trace.set_device_clock(DeviceClock())
