@@ -347,7 +347,8 @@ class record:
     def __enter__(self) -> record:
         clock = _recorder.clock
         # a wait is the host blocked: the host's clock is its clock
-        self.mark = None if clock is None or self.kind == "wait" else clock.mark()
+        self.mark = None if clock is None or self.kind == "wait" or not _recorder.enabled \
+            else clock.mark()
         self.start = perf_counter()
         return self
 
