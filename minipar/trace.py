@@ -14,7 +14,9 @@ a device clock is set (`set_device_clock`; runtime/streams.py's `DeviceClock`): 
 recorded block and each time from `now()` also leaves a mark in the device's work (an
 event on the calling thread's stream), and a capture reads the marks' device times when
 it ends, on the same axis as the host's. A "wait" is the host blocked, and stays on the
-host's clock.
+host's clock; on a GPU few waits block (a NCCL request's `wait()` and a stream's wait
+for an event return at once), so there a stall shows as a gap in the device's work,
+not as a wait.
 """
 
 from __future__ import annotations
@@ -356,7 +358,9 @@ class record:
         if _recorder.enabled:
             # a plain tuple while recording: Events are built at capture's exit, off the hot path
             end = perf_counter()
-            marks = None if self.mark is None else (self.mark, _recorder.clock.mark())
+            last = None if self.mark is None else _recorder.clock.mark()
+            # both ends on the device's clock, or both on the host's
+            marks = None if last is None else (self.mark, last)
             _recorder.buffer.append((self.kind, self.label, self.start, end, self.fields,
                                      threading.get_ident(), marks))
 

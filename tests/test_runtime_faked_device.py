@@ -124,9 +124,10 @@ def _ddp_and_fsdp_streams(put_back: bool) -> dict:
     from minipar.models import mlp, mse, regression_data
     from minipar.sharded.fsdp import FullyShardedDataParallel
 
-    made, handed = background.side_stream, background.handed_over
+    made, handed, used = background.side_stream, background.handed_over, background.used_on
     if put_back:
         background.side_stream, background.handed_over = lambda: None, lambda v, e: v
+        background.used_on = lambda v, s: None
     try:
         default = faked_device.current_stream()
         waited_before, used_before = len(default.waited), len(faked_device.used_on)
@@ -151,10 +152,13 @@ def _ddp_and_fsdp_streams(put_back: bool) -> dict:
                 any(e.stream is default for e in s.waited) for s in comm),
             "compute waited for the side stream": any(
                 e.stream in comm for e in default.waited[waited_before:]),
-            "gathered tensors recorded on compute": any(
-                s is default for _, s in faked_device.used_on[used_before:])}
+            "handed-over tensors recorded on compute": any(
+                s is default for _, s in faked_device.used_on[used_before:]),
+            # FSDP's gradients, made by compute and reduced on its thread's stream
+            "given tensors recorded on a side stream": any(
+                not s.default for _, s in faked_device.used_on[used_before:])}
     finally:
-        background.side_stream, background.handed_over = made, handed
+        background.side_stream, background.handed_over, background.used_on = made, handed, used
 
 
 def test_finding_6_communication_threads_queue_on_their_own_streams(cluster2, monkeypatch):

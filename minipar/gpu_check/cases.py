@@ -64,11 +64,13 @@ def _collectives(k: int, sizes: tuple[int, ...], dtypes: tuple, backend: str, de
 
 
 def _traced(kind: str, backend: str) -> list[str]:
-    result = launch(overlap_on_rank, 2, kind, backend=backend, device="cuda", timeout=300)[0]
-    assert result["nccl kernels"] > 0, "no NCCL kernel in the trace"
-    assert result["overlap_s"] > 0, f"no NCCL kernel ran under compute ({result})"
-    return [f"{result['nccl kernels']} NCCL kernels, {result['other kernels']} others, "
-            f"{result['overlap_s'] * 1e3:.2f} ms of NCCL under compute"]
+    results = launch(overlap_on_rank, 2, kind, backend=backend, device="cuda", timeout=300)
+    for r, result in enumerate(results):
+        assert result["nccl kernels"] > 0, f"rank {r}: no NCCL kernel in the trace"
+        assert result["overlap_s"] > 0, f"rank {r}: no NCCL kernel ran under compute"
+    return [f"rank {r}: {res['nccl kernels']} NCCL kernels, {res['other kernels']} others, "
+            f"{res['overlap_s'] / res['nccl_s']:.0%} of NCCL's {res['nccl_s'] * 1e3:.2f} ms "
+            "under compute" for r, res in enumerate(results)]
 
 
 def _torchrun(processes: int, on_cpu: bool) -> list[str]:

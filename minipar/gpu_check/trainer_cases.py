@@ -115,8 +115,10 @@ def compositions() -> dict[str, dict]:
         "3D dp2 x tp2 x pp2": {"parallel.dp": 2, "parallel.tp": 2, "parallel.pp": 2,
                                "parallel.microbatches": 2}}
     for tp in (2, 4, 8):
-        cases[f"tp{tp}"] = {"parallel.tp": tp}
-        cases[f"tp{tp} sp"] = {"parallel.tp": tp, "parallel.sequence_parallel": True}
+        # tp divides the heads and the key/value heads: tiny has 4 and 2, so 8 and 8 here
+        heads = {"model.heads": 8, "model.kv_heads": 8} if tp > 2 else {}
+        cases[f"tp{tp}"] = {"parallel.tp": tp, **heads}
+        cases[f"tp{tp} sp"] = {"parallel.tp": tp, "parallel.sequence_parallel": True, **heads}
     for pp in (2, 4, 8):
         for schedule in SYNCHRONOUS:
             virtual = SCHEDULE_VIRTUAL.get(schedule, 1)

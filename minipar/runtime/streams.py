@@ -73,21 +73,33 @@ def on_stream(stream: object | None, ready: object | None = None) -> Iterator[No
         yield
 
 
+def current_stream() -> object | None:
+    """This thread's current stream on the rank's device (None on CPU)."""
+    return _accelerator().current_stream(device()) if on_accelerator() else None
+
+
+def used_on(value: object, stream: object | None) -> None:
+    """Tell the caching allocator that each device tensor in `value` is used by `stream`
+    (`record_stream`): when the tensor is freed, its memory is not handed out again until
+    the work `stream` holds by then is done. A no-op on CPU (`stream` None)."""
+    if stream is None:
+        return
+    for t in tree_flatten(value)[0]:
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            t.record_stream(stream)
+        elif isinstance(t, torch.Tensor) and t.device.type == faked_device.NAME:
+            faked_device.record_stream(t, stream)
+
+
 def handed_over(value: object, finished: object | None) -> object:
     """`value`, made by a job whose stream recorded `finished`, made safe to use on this
     thread's current stream: the stream waits for the event (the host does not), and each
     tensor in `value` is recorded as used by it. A no-op on CPU."""
     if finished is None:
         return value
-    accelerator = _accelerator()
-    here = accelerator.current_stream(device())
+    here = current_stream()
     here.wait_event(finished)
-    for t in tree_flatten(value)[0]:
-        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-            if t.device.type == "cuda":
-                t.record_stream(here)
-            else:
-                faked_device.record_stream(t, here)
+    used_on(value, here)
     return value
 
 
@@ -156,7 +168,7 @@ class DeviceClock:
         if key not in self._ref:
             self._ref[key] = self._tie()
         event = _accelerator().Event(enable_timing=True)
-        event.record()
+        event.record(current_stream())  # the rank's device, whatever this thread set
         return key, event
 
     @staticmethod
@@ -167,14 +179,16 @@ class DeviceClock:
         if idle:
             torch.cuda.synchronize(device())
         event = _accelerator().Event(enable_timing=True)
-        event.record()
+        event.record(current_stream())
         if idle:
             event.synchronize()
+        # the device was idle, so the event ran as it was queued; the host time read after
+        # the synchronize is late by that call's return, a few microseconds
         return event, time.perf_counter()
 
     def seconds(self, marks: list[tuple[str, object]]) -> list[float]:
-        if any(key.startswith("cuda") for key, _ in marks):
-            torch.cuda.synchronize()  # every mark's work done: its time can be read
+        for key in {key for key, _ in marks if key.startswith("cuda")}:
+            torch.cuda.synchronize(torch.device(key))  # every mark done: its time is known
         out = []
         for key, event in marks:
             ref, host = self._ref[key]

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .. import collectives
-from ..collectives.background import CommThread
+from ..collectives.background import CommThread, used_by_submitter
 from ..data_parallel import bucket_parameters
 from ..runtime import rank, world_size
 from ..trace import record
@@ -142,6 +142,8 @@ class FlatShard:
             # HSDP: the groups are alike, so the average of their averages is everyone's
             collectives.all_reduce(mine, op="avg", group=self.replicate)
         self.grad = mine if self.grad is None else self.grad + mine
+        # on a communication thread's stream, kept for the optimizer on the compute stream
+        used_by_submitter(self.grad)
 
     def hand_gradient_to_optimizer(self) -> None:
         """Move the reduced slice into master.grad, in the master's precision; a partial
