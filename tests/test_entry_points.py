@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 README_COMMANDS = sorted(set(re.findall(
     r"-m\s+(minipar(?:\.\w+)*)", (ROOT / "README.md").read_text()
     + (ROOT / "docs" / "running_ranks.md").read_text())))
-TECHNIQUES = sorted(f"minipar.{p.parent.name}" for p in (ROOT / "minipar").glob("*/__main__.py"))
+# every package with a __main__ but the GPU check, a tool of its own (docs/gpus.md)
+TECHNIQUES = sorted(f"minipar.{p.parent.name}" for p in (ROOT / "minipar").glob("*/__main__.py")
+                    if p.parent.name != "gpu_check")
 SMALL = {  # options that keep each run short; every command also gets --ranks 2
     "minipar.collectives": ["--numel", "4096"],
     "minipar.sharded": ["--cases", "zero1", "zero3"],

@@ -81,11 +81,11 @@ def test_a_failing_or_hanging_case_is_one_line_and_the_others_still_run(tmp_path
     def hangs():  # its own launch and timeout: the watchdog ends it, not the check
         launch(_sleeps, 2, backend="gloo", timeout=1)
 
-    matrix = [gpu_check.Case("1. one rank", "fine", 1, lambda: ["measured"]),
-              gpu_check.Case("1. one rank", "broken", 1, broken),
-              gpu_check.Case("2. point-to-point", "hangs", 2, hangs),
-              gpu_check.Case("2. point-to-point", "too big", 1, None, "--on-cpu: needs a GPU"),
-              gpu_check.Case("8. torchrun", "also fine", 1, lambda: [])]
+    matrix = [gpu_check.CheckCase("1. one rank", "fine", 1, lambda: ["measured"]),
+              gpu_check.CheckCase("1. one rank", "broken", 1, broken),
+              gpu_check.CheckCase("2. point-to-point", "hangs", 2, hangs),
+              gpu_check.CheckCase("2. point-to-point", "too big", 1, None, "--on-cpu: needs a GPU"),
+              gpu_check.CheckCase("8. torchrun", "also fine", 1, lambda: [])]
     lines, report = [], tmp_path / "report.json"
     assert gpu_check.run_check(on_cpu=True, out=lines.append, report=report,
                                matrix=matrix) is False

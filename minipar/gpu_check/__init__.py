@@ -33,7 +33,8 @@ CUDA it says so in one line and exits 0 (CI has no GPU). `--on-cpu` runs on gloo
 ranks what can run there, with small sizes, which tests the check's own code.
 """
 
-from .cases import PARTS, Case, cases
-from .runner import Outcome, main, parts_here, run_case, run_check
+from .cases import PARTS, CheckCase, cases
+from .runner import CaseResult, main, parts_here, run_case, run_check
 
-__all__ = ["PARTS", "Case", "Outcome", "cases", "main", "parts_here", "run_case", "run_check"]
+__all__ = ["PARTS", "CaseResult", "CheckCase", "cases", "main", "parts_here", "run_case",
+           "run_check"]

@@ -32,7 +32,7 @@ SHARED = {"dp2": {"parallel.dp": 2}, "tp2": {"parallel.tp": 2},
 
 
 @dataclass(frozen=True)
-class Case:
+class CheckCase:
     part: str
     name: str
     gpus: int  # the GPUs it needs
@@ -94,16 +94,16 @@ def _ranks(overrides: dict) -> int:
     return ranks_of(T.config("tiny", **{"train.precision": "fp64", **overrides}))
 
 
-def cases(on_cpu: bool, gpus: int) -> list[Case]:
+def cases(on_cpu: bool, gpus: int) -> list[CheckCase]:
     """The matrix for this mode: on GPUs (NCCL where a case needs several), or `on_cpu`
     (gloo CPU ranks standing in where they can)."""
     dev = "cpu" if on_cpu else "cuda"
     multi = "gloo" if on_cpu else "nccl"
     gpu_only = "--on-cpu: needs a GPU"
-    out: list[Case] = []
+    out: list[CheckCase] = []
 
     def add(part: int, name: str, needs: int, run: Callable | None, why: str = "") -> None:
-        out.append(Case(PARTS[part - 1], name, needs, run, why))
+        out.append(CheckCase(PARTS[part - 1], name, needs, run, why))
 
     add(1, "smoke, NCCL", 1, None if on_cpu else partial(T.smoke, "nccl", "cuda"),
         "--on-cpu: NCCL needs a GPU per rank")

@@ -14,11 +14,11 @@ from pathlib import Path
 from ..cli import run_command
 from ..runtime import gpu_count, machine_line
 from ..runtime.device import gpu_facts
-from .cases import PARTS, Case, cases
+from .cases import PARTS, CheckCase, cases
 
 
 @dataclass
-class Outcome:
+class CaseResult:
     part: str
     case: str
     status: str  # "pass", "fail" or "skip"
@@ -27,7 +27,7 @@ class Outcome:
     why: str = ""  # a failure's one line, or why the case was skipped
 
 
-def _skip_reason(case: Case, gpus: int, on_cpu: bool) -> str | None:
+def _skip_reason(case: CheckCase, gpus: int, on_cpu: bool) -> str | None:
     if case.run is None:
         return case.why
     if not on_cpu and case.gpus > gpus:
@@ -51,10 +51,10 @@ def parts_here(gpus: int | None = None) -> list[tuple[str, str]]:
     return said
 
 
-def run_case(case: Case, gpus: int, on_cpu: bool) -> Outcome:
+def run_case(case: CheckCase, gpus: int, on_cpu: bool) -> CaseResult:
     why = _skip_reason(case, gpus, on_cpu)
     if why is not None:
-        return Outcome(case.part, case.name, "skip", why=why)
+        return CaseResult(case.part, case.name, "skip", why=why)
     started = time.perf_counter()
     try:
         lines = case.run()
@@ -63,12 +63,12 @@ def run_case(case: Case, gpus: int, on_cpu: bool) -> Outcome:
         lines, status = [], "fail"
         first = (str(err).strip().splitlines() or [""])[0]
         why = f"{type(err).__name__}: {first[:300]}"
-    return Outcome(case.part, case.name, status, time.perf_counter() - started, lines, why)
+    return CaseResult(case.part, case.name, status, time.perf_counter() - started, lines, why)
 
 
 def run_check(on_cpu: bool = False, out: Callable[[str], None] = print,
               report: Path | None = None, only: str | None = None,
-              matrix: list[Case] | None = None) -> bool:
+              matrix: list[CheckCase] | None = None) -> bool:
     """Run every case this machine can (those whose name or part contains `only`), one
     at a time; print each, then the table, and write the JSON `report`. True when none
     failed."""
@@ -110,10 +110,12 @@ def run_check(on_cpu: bool = False, out: Callable[[str], None] = print,
     return not failed
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m minipar.gpu_check") -> int:
-    from . import __doc__ as doc
+DESCRIPTION = ("The GPU check: what minipar claims about GPUs, run on the GPUs there are, as "
+               "a matrix of cases, each in launches of its own")
 
-    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+
+def main(argv: list[str] | None = None, prog: str = "python -m minipar.gpu_check") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION)
     parser.add_argument("--on-cpu", action="store_true",
                         help="run what can run on CPU ranks, with gloo and small sizes "
                              "(tests the check itself where there is no GPU)")
