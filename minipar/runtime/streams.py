@@ -108,7 +108,7 @@ def copies_landed() -> None:
     buffer a non-blocking copy from the device writes may be read after this (a no-op on
     a CPU, where a copy is done when it returns)."""
     if on_accelerator():
-        _accelerator().current_stream(device()).synchronize()
+        current_stream().synchronize()
 
 
 @contextmanager

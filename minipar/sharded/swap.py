@@ -3,9 +3,9 @@ model swapping (ATOM) share.
 
 - `CopyStream`: copies between host and device in the background, in the order they were
   submitted, each recorded as a "copy" event. On a GPU they run on a second CUDA stream
-  (`runtime.on_copy_stream`); on CPU the background thread itself stands for the copy
-  engine. `background=False` runs each copy at once, on the caller's thread: offloading
-  without prefetch.
+  (the background thread's own, or `runtime.on_copy_stream`); on CPU the background
+  thread itself stands for the copy engine. `background=False` runs each copy at once,
+  on the caller's thread: offloading without prefetch.
 - `SwappedLayer`: a layer whose parameters live in host memory (`host`, a flat vector:
   the master copy the optimizer updates) and visit the device as views of one flat buffer
   (`device`) only while the layer computes. Evicting shrinks that buffer's storage to
@@ -46,17 +46,20 @@ class CopyStream:
         self.thread = CommThread("minipar-copy") if background else None
 
     def submit(self, label: str, nbytes: int, fn: Callable, *args) -> Future:
-        """Run the copy `fn(*args)`; its Future is done when the copy has landed."""
-        ready = compute_ready()  # on a GPU: the copy starts after what compute queued so far
-
-        def job():
-            with record("copy", label, bytes=nbytes), on_copy_stream(ready):
-                return fn(*args)
-
+        """Run the copy `fn(*args)`; its Future is done when the copy has landed. On a GPU
+        the copy starts after what compute queued so far: in the background, the thread's
+        own stream waits for it (collectives/background.py); at once, the copy stream."""
         if self.thread is not None:
+            def job():
+                with record("copy", label, bytes=nbytes):
+                    out = fn(*args)
+                    copies_landed()  # the thread's stream: the Future is done once they are
+                return out
+
             return self.thread.submit(job)
         done: Future = Future()
-        done.set_result(job())
+        with record("copy", label, bytes=nbytes), on_copy_stream(compute_ready()):
+            done.set_result(fn(*args))
         return done
 
     def wait(self, future: Future, label: str) -> object:
